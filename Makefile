@@ -1,0 +1,32 @@
+# Two entry points, each working on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is installed first and pinned, so that the rest of the install keeps it. On this
+# project's machines pip finds the CPU build of 2.13.0 on local disk; elsewhere, a CPU-only
+# box gets the CPU build with TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup serve test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+serve: setup
+	$(BIN)/embedsvc serve
+
+lint: setup
+	$(BIN)/ruff check embedsvc tests bench deploy
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

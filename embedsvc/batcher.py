@@ -1,0 +1,420 @@
+"""The micro-batcher: admission, queue, batch forming, the device lock, deadlines, drain.
+
+One thread owns the model. Request threads ``submit`` their (already tokenized) inputs and
+wait on the returned ``Job``; the thread forms each device batch from what is queued when
+the device frees up, runs it under the device lock and writes each row back to its job.
+
+>>> from embedsvc.encoder import FakeEncoder
+>>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits())
+>>> b.start()
+>>> job = b.submit([[1, 7, 2], [1, 9, 9, 2]], deadline=time.monotonic() + 5)
+>>> job.result().shape
+(2, 4)
+>>> b.shutdown(timeout=1.0).failed
+0
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .encoder import DeviceOutOfMemory
+from .errors import (
+    ApiError,
+    BatchFailed,
+    DeadlineExceeded,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# A batch keeps growing with longer inputs while the padding it adds stays under this share
+# of its padded tokens, or under _FREE_PADDING tokens (small batches cost the same either way).
+_MIN_PADDING_EFFICIENCY = 0.8
+_FREE_PADDING = 256
+_DEEP_QUEUE_SHARE = 0.8
+_DEEP_QUEUE_LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int = 256
+    max_batch_tokens: int = 16384
+    max_wait_s: float = 0.0
+    max_queue: int = 2048
+
+
+class Job:
+    """One request's inputs in the batcher; ``result()`` waits for their rows, in order."""
+
+    def __init__(self, inputs: list[list[int]], deadline: float) -> None:
+        self.inputs = inputs
+        self.deadline = deadline
+        self.submitted = time.monotonic()
+        self.finished = 0.0
+        self.inference_s = 0.0
+        self.started = False  # some of its inputs reached the model: the deadline no longer applies
+        self.rows: np.ndarray | None = None
+        self.remaining = len(inputs)
+        self.error: ApiError | None = None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        if not self._done.wait(timeout):
+            raise DeadlineExceeded("no result in time", code="timeout")
+        if self.error is not None:
+            raise self.error
+        assert self.rows is not None
+        return self.rows
+
+    @property
+    def queue_s(self) -> float:
+        """Time spent waiting rather than computing, from submit to the last row."""
+        return max(0.0, (self.finished or time.monotonic()) - self.submitted - self.inference_s)
+
+    def _finish(self, error: ApiError | None = None) -> None:
+        self.error = error
+        self.finished = time.monotonic()
+        self._done.set()
+
+
+@dataclass
+class _Item:
+    job: Job
+    index: int
+    ids: list[int]
+    queued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    completed: int  # inputs computed while draining
+    failed: int  # inputs still queued at the timeout, failed with 503
+    clean: bool  # the thread ended within the timeout
+
+
+def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> list[int]:
+    """Pick the next batch from queued inputs of these lengths; index 0 is the oldest.
+
+    The queue is sorted by length and cut into runs that fit the item cap and the padded
+    token budget (count x longest) and keep padding low; the batch is the run that holds the
+    oldest input, so everyone is served in arrival order of the oldest waiting input.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    run: list[int] = []
+    real = 0
+    has_oldest = False
+    for i in order:
+        n = lengths[i]
+        count = len(run) + 1
+        padded = n * count
+        waste = padded - real - n
+        too_big = count > max_items or padded > max_tokens
+        too_wasteful = waste > max(_FREE_PADDING, (1 - _MIN_PADDING_EFFICIENCY) * padded)
+        if run and (too_big or too_wasteful):
+            if has_oldest:
+                break
+            run, real = [], 0
+        run.append(i)
+        real += n
+        has_oldest = has_oldest or i == 0
+    return run
+
+
+class Batcher:
+    """Coalesces the inputs of concurrent requests into device batches on one named thread."""
+
+    def __init__(
+        self,
+        encode: Callable[[list[list[int]]], np.ndarray],
+        limits: BatchLimits,
+        *,
+        metrics: Metrics | None = None,
+        device_lock: threading.Lock | None = None,
+        name: str = "embedsvc-batcher",
+    ) -> None:
+        self._encode = encode
+        self.limits = limits
+        self.metrics = metrics or Metrics()
+        self.device_lock = device_lock or threading.Lock()
+        self.name = name
+        self._cond = threading.Condition()
+        self._pending: list[_Item] = []
+        self._admitted = 0  # inputs queued plus in flight
+        self._in_flight = 0
+        self._current: list[_Item] = []  # the batch on the device
+        self._accepting = True
+        self._stopping = False
+        self._rate = 0.0  # inputs/s the device sustains, a moving average, for Retry-After
+        self._last_deep_log = 0.0
+        self._thread: threading.Thread | None = None
+
+    # -- request side -------------------------------------------------------------------------
+
+    def submit(self, inputs: list[list[int]], deadline: float) -> Job:
+        """Queue one request's wrapped token ids; raises 413, 429 or 503 instead of queueing."""
+        n = len(inputs)
+        limit = self.limits.max_queue
+        if n > limit:
+            raise PayloadTooLarge(
+                f"this request has {n} inputs but the server admits at most {limit} at once "
+                "(MAX_QUEUE); split it into smaller requests",
+                param="input",
+                code="too_many_inputs",
+            )
+        job = Job(inputs, deadline)
+        with self._cond:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down; retry on another replica",
+                                  code="draining")
+            if self._admitted + n > limit:
+                raise Overloaded(
+                    f"the server is at its admission limit ({self._admitted} of {limit} inputs "
+                    "queued or in flight); retry after the time in Retry-After",
+                    retry_after_s=self._retry_after(),
+                )
+            now = time.monotonic()
+            self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
+            self._admitted += n
+            self._publish_depth()
+            self._warn_if_deep(now)
+            self._cond.notify()
+        return job
+
+    def expire(self, job: Job, error: ApiError) -> bool:
+        """Fail ``job`` with ``error`` if none of it has reached the model; True if it did so."""
+        with self._cond:
+            if job.done or job.started:
+                return False
+            self._drop(job, error)
+            return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        self.metrics.batcher_alive.set(1)
+
+    def shutdown(self, timeout: float) -> ShutdownReport:
+        """Stop admitting, finish what is queued within ``timeout``, fail the rest with 503."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            queued_at_start = self._admitted
+            while self._admitted and time.monotonic() < deadline and self.alive:
+                self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            leftover = list({id(it.job): it.job for it in self._pending}.values())
+            failed = sum(len(job.inputs) for job in leftover)
+            for job in leftover:
+                self._drop(job, Unavailable("the server shut down before this request ran",
+                                            code="draining"))
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        clean = not self.alive
+        self.metrics.batcher_alive.set(0)
+        report = ShutdownReport(max(0, queued_at_start - failed), failed, clean)
+        log.info("batcher stopped: %d inputs completed while draining, %d failed, clean=%s",
+                 report.completed, report.failed, report.clean)
+        return report
+
+    # -- the batcher thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._compute(batch)
+                with self._cond:
+                    self._current = []
+                    self._in_flight = 0
+                    self._publish_depth()
+        except BaseException:
+            log.exception("the batcher thread died; failing every queued request")
+            with self._cond:
+                for job in {id(it.job): it.job for it in self._pending + self._current}.values():
+                    if not job.done:
+                        self._drop(job, BatchFailed("the batcher stopped", code="batcher_died"))
+                self._admitted -= len(self._current)
+                self._current = []
+            self.metrics.batcher_alive.set(0)
+            raise
+
+    def _next_batch(self) -> list[_Item] | None:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                if not self._pending:
+                    self._cond.wait()
+                    continue
+                now = time.monotonic()
+                wait = self._partial_wait(now)
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                self._expire_due(now)
+                if not self._pending:
+                    continue
+                return self._take()
+
+    def _partial_wait(self, now: float) -> float:
+        """How much longer a partial batch should wait for more inputs (MAX_WAIT_MS)."""
+        if self.limits.max_wait_s <= 0 or len(self._pending) >= self.limits.max_batch_size:
+            return 0.0
+        return self._pending[0].queued + self.limits.max_wait_s - now
+
+    def _take(self) -> list[_Item]:
+        lengths = [len(it.ids) for it in self._pending]
+        chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens)
+        picked = set(chosen)
+        batch = [self._pending[i] for i in sorted(chosen)]
+        self._pending = [it for i, it in enumerate(self._pending) if i not in picked]
+        now = time.monotonic()
+        for it in batch:
+            it.job.started = True
+            self.metrics.queue_wait.observe(now - it.queued)
+        self._in_flight = len(batch)
+        self._current = batch
+        self._publish_depth()
+        return batch
+
+    def _compute(self, batch: list[_Item]) -> None:
+        ids = [it.ids for it in batch]
+        started = time.monotonic()
+        try:
+            with self.device_lock:
+                rows = self._encode(ids)
+            if len(rows) != len(batch):
+                raise RuntimeError(f"the model returned {len(rows)} rows for {len(batch)} inputs")
+        except DeviceOutOfMemory:
+            if len(batch) == 1:
+                self._fail_batch(batch, "the device ran out of memory for this input")
+                return
+            log.warning("device out of memory on a batch of %d; retrying it in halves", len(batch))
+            self.metrics.oom_splits.inc()
+            half = len(batch) // 2
+            self._compute(batch[:half])
+            self._compute(batch[half:])
+            return
+        except Exception:
+            log.exception("batch of %d inputs failed; failing its requests", len(batch))
+            self._fail_batch(batch, "the batch that held this request failed; retry it")
+            return
+        elapsed = time.monotonic() - started
+        self._record(batch, elapsed)
+        self._scatter(batch, rows, elapsed)
+
+    def _record(self, batch: list[_Item], elapsed: float) -> None:
+        self.metrics.observe_batch([len(it.ids) for it in batch], elapsed)
+        rate = len(batch) / max(elapsed, 1e-6)
+        self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
+
+    def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
+        with self._cond:
+            seen: set[int] = set()
+            for row, it in zip(rows, batch, strict=True):
+                job = it.job
+                if id(job) not in seen:
+                    seen.add(id(job))
+                    job.inference_s += elapsed
+                if job.done:  # failed meanwhile (another of its batches)
+                    continue
+                if job.rows is None:
+                    job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
+                job.rows[it.index] = row
+                job.remaining -= 1
+                if job.remaining == 0:
+                    job._finish()
+            self._release(len(batch))
+
+    def _fail_batch(self, batch: list[_Item], message: str) -> None:
+        self.metrics.batch_failures.inc()
+        with self._cond:
+            for job in {id(it.job): it.job for it in batch}.values():
+                if not job.done:
+                    self._drop(job, BatchFailed(message, code="batch_failed"))
+            self._release(len(batch))
+
+    # -- bookkeeping, under self._cond --------------------------------------------------------
+
+    def _drop(self, job: Job, error: ApiError) -> None:
+        """Fail ``job`` and take its queued inputs out of the queue."""
+        before = len(self._pending)
+        self._pending = [it for it in self._pending if it.job is not job]
+        removed = before - len(self._pending)
+        self._admitted -= removed
+        job._finish(error)
+        self._publish_depth()
+        self._cond.notify_all()
+
+    def _release(self, n: int) -> None:
+        self._admitted -= n
+        self._publish_depth()
+        self._cond.notify_all()
+
+    def _expire_due(self, now: float) -> None:
+        due = {id(it.job): it.job for it in self._pending
+               if it.job.deadline <= now and not it.job.started}
+        for job in due.values():
+            self._drop(job, deadline_error())
+
+    def _publish_depth(self) -> None:
+        self.metrics.queue_depth.set(len(self._pending))
+        self.metrics.in_flight.set(self._in_flight)
+
+    def _retry_after(self) -> int:
+        if self._rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil(self._admitted / self._rate)))
+
+    def _warn_if_deep(self, now: float) -> None:
+        if self._admitted < _DEEP_QUEUE_SHARE * self.limits.max_queue:
+            return
+        if now - self._last_deep_log >= _DEEP_QUEUE_LOG_EVERY_S:
+            self._last_deep_log = now
+            log.warning(
+                "queue is deep: %d of %d inputs admitted; add a replica or raise MAX_QUEUE "
+                "if latency allows", self._admitted, self.limits.max_queue,
+            )
+
+
+def deadline_error() -> DeadlineExceeded:
+    return DeadlineExceeded(
+        "the request waited past its deadline (REQUEST_TIMEOUT_S) before reaching the model; "
+        "retry, or send fewer inputs at once",
+        code="timeout",
+    )

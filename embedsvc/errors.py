@@ -1,0 +1,99 @@
+"""One error hierarchy, one JSON shape: ``{"error": {message, type, param, code}}``.
+
+>>> err = InvalidRequest("'input' must not be empty", param="input", code="empty_input")
+>>> err.status, err.body()["error"]["type"]
+(400, 'invalid_request_error')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error a client sees; subclasses fix the HTTP status and the error type."""
+
+    status = 500
+    type = "server_error"
+    reason = "error"  # the label counted in embedsvc_rejections_total
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    reason = "invalid"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+    reason = "unauthorized"
+
+
+class NotFound(InvalidRequest):
+    status = 404
+
+
+class MethodNotAllowed(InvalidRequest):
+    status = 405
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    reason = "too_large"
+
+
+class Overloaded(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    reason = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, code="overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+class BatchFailed(ApiError):
+    status = 500
+    type = "server_error"
+    reason = "batch_failed"
+
+
+class Unavailable(ApiError):
+    status = 503
+    type = "service_unavailable"
+    reason = "unavailable"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "timeout"
+    reason = "timeout"
+
+
+def internal_error() -> ApiError:
+    """The error for a bug: it says nothing about the internals; the log has the traceback."""
+    return ApiError("internal server error; the server log has the details", code="internal_error")

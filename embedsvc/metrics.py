@@ -1,0 +1,134 @@
+"""Every metric of the service, on an injected registry.
+
+>>> from prometheus_client import CollectorRegistry
+>>> registry = CollectorRegistry()
+>>> m = Metrics(registry)
+>>> m.observe_batch([10, 12, 12, 6], seconds=0.01)
+>>> registry.get_sample_value("embedsvc_batch_size_count")
+1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_POW2_ITEMS = tuple(float(2**i) for i in range(0, 12))  # 1 .. 2048
+_POW2_TOKENS = tuple(float(2**i) for i in range(4, 18))  # 16 .. 131072
+_SHARE = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class Metrics:
+    """The ``embedsvc_*`` metrics, named with base units; one instance per registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "embedsvc_requests", "HTTP requests by route and status", ["route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "embedsvc_request_duration_seconds", "HTTP request duration by route", ["route"],
+            buckets=_LATENCY, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "embedsvc_queue_wait_seconds", "Per input: time queued before its batch started",
+            buckets=_LATENCY, registry=r,
+        )
+        self.tokenization = Histogram(
+            "embedsvc_tokenization_seconds", "Per request: time spent tokenizing its inputs",
+            buckets=_LATENCY, registry=r,
+        )
+        self.inference = Histogram(
+            "embedsvc_inference_seconds", "Per batch: time on the device",
+            buckets=_LATENCY, registry=r,
+        )
+        self.batch_size = Histogram(
+            "embedsvc_batch_size", "Inputs per device batch", buckets=_POW2_ITEMS, registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "embedsvc_batch_tokens", "Padded tokens per device batch (count x longest)",
+            buckets=_POW2_TOKENS, registry=r,
+        )
+        self.padding_efficiency = Histogram(
+            "embedsvc_padding_efficiency_ratio", "Per batch: real tokens / padded tokens",
+            buckets=_SHARE, registry=r,
+        )
+        self.inputs = Counter("embedsvc_inputs", "Inputs computed", registry=r)
+        self.input_tokens = Counter(
+            "embedsvc_input_tokens", "Real tokens computed (after truncation, with special tokens)",
+            registry=r,
+        )
+        self.input_length = Histogram(
+            "embedsvc_input_length_tokens", "Per input: tokens after truncation",
+            buckets=_POW2_TOKENS, registry=r,
+        )
+        self.queue_depth = Gauge(
+            "embedsvc_queue_depth", "Inputs queued for the device", registry=r,
+        )
+        self.in_flight = Gauge(
+            "embedsvc_in_flight", "Inputs in the batch on the device", registry=r,
+        )
+        self.rejections = Counter(
+            "embedsvc_rejections", "Requests refused, by reason", ["reason"], registry=r,
+        )
+        self.batch_failures = Counter(
+            "embedsvc_batch_failures", "Device batches that raised", registry=r,
+        )
+        self.oom_splits = Counter(
+            "embedsvc_oom_splits", "Batches split in two after a device out-of-memory error",
+            registry=r,
+        )
+        self.batcher_alive = Gauge(
+            "embedsvc_batcher_alive", "1 while the batcher thread runs", registry=r,
+        )
+        self.batcher_restarts = Counter(
+            "embedsvc_batcher_restarts", "Times the batcher thread was restarted", registry=r,
+        )
+        self.model_load = Gauge(
+            "embedsvc_model_load_seconds", "Time to load, place and warm the model", registry=r,
+        )
+        self.model_info = Info("embedsvc_model", "The served model", registry=r)
+
+    def observe_batch(self, lengths: list[int], seconds: float) -> None:
+        """One computed batch, given the token count of each of its inputs."""
+        real = sum(lengths)
+        padded = max(lengths) * len(lengths)
+        self.batch_size.observe(len(lengths))
+        self.batch_tokens.observe(padded)
+        self.padding_efficiency.observe(real / padded)
+        self.inference.observe(seconds)
+        self.inputs.inc(len(lengths))
+        self.input_tokens.inc(real)
+        for n in lengths:
+            self.input_length.observe(n)
+
+    def count_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.request_duration.labels(route=route).observe(seconds)
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+
+    def watch_device_memory(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
+        self.registry.register(_DeviceMemory(read))
+
+
+class _DeviceMemory(Collector):
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        allocated, reserved = self._read()
+        family = GaugeMetricFamily(
+            "embedsvc_device_memory_bytes", "Device memory held by torch", labels=["kind"]
+        )
+        family.add_metric(["allocated"], allocated)
+        family.add_metric(["reserved"], reserved)
+        yield family

@@ -1,0 +1,166 @@
+"""The process model: the engine belongs to the process that serves, and fork() is handled.
+
+``embedsvc:app`` is a ``LazyApp``. Importing it loads nothing and touches no accelerator.
+In each process that serves, the first request of any kind builds that process's engine.
+
+Around ``fork()``:
+- a child never uses its parent's engine, batcher, queue or locks: it builds its own;
+- a process that forks before it has served (a pre-forking master, such as
+  ``gunicorn --preload``) loads the weights onto the CPU once, just before its first fork,
+  so that its workers share those pages copy-on-write; each worker then places them on
+  its device itself, so the master never initialises CUDA;
+- a child whose parent had initialised CUDA cannot use it: it stops at boot with one line
+  that says why and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any
+
+from flask import Flask
+
+from .engine import Engine, load_encoder
+from .logs import configure_logging
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+BAD_FORK_MESSAGE = (
+    "embedsvc: CUDA was initialised in the parent process before it forked this worker, so "
+    "this worker cannot use the GPU. Drop --preload (or preload_app), or move the code that "
+    "touches CUDA into a post_fork hook; embedsvc itself touches CUDA only after the fork."
+)
+# gunicorn stops (rather than respawning forever) when a worker exits with this code at boot.
+WORKER_BOOT_ERROR = 3
+
+
+def cuda_poisoned() -> bool:
+    """True in a forked child whose parent had initialised CUDA. Imports nothing."""
+    torch = sys.modules.get("torch")
+    check = getattr(getattr(torch, "cuda", None), "_is_in_bad_fork", None)
+    if check is None:  # torch not imported (so CUDA was not used) or a torch without the flag
+        return False
+    return bool(check())
+
+
+def check_fork(settings: Settings) -> None:
+    """Raise at boot if this process cannot use the device it is configured for."""
+    if settings.device != "cpu" and cuda_poisoned():
+        raise RuntimeError(BAD_FORK_MESSAGE)
+
+
+def sibling_workers(pid: int | None = None, read: Callable[[str], str] | None = None) -> int:
+    """How many children the parent of ``pid`` has (gunicorn workers are siblings); Linux only."""
+    ppid = os.getppid() if pid is None else pid
+    path = f"/proc/{ppid}/task/{ppid}/children"
+    try:
+        text = read(path) if read else open(path).read()  # noqa: SIM115
+    except OSError:
+        return 1
+    return max(1, len(text.split()))
+
+
+def warn_if_wasteful(device: str, workers: int, server: str | None) -> str | None:
+    """The warning for several gunicorn workers each holding a model copy on one GPU."""
+    if not device.startswith("cuda") or workers <= 1 or not server:
+        return None
+    message = (
+        f"this is one of {workers} {server} workers and each holds its own copy of the model "
+        f"on {device}; '-w 1 --threads N' serves the same load with one copy"
+    )
+    log.warning(message)
+    return message
+
+
+class LazyApp:
+    """The WSGI app of ``embedsvc:app``; see the module docstring for what it does when.
+
+    >>> from embedsvc import app
+    >>> app.warm(timeout=120)          # doctest: +SKIP  (a gunicorn post_worker_init hook)
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._env = os.environ if env is None else env
+        self._lock = threading.Lock()
+        self._flask: Flask | None = None
+        self._pid = 0
+        self._preloaded: Any = None
+        check_fork(Settings.from_env(self._env))
+        os.register_at_fork(before=self._before_fork, after_in_child=self._after_fork_in_child)
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        return self.flask()(environ, start_response)
+
+    def flask(self) -> Flask:
+        """This process's Flask app; its engine starts loading on the first call."""
+        app = self._flask
+        if app is not None and self._pid == os.getpid():
+            return app
+        with self._lock:
+            if self._flask is None or self._pid != os.getpid():
+                self._flask = self._build()
+                self._pid = os.getpid()
+            return self._flask
+
+    @property
+    def engine(self) -> Engine:
+        return self.flask().extensions["embedsvc"]
+
+    def warm(self, timeout: float | None = None) -> Engine:
+        """Build this process's engine and wait until the model is loaded and warm."""
+        engine = self.engine
+        if not engine.wait_loaded(timeout):
+            raise RuntimeError(engine.failure or f"the engine is {engine.state}")
+        return engine
+
+    def _build(self) -> Flask:
+        from .api import create_app
+
+        settings = Settings.from_env(self._env)
+        configure_logging(settings.log_level, settings.log_format)
+        check_fork(settings)
+        engine = Engine(settings, loader=partial(load_encoder, settings, self._preloaded))
+        engine.on_ready.append(lambda info: warn_if_wasteful(
+            info.device, sibling_workers(), _server_software(self._env)))
+        app = create_app(settings, engine=engine)
+        engine.start(background=True)
+        return app
+
+    def _before_fork(self) -> None:
+        if self._flask is not None or self._preloaded is not None:
+            return
+        # This process forks before it has served: a pre-forking master. Load the weights
+        # onto the CPU now, without probing for devices, so that workers share them.
+        from .encoder import SentenceTransformerEncoder
+
+        try:
+            settings = Settings.from_env(self._env)
+            configure_logging(settings.log_level, settings.log_format)
+            log.info("pid %d forks before serving: loading the weights on the CPU for its "
+                     "workers to share", os.getpid())
+            self._preloaded = SentenceTransformerEncoder.load(settings.model)
+        except Exception:
+            log.exception("could not preload the model; each worker will load its own")
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held the parent's at the fork
+        self._flask = None
+        try:
+            check_fork(Settings.from_env(self._env))
+        except RuntimeError as exc:
+            sys.stderr.write(f"{exc}\n")
+            sys.stderr.flush()
+            os._exit(WORKER_BOOT_ERROR)
+
+
+def _server_software(env: Mapping[str, str]) -> str | None:
+    software = env.get("SERVER_SOFTWARE", "")
+    return software.split("/")[0] or None

@@ -1,0 +1,105 @@
+"""``embedsvc serve``: load the model, then serve it with waitress; drain on SIGTERM or SIGINT.
+
+>>> serve(Settings(port=0))     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from waitress import create_server
+from waitress.channel import HTTPChannel
+from waitress.wasyncore import dispatcher
+
+from .api import create_app
+from .engine import Engine
+from .logs import configure_logging
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.05
+
+
+class Server:
+    """One waitress server around one engine, with a graceful stop.
+
+    On the first SIGTERM or SIGINT it stops listening (new connections are refused), makes
+    /health answer 503 ``draining`` and new embedding requests 503, lets every admitted
+    request finish and its response leave (up to DRAIN_TIMEOUT_S), then returns from ``run``.
+    A second signal stops at once.
+    """
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.app = create_app(settings, engine=engine)
+        self.waitress: Any = create_server(
+            self.app,
+            host=settings.host,
+            port=settings.port,
+            threads=settings.threads,
+            ident="embedsvc",
+            clear_untrusted_proxy_headers=True,
+        )
+        self._signals = 0
+        self._drained = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return int(self.waitress.effective_port)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        log.info("serving on http://%s:%d (pid %d, %d threads)", self.settings.host, self.port,
+                 os.getpid(), self.settings.threads)
+        self.waitress.run()  # returns once _on_signal raises KeyboardInterrupt after the drain
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        if self._drained.is_set() or self._signals > 1:
+            raise KeyboardInterrupt
+        log.info("signal %d: draining (up to %.0fs)", signum, self.settings.drain_timeout_s)
+        threading.Thread(target=self._drain, name="embedsvc-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        self.waitress.trigger.pull_trigger(self._stop_listening)
+        report = self.engine.drain(self.settings.drain_timeout_s)
+        while self._responses_pending() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        log.info("drained: %d inputs finished, %d failed; stopping",
+                 report.completed, report.failed)
+        self._drained.set()
+        os.kill(os.getpid(), signal.SIGINT)  # wakes the main loop, which then stops
+
+    def _stop_listening(self) -> None:
+        self.waitress.accepting = False
+        dispatcher.close(self.waitress)  # the listening socket only; open channels stay
+
+    def _responses_pending(self) -> bool:
+        tasks = self.waitress.task_dispatcher
+        if tasks.queue or tasks.active_count > 0:
+            return True
+        return any(
+            isinstance(ch, HTTPChannel) and (ch.requests or ch.total_outbufs_len)
+            for ch in list(self.waitress._map.values())
+        )
+
+
+def serve(settings: Settings) -> int:
+    """Load the model, then serve until a signal; the exit code."""
+    configure_logging(settings.log_level, settings.log_format)
+    engine = Engine(settings)
+    try:
+        engine.start(background=False)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    Server(settings, engine).run()
+    return 0

@@ -1,0 +1,210 @@
+"""Every setting in one table: keyword arguments, ``EMBEDSVC_*`` variables and CLI flags.
+
+>>> s = Settings.from_env({"EMBEDSVC_MAX_BATCH_SIZE": "64"}, port=9000)
+>>> (s.max_batch_size, s.port)
+(64, 9000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "EMBEDSVC_"
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting has a value it cannot take; the message names the setting and the fix."""
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    value = text.strip().lower()
+    if not _DEVICE_RE.match(value):
+        raise ValueError("expected auto, cpu, cuda, cuda:N or mps")
+    return value
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise ValueError("must be greater than 0")
+        return value
+
+    return parse
+
+
+def _non_negative(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0:
+            raise ValueError("must be 0 or more")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port, 0 to 65535 (0 picks a free one)")
+    return value
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _optional_text(text: str) -> str | None:
+    return text or None
+
+
+def _setting(default: Any, parse: Callable[[str], Any], help: str) -> Any:
+    return field(default=default, metadata={"parse": parse, "help": help})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings; build with ``Settings(...)``, ``from_env`` or ``from_args``."""
+
+    model: str = _setting("", _text, "local path or model id; empty: the bundled all-MiniLM-L6-v2")
+    device: str = _setting(
+        "auto", _device, "auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N, mps"
+    )
+    dtype: str = _setting(
+        "auto",
+        _choice("auto", "float32", "float16", "bfloat16"),
+        "auto (float16 on CUDA, float32 elsewhere), float32, float16, bfloat16",
+    )
+    max_batch_tokens: int = _setting(16384, _positive(int), "padded tokens in one device batch")
+    max_batch_size: int = _setting(256, _positive(int), "inputs in one device batch")
+    max_wait_ms: float = _setting(
+        0.0, _non_negative(float), "how long a partial batch may wait for more while idle"
+    )
+    max_queue: int = _setting(
+        2048, _positive(int), "inputs admitted (queued + in flight) before 429"
+    )
+    request_timeout_s: float = _setting(
+        30.0, _positive(float), "deadline from arrival to reaching the model, else 504"
+    )
+    max_inputs_per_request: int = _setting(2048, _positive(int), "inputs in one request")
+    max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body")
+    max_input_chars: int = _setting(
+        200_000, _positive(int), "characters in one input string, checked before tokenizing"
+    )
+    auto_truncate: bool = _setting(True, _bool, "truncate over-long inputs instead of a 400")
+    api_key: str | None = _setting(
+        None, _optional_text, "when set, 'Authorization: Bearer <key>' is required"
+    )
+    host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'")
+    port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)")
+    threads: int = _setting(16, _positive(int), "request threads for 'embedsvc serve'")
+    drain_timeout_s: float = _setting(
+        30.0, _non_negative(float), "on SIGTERM, how long admitted requests may take to finish"
+    )
+    log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
+    log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+
+    def __post_init__(self) -> None:
+        # Keyword values pass through the same parsers as the environment's strings, so a
+        # bad value fails the same way whichever of the three places it came from.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                text = str(value).lower() if isinstance(value, bool) else str(value)
+                object.__setattr__(self, f.name, _parse(f, text))
+        if self.max_batch_size > self.max_queue:
+            raise SettingsError(
+                f"MAX_BATCH_SIZE ({self.max_batch_size}) is larger than MAX_QUEUE "
+                f"({self.max_queue}): raise EMBEDSVC_MAX_QUEUE / --max-queue or lower "
+                "EMBEDSVC_MAX_BATCH_SIZE / --max-batch-size"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> Settings:
+        """Read ``EMBEDSVC_<NAME>`` from ``env``; keyword ``overrides`` win."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+        """Settings from parsed CLI flags (see ``add_arguments``) over the environment."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls.from_env(env, **{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--<name>`` flag per setting; unset flags leave the environment's value."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                type=_flag_parser(f),
+                metavar=f.name.upper(),
+                help=f"{f.metadata['help']} "
+                f"[env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}]",
+            )
+
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets hidden, for /info and logs."""
+        values = dataclasses.asdict(self)
+        values["api_key"] = "set" if self.api_key else None
+        return values
+
+
+def _describe(f: dataclasses.Field, value: Any, exc: Exception) -> str:
+    name = f.name.upper()
+    return (
+        f"setting {name} (env {ENV_PREFIX}{name}, flag --{f.name.replace('_', '-')}) "
+        f"cannot be {value!r}: {exc}"
+    )
+
+
+def _parse(f: dataclasses.Field, raw: str) -> Any:
+    try:
+        return f.metadata["parse"](raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(_describe(f, raw, exc)) from None
+
+
+def _flag_parser(f: dataclasses.Field) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            return f.metadata["parse"](raw)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse

@@ -1,0 +1,44 @@
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from embedsvc.api import create_app
+from embedsvc.engine import Engine
+from embedsvc.metrics import Metrics
+from embedsvc.settings import Settings
+
+from .servers import running
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """sentence-transformers itself, on the bundled model: the answers to compare with."""
+    from sentence_transformers import SentenceTransformer
+
+    from embedsvc.encoder import bundled_model_path
+
+    return SentenceTransformer(bundled_model_path(), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def real_app():
+    """The Flask app on the real model, in this process."""
+    registry = CollectorRegistry()
+    engine = Engine(Settings(device="cpu"), metrics=Metrics(registry))
+    engine.start(background=False)
+    app = create_app(engine.settings, engine=engine)
+    yield app
+    engine.drain(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """One `embedsvc serve` process on a free loopback port, shared by the tests that need it."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running(["embedsvc", "serve", "--port", "0", "--threads", "64"], log) as server:
+        yield server
+
+
+def cosine(a, b) -> np.ndarray:
+    a, b = np.atleast_2d(a), np.atleast_2d(b)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))

@@ -1,0 +1,94 @@
+"""The real model behind the Flask app: vectors equal sentence-transformers' own."""
+
+import base64
+
+import numpy as np
+
+from .conftest import cosine
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Embeddings map text to vectors.",
+    "Ein Satz auf Deutsch, mit Umlauten: äöü.",
+    "short",
+]
+
+
+def post(app, route, body):
+    resp = app.test_client().post(route, json=body)
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    return resp.get_json()
+
+
+def rows(body) -> np.ndarray:
+    return np.array([d["embedding"] for d in body["data"]])
+
+
+def test_single_string_matches_sentence_transformers(real_app, reference):
+    body = post(real_app, "/v1/embeddings", {"input": TEXTS[0]})
+    got = rows(body)
+    assert got.shape == (1, 384)
+    assert cosine(got, reference.encode(TEXTS[0]))[0] > 0.9999
+
+
+def test_list_keeps_order_and_index(real_app, reference):
+    body = post(real_app, "/v1/embeddings", {"input": TEXTS})
+    assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+    assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
+    assert body["model"] == "all-MiniLM-L6-v2"
+
+
+def test_base64_decodes_to_the_same_vectors(real_app, reference):
+    body = post(real_app, "/v1/embeddings", {"input": TEXTS, "encoding_format": "base64"})
+    got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]])
+    assert (cosine(got, reference.encode(TEXTS)) > 0.9999).all()
+
+
+def test_token_ids_give_the_vector_of_their_text(real_app, reference):
+    ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    body = post(real_app, "/v1/embeddings", {"input": ids})
+    assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
+    single = post(real_app, "/v1/embeddings", {"input": ids[1]})
+    assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
+
+
+def test_embed_route(real_app, reference):
+    body = post(real_app, "/embed", {"inputs": TEXTS})
+    assert (cosine(np.array(body), reference.encode(TEXTS)) > 0.9999).all()
+    one = post(real_app, "/embed", {"inputs": TEXTS[2]})
+    assert len(one) == 1 and len(one[0]) == 384
+
+
+def test_usage_counts_the_tokenizers_tokens(real_app, reference):
+    body = post(real_app, "/v1/embeddings", {"input": TEXTS})
+    expected = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert body["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
+
+
+def test_long_input_is_truncated_like_sentence_transformers(real_app, reference):
+    text = " ".join(f"word{i}" for i in range(600))
+    body = post(real_app, "/v1/embeddings", {"input": text})
+    assert body["usage"]["prompt_tokens"] == reference.max_seq_length == 256
+    assert cosine(rows(body), reference.encode(text))[0] > 0.9999
+
+
+def test_dimensions_64_is_a_renormalised_prefix(real_app, reference):
+    body = post(real_app, "/v1/embeddings", {"input": TEXTS[0], "dimensions": 64})
+    got = rows(body)[0]
+    full = reference.encode(TEXTS[0])[:64]
+    assert got.shape == (64,)
+    assert abs(np.linalg.norm(got) - 1) < 1e-5
+    assert cosine(got, full)[0] > 0.9999
+
+
+def test_tokenize_matches_the_tokenizer(real_app, reference):
+    body = post(real_app, "/tokenize", {"inputs": "Hello, wörld"})
+    assert [p["id"] for p in body[0]] == reference.tokenizer("Hello, wörld")["input_ids"]
+    assert [p["text"] for p in body[0][1:-1]] == ["Hello", ",", "wörld"]
+    assert body[0][3]["start"] == 7 and body[0][3]["stop"] == 12
+
+
+def test_info_describes_the_model(real_app):
+    info = real_app.test_client().get("/info").get_json()
+    assert (info["dimension"], info["max_input_length"], info["device"], info["dtype"]) == (
+        384, 256, "cpu", "float32")

@@ -1,0 +1,247 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from embedsvc.batcher import Batcher, BatchLimits, plan_batch
+from embedsvc.encoder import DeviceOutOfMemory, FakeEncoder
+from embedsvc.errors import BatchFailed, DeadlineExceeded, Overloaded, PayloadTooLarge, Unavailable
+from embedsvc.metrics import Metrics
+
+from .conftest import GatedEncoder
+
+
+def ids(*words: int) -> list[int]:
+    return [1, *words, 2]
+
+
+def later(seconds: float = 10.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.fixture
+def metrics(registry):
+    return Metrics(registry)
+
+
+def start(encoder, metrics, **limits) -> Batcher:
+    b = Batcher(encoder.encode, BatchLimits(**limits), metrics=metrics)
+    b.start()
+    return b
+
+
+def occupy(b: Batcher, enc: GatedEncoder):
+    """Put one batch on the device and keep it there until enc.gate is set."""
+    enc.hold()
+    job = b.submit([ids(999)], later())
+    assert enc.entered.wait(5)
+    return job
+
+
+def test_requests_queued_while_the_device_is_busy_share_one_batch(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    first = occupy(b, enc)
+    jobs = [b.submit([ids(10 + i, 20 + i)], later()) for i in range(10)]
+    enc.gate.set()
+    for job in [first, *jobs]:
+        job.result(5)
+    assert [len(batch) for batch in enc.batches] == [1, 10]
+    b.shutdown(1)
+
+
+def test_each_request_gets_exactly_its_rows_in_order(metrics):
+    enc = FakeEncoder(dimension=6, delay_s=0.002)
+    b = start(enc, metrics, max_batch_size=16)
+    results: dict[int, np.ndarray] = {}
+    inputs = {t: [ids(t, k, *([7] * (k % 5))) for k in range(1 + t % 7)] for t in range(40)}
+
+    def client(t: int) -> None:
+        results[t] = b.submit(inputs[t], later()).result(10)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(40)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t, rows in results.items():
+        assert rows.shape == (len(inputs[t]), 6)
+        for row, x in zip(rows, inputs[t], strict=True):
+            np.testing.assert_array_equal(row, enc.vector(x))
+    assert max(len(batch) for batch in enc.batches) > 1, "nothing was coalesced"
+    b.shutdown(1)
+
+
+def test_item_cap_and_token_budget_hold(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_size=4, max_batch_tokens=24)
+    occupy(b, enc)
+    jobs = [b.submit([ids(*range(3, 3 + n))], later()) for n in [1, 2, 3, 4, 1, 2, 6, 1, 1, 3]]
+    enc.gate.set()
+    for job in jobs:
+        job.result(5)
+    for batch in enc.batches[1:]:
+        assert len(batch) <= 4
+        assert max(map(len, batch)) * len(batch) <= 24
+    assert sum(len(batch) for batch in enc.batches[1:]) == 10
+    b.shutdown(1)
+
+
+def test_plan_batch_takes_the_oldest_and_groups_similar_lengths():
+    lengths = [100, 5, 6, 98, 7, 101, 5]
+    chosen = plan_batch(lengths, max_items=8, max_tokens=10_000)
+    assert 0 in chosen
+    assert sorted(chosen) == [0, 3, 5]  # the long ones travel together, the short ones wait
+    assert sorted(plan_batch([5, 6, 7], 8, 10_000)) == [0, 1, 2]
+    assert plan_batch([50], 1, 10) == [0]  # one over-budget input still runs, alone
+    chosen = plan_batch([10] * 20, max_items=8, max_tokens=1000)
+    assert len(chosen) == 8 and 0 in chosen
+
+
+def test_padding_stays_low_for_mixed_lengths():
+    rng = np.random.default_rng(1)
+    lengths = list(rng.integers(5, 260, size=256))
+    real = padded = 0
+    while lengths:
+        chosen = plan_batch(lengths, 256, 16384)
+        batch = [lengths[i] for i in chosen]
+        real += sum(batch)
+        padded += max(batch) * len(batch)
+        lengths = [n for i, n in enumerate(lengths) if i not in set(chosen)]
+    assert real / padded >= 0.8
+
+
+def test_a_failing_batch_fails_only_its_requests_and_serving_goes_on(metrics, registry):
+    enc = GatedEncoder(fail=lambda batch: RuntimeError("boom") if [1, 666, 2] in batch else None)
+    b = start(enc, metrics, max_batch_size=1)
+    occupy(b, enc)
+    bad = b.submit([ids(666)], later())
+    good = b.submit([ids(5)], later())
+    enc.gate.set()
+    with pytest.raises(BatchFailed) as info:
+        bad.result(5)
+    assert info.value.status == 500
+    np.testing.assert_array_equal(good.result(5)[0], enc.vector(ids(5)))
+    np.testing.assert_array_equal(b.submit([ids(8)], later()).result(5)[0], enc.vector(ids(8)))
+    assert registry.get_sample_value("embedsvc_batch_failures_total") == 1
+    assert b.admitted == 0
+    b.shutdown(1)
+
+
+def test_rows_out_must_equal_rows_in(metrics):
+    class Short(FakeEncoder):
+        def encode(self, batch):
+            return super().encode(batch)[:-1]
+
+    b = start(Short(), metrics)
+    with pytest.raises(BatchFailed):
+        b.submit([ids(1), ids(2)], later()).result(5)
+    b.shutdown(1)
+
+
+def test_admission_limit_gives_429_with_retry_after(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_queue=4, max_batch_size=4)
+    occupy(b, enc)  # 1 input in flight
+    queued = b.submit([ids(3), ids(4), ids(5)], later())  # 4 admitted
+    with pytest.raises(Overloaded) as info:
+        b.submit([ids(6)], later())
+    assert info.value.status == 429 and int(info.value.headers["Retry-After"]) >= 1
+    enc.gate.set()
+    queued.result(5)
+    b.submit([ids(6)], later()).result(5)  # admission freed
+    b.shutdown(1)
+
+
+def test_a_request_larger_than_the_admission_limit_is_413_not_an_eternal_429(metrics):
+    b = start(FakeEncoder(), metrics, max_queue=4, max_batch_size=4)
+    with pytest.raises(PayloadTooLarge, match="MAX_QUEUE"):
+        b.submit([ids(i) for i in range(5)], later())
+    b.shutdown(1)
+
+
+def test_a_request_queued_past_its_deadline_is_504_and_never_computed(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    occupy(b, enc)
+    late = b.submit([ids(777)], time.monotonic() + 0.05)
+    time.sleep(0.1)
+    enc.gate.set()
+    with pytest.raises(DeadlineExceeded) as info:
+        late.result(5)
+    assert info.value.status == 504
+    b.submit([ids(5)], later()).result(5)
+    assert all([1, 777, 2] not in batch for batch in enc.batches)
+    assert b.admitted == 0
+    b.shutdown(1)
+
+
+def test_expire_fails_a_queued_job_but_not_one_on_the_device(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    running = occupy(b, enc)
+    queued = b.submit([ids(4)], later())
+    assert b.expire(queued, DeadlineExceeded("late")) is True
+    assert b.expire(running, DeadlineExceeded("late")) is False
+    enc.gate.set()
+    running.result(5)
+    with pytest.raises(DeadlineExceeded):
+        queued.result(1)
+    b.shutdown(1)
+
+
+def test_out_of_memory_splits_the_batch_and_retries_the_halves(metrics, registry):
+    def oom(batch):
+        return DeviceOutOfMemory("out of memory") if len(batch) > 2 else None
+
+    enc = GatedEncoder(fail=oom)
+    b = start(enc, metrics)
+    occupy(b, enc)
+    job = b.submit([ids(i) for i in range(3, 9)], later())
+    enc.gate.set()
+    rows = job.result(5)
+    for row, i in zip(rows, range(3, 9), strict=True):
+        np.testing.assert_array_equal(row, enc.vector(ids(i)))
+    assert registry.get_sample_value("embedsvc_oom_splits_total") >= 1
+    b.shutdown(1)
+
+
+def test_max_wait_lets_a_partial_batch_wait_for_more(metrics):
+    enc = FakeEncoder()
+    b = start(enc, metrics, max_wait_s=0.3, max_batch_size=8)
+    first = b.submit([ids(3)], later())
+    time.sleep(0.05)
+    second = b.submit([ids(4)], later())
+    first.result(5), second.result(5)
+    assert [len(batch) for batch in enc.batches] == [2]
+    b.shutdown(1)
+
+
+def test_shutdown_finishes_admitted_work_then_refuses(metrics):
+    enc = FakeEncoder(delay_s=0.01)
+    b = start(enc, metrics, max_batch_size=2)
+    jobs = [b.submit([ids(i)], later()) for i in range(3, 9)]
+    report = b.shutdown(5)
+    assert report.clean and report.failed == 0
+    assert all(job.result(0).shape == (1, 8) for job in jobs)
+    with pytest.raises(Unavailable):
+        b.submit([ids(3)], later())
+    assert not b.alive
+
+
+def test_metrics_count_batches_inputs_and_tokens(metrics, registry):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    occupy(b, enc)
+    job = b.submit([ids(3, 4), ids(5)], later())
+    enc.gate.set()
+    job.result(5)
+    b.shutdown(1)
+    get = registry.get_sample_value
+    assert get("embedsvc_batch_size_count") == 2
+    assert get("embedsvc_batch_size_sum") == 3
+    assert get("embedsvc_inputs_total") == 3
+    assert get("embedsvc_input_tokens_total") == 3 + 4 + 3
+    assert get("embedsvc_batch_tokens_sum") == 3 + 4 * 2
+    assert get("embedsvc_queue_depth") == 0

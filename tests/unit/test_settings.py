@@ -1,0 +1,70 @@
+import argparse
+
+import pytest
+
+from embedsvc.cli import build_parser
+from embedsvc.settings import Settings, SettingsError
+
+
+def test_defaults_follow_the_contract():
+    s = Settings()
+    assert (s.device, s.dtype, s.max_batch_tokens, s.max_batch_size) == ("auto", "auto", 16384, 256)
+    assert (s.max_wait_ms, s.max_queue, s.request_timeout_s) == (0.0, 2048, 30.0)
+    assert (s.max_inputs_per_request, s.max_body_bytes, s.auto_truncate) == (2048, 16 << 20, True)
+    assert (s.api_key, s.host, s.port, s.threads) == (None, "127.0.0.1", 8080, 16)
+
+
+def test_environment_keyword_and_flag_share_one_name():
+    env = {"EMBEDSVC_MAX_BATCH_SIZE": "64", "EMBEDSVC_AUTO_TRUNCATE": "false",
+           "EMBEDSVC_DEVICE": "CUDA:1", "EMBEDSVC_API_KEY": "k"}
+    s = Settings.from_env(env, port=9000)
+    assert (s.max_batch_size, s.auto_truncate, s.device, s.api_key, s.port) == (
+        64, False, "cuda:1", "k", 9000)
+    args = build_parser().parse_args(["serve", "--max-batch-size", "32", "--port", "0"])
+    s = Settings.from_args(args, env)
+    assert (s.max_batch_size, s.port, s.auto_truncate) == (32, 0, False)
+
+
+def test_every_setting_has_a_flag():
+    parser = argparse.ArgumentParser()
+    Settings.add_arguments(parser)
+    flags = {a.dest for a in parser._actions if a.dest != "help"}
+    assert flags == set(Settings.__dataclass_fields__)
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"EMBEDSVC_DEVICE": "gpu"}, ["DEVICE", "EMBEDSVC_DEVICE", "--device", "cuda:N"]),
+        ({"EMBEDSVC_DTYPE": "int8"}, ["DTYPE", "float16"]),
+        ({"EMBEDSVC_MAX_QUEUE": "0"}, ["MAX_QUEUE", "greater than 0"]),
+        ({"EMBEDSVC_MAX_QUEUE": "lots"}, ["MAX_QUEUE", "lots"]),
+        ({"EMBEDSVC_AUTO_TRUNCATE": "maybe"}, ["AUTO_TRUNCATE", "true"]),
+        ({"EMBEDSVC_PORT": "70000"}, ["PORT", "0 to 65535"]),
+        ({"EMBEDSVC_MAX_BATCH_SIZE": "512", "EMBEDSVC_MAX_QUEUE": "100"},
+         ["MAX_BATCH_SIZE", "MAX_QUEUE", "--max-queue"]),
+    ],
+)
+def test_bad_values_name_the_setting_and_the_fix(env, words):
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(env)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_keyword_values_are_checked_like_strings():
+    with pytest.raises(SettingsError, match="MAX_BATCH_TOKENS"):
+        Settings(max_batch_tokens=-1)
+    assert Settings(max_batch_size="8").max_batch_size == 8
+
+
+def test_public_view_hides_the_api_key():
+    assert Settings(api_key="secret").public()["api_key"] == "set"
+
+
+def test_readme_documents_every_setting():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for name in Settings.__dataclass_fields__:
+        assert f"| `{name.upper()}` |" in readme, f"README's settings table lacks {name.upper()}"
