@@ -5,10 +5,10 @@ In each process that serves, the first request of any kind builds that process's
 
 Around ``fork()``:
 - a child never uses its parent's engine, batcher, queue or locks: it builds its own;
-- a process that forks before it has served (a pre-forking master, such as
-  ``gunicorn --preload``) loads the weights onto the CPU once, just before its first fork,
-  so that its workers share those pages copy-on-write; each worker then places them on
-  its device itself, so the master never initialises CUDA;
+- under ``gunicorn --preload`` the master loads the weights onto the CPU (no device
+  probing) while it loads the app, so that its forked workers share those pages
+  copy-on-write; each worker then places them on its device itself, so the master never
+  initialises CUDA;
 - a child whose parent had initialised CUDA cannot use it: it stops at boot with one line
   that says why and what to do.
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 from flask import Flask
 
+from .encoder import Encoder
 from .engine import Engine, load_encoder
 from .logs import configure_logging
 from .settings import Settings
@@ -78,6 +79,25 @@ def warn_if_wasteful(device: str, workers: int, server: str | None) -> str | Non
     return message
 
 
+def preloading_in_gunicorn_master() -> bool:
+    """True while gunicorn's master loads the app for ``--preload`` (before any fork).
+
+    gunicorn loads a preloaded app from ``Arbiter.setup`` in the master, and a plain one from
+    the worker after the fork, so the caller's stack tells the two apart without asking
+    gunicorn for its configuration.
+    """
+    arbiter = sys.modules.get("gunicorn.arbiter")
+    setup = getattr(getattr(arbiter, "Arbiter", None), "setup", None)
+    if setup is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is setup.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class LazyApp:
     """The WSGI app of ``embedsvc:app``; see the module docstring for what it does when.
 
@@ -85,14 +105,22 @@ class LazyApp:
     >>> app.warm(timeout=120)          # doctest: +SKIP  (a gunicorn post_worker_init hook)
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        load: Callable[[Settings, Any], Encoder] = load_encoder,
+    ) -> None:
         self._env = os.environ if env is None else env
+        self._load = load
         self._lock = threading.Lock()
         self._flask: Flask | None = None
         self._pid = 0
         self._preloaded: Any = None
-        check_fork(Settings.from_env(self._env))
-        os.register_at_fork(before=self._before_fork, after_in_child=self._after_fork_in_child)
+        settings = Settings.from_env(self._env)
+        check_fork(settings)
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        if preloading_in_gunicorn_master():
+            self._preload(settings)
 
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
@@ -127,28 +155,20 @@ class LazyApp:
         settings = Settings.from_env(self._env)
         configure_logging(settings.log_level, settings.log_format)
         check_fork(settings)
-        engine = Engine(settings, loader=partial(load_encoder, settings, self._preloaded))
+        engine = Engine(settings, loader=partial(self._load, settings, self._preloaded))
         engine.on_ready.append(lambda info: warn_if_wasteful(
             info.device, sibling_workers(), _server_software(self._env)))
         app = create_app(settings, engine=engine)
         engine.start(background=True)
         return app
 
-    def _before_fork(self) -> None:
-        if self._flask is not None or self._preloaded is not None:
-            return
-        # This process forks before it has served: a pre-forking master. Load the weights
-        # onto the CPU now, without probing for devices, so that workers share them.
+    def _preload(self, settings: Settings) -> None:
         from .encoder import SentenceTransformerEncoder
 
-        try:
-            settings = Settings.from_env(self._env)
-            configure_logging(settings.log_level, settings.log_format)
-            log.info("pid %d forks before serving: loading the weights on the CPU for its "
-                     "workers to share", os.getpid())
-            self._preloaded = SentenceTransformerEncoder.load(settings.model)
-        except Exception:
-            log.exception("could not preload the model; each worker will load its own")
+        configure_logging(settings.log_level, settings.log_format)
+        log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
+                 "to share; each worker places them on its device after the fork", os.getpid())
+        self._preloaded = SentenceTransformerEncoder.load(settings.model)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread may have held the parent's at the fork

@@ -1,0 +1,115 @@
+"""Real server processes, started the ways users start them, on loopback port 0."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import cosine
+from .servers import Server, running
+
+REPO = Path(__file__).parents[2]
+GUNICORN = ["gunicorn", "-b", "127.0.0.1:0", "--no-control-socket"]
+TEXTS = ["launch modes must all serve", "the same vectors"]
+
+
+def check_vectors(server: Server, reference, client: httpx.Client | None = None) -> int:
+    """One embedding request answered correctly; the pid of the worker that answered."""
+    c = client or server.client()
+    resp = c.post("/v1/embeddings", json={"input": TEXTS})
+    assert resp.status_code == 200, resp.text
+    got = np.array([d["embedding"] for d in resp.json()["data"]])
+    assert (cosine(got, reference.encode(TEXTS)) > 0.9999).all()
+    info = c.get("/info").json()
+    return info["pid"]
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["waitress-serve", "--threads=16", "--host=127.0.0.1", "--port=0", "embedsvc:app"],
+        [*GUNICORN, "-w", "1", "--threads", "8", "embedsvc:app"],
+        [*GUNICORN, "-c", str(REPO / "deploy" / "gunicorn.conf.py"), "embedsvc:app"],
+    ],
+    ids=["waitress-serve", "gunicorn-w1", "gunicorn-conf"],
+)
+def test_single_process_launchers_serve_correct_vectors(cmd, reference, tmp_path):
+    with running(cmd, tmp_path / "server.log", cwd=str(tmp_path)) as server:
+        pid = check_vectors(server, reference)
+        assert pid != os.getpid()
+        log = server.output()
+        assert "model ready: pid=" in log and "device=cpu" in log
+
+
+def workers_of(master: int) -> list[int]:
+    path = Path(f"/proc/{master}/task/{master}/children")
+    return [int(p) for p in path.read_text().split()]
+
+
+def private_bytes(pid: int) -> int:
+    total = 0
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def answering_pids(server: Server, reference, want: int, timeout: float = 90) -> set[int]:
+    """Send concurrent requests on fresh connections until ``want`` workers have answered."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+
+    def hit() -> None:
+        while len(seen) < want and time.monotonic() < deadline:
+            with httpx.Client(base_url=server.url, timeout=60) as c:
+                seen.add(check_vectors(server, reference, c))
+
+    threads = [threading.Thread(target=hit) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return seen
+
+
+def two_workers(preload: bool, reference, log: Path):
+    cmd = [*GUNICORN, "-w", "2", "--threads", "4", *(["--preload"] if preload else []),
+           "embedsvc:app"]
+    return running(cmd, log, cwd=str(log.parent))
+
+
+def test_two_workers_both_serve_and_preload_shares_the_weights(reference, tmp_path):
+    private: dict[bool, float] = {}
+    for preload in (False, True):
+        with two_workers(preload, reference, tmp_path / f"preload-{preload}.log") as server:
+            workers = workers_of(server.proc.pid)
+            assert len(workers) == 2
+            assert answering_pids(server, reference, want=2) == set(workers)
+            private[preload] = float(np.mean([private_bytes(p) for p in workers]))
+            if preload:
+                assert "preloads the weights on the CPU" in server.output()
+            weights = server.client().get("/info").json()["parameters"] * 4
+    saved = private[False] - private[True]
+    assert saved >= 0.75 * weights, (
+        f"--preload saved {saved / 2**20:.0f} MiB per worker; weights are {weights / 2**20:.0f} MiB"
+    )
+
+
+def test_a_killed_worker_is_replaced_and_the_service_answers(reference, tmp_path):
+    with two_workers(True, reference, tmp_path / "kill.log") as server:
+        before = workers_of(server.proc.pid)
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = workers_of(server.proc.pid)
+            if len(now) == 2 and before[0] not in now:
+                break
+            time.sleep(0.2)
+        replacement = set(workers_of(server.proc.pid)) - set(before)
+        assert len(replacement) == 1, server.output()
+        assert replacement <= answering_pids(server, reference, want=2)

@@ -1,0 +1,127 @@
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from embedsvc import process
+from embedsvc.encoder import FakeEncoder
+from embedsvc.process import (
+    BAD_FORK_MESSAGE,
+    LazyApp,
+    check_fork,
+    preloading_in_gunicorn_master,
+    sibling_workers,
+    warn_if_wasteful,
+)
+from embedsvc.settings import Settings
+
+
+def fake_torch(bad_fork: bool | None):
+    cuda = types.SimpleNamespace()
+    if bad_fork is not None:
+        cuda._is_in_bad_fork = lambda: bad_fork
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_import_and_app_touch_no_cuda():
+    code = """
+import sys, torch
+calls = []
+for name in ("is_available", "device_count", "_lazy_init", "init", "current_device"):
+    setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
+import embedsvc
+app = embedsvc.app
+assert calls == [], calls
+assert not torch.cuda.is_initialized()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_import_and_app_load_nothing_heavy():
+    code = """
+import sys, embedsvc
+embedsvc.app
+print(sorted(m for m in ("torch", "sentence_transformers", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_bad_fork_is_one_line_naming_cause_and_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(bad_fork=True))
+    with pytest.raises(RuntimeError) as info:
+        check_fork(Settings())
+    message = str(info.value)
+    assert message == BAD_FORK_MESSAGE and "\n" not in message
+    assert "CUDA was initialised in the parent" in message
+    assert "--preload" in message and "post_fork" in message
+    with pytest.raises(RuntimeError):
+        LazyApp(env={})  # a worker loading the app fails at boot, not at its first request
+    check_fork(Settings(device="cpu"))  # a CPU worker does not need CUDA
+
+
+def test_bad_fork_check_tolerates_a_torch_without_the_flag(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(bad_fork=None))
+    check_fork(Settings())
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(bad_fork=False))
+    check_fork(Settings())
+
+
+def test_a_poisoned_child_exits_at_boot_with_gunicorns_boot_error(monkeypatch, capsys):
+    app = LazyApp(env={})
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(bad_fork=True))
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(process.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as info:
+        app._after_fork_in_child()
+    assert info.value.code == process.WORKER_BOOT_ERROR == 3
+    assert capsys.readouterr().err.strip() == BAD_FORK_MESSAGE
+
+
+def test_preload_is_recognised_only_inside_gunicorns_arbiter_setup(monkeypatch):
+    class Arbiter:
+        def setup(self):
+            return preloading_in_gunicorn_master()
+
+    module = types.ModuleType("gunicorn.arbiter")
+    module.Arbiter = Arbiter
+    monkeypatch.setitem(sys.modules, "gunicorn.arbiter", module)
+    assert Arbiter().setup() is True
+    assert preloading_in_gunicorn_master() is False
+
+
+def test_several_workers_on_a_gpu_get_a_warning():
+    assert sibling_workers(123, read=lambda path: "11 12 13\n") == 3
+    assert sibling_workers(123, read=lambda path: (_ for _ in ()).throw(OSError())) == 1
+    message = warn_if_wasteful("cuda:0", 3, "gunicorn")
+    assert message and "3 gunicorn workers" in message and "-w 1 --threads N" in message
+    assert warn_if_wasteful("cpu", 3, "gunicorn") is None
+    assert warn_if_wasteful("cuda", 1, "gunicorn") is None
+
+
+def test_a_forked_child_builds_its_own_engine():
+    app = LazyApp(env={"EMBEDSVC_DEVICE": "cpu"}, load=lambda settings, pre: FakeEncoder())
+    parent = app.engine
+    assert app.warm(timeout=5) is parent
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports what it sees, then leaves without pytest's teardown
+        try:
+            child = app.warm(timeout=5)
+            resp = app.flask().test_client().post("/embed", json={"inputs": "x"})
+            ok = child is not parent and child.pid == os.getpid() and child.batcher.alive
+            os.write(write, f"{ok} {resp.status_code}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 100).decode() == "True 200"
+    assert app.engine is parent and parent.batcher.alive
+    parent.drain(timeout=1)
