@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup serve test lint clean
+.PHONY: setup tools serve test lint clean
 
 setup: $(VENV)/.installed
 
@@ -22,10 +22,16 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(BIN)/embedsvc serve
 
+# System tools the tests run for real: promtool (Debian package prometheus).
+tools:
+	@command -v promtool >/dev/null || { \
+	  echo "installing promtool (Debian package prometheus)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
 
-test: lint
+test: lint tools
 	$(BIN)/python -m pytest
 
 clean:

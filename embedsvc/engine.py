@@ -122,6 +122,7 @@ class Engine:
     def _announce(self, encoder: Encoder, seconds: float) -> None:
         info = encoder.info
         self.metrics.model_load.set(seconds)
+        self.metrics.admission_limit.set(self.settings.max_queue)
         self.metrics.model_info.info({
             "model": info.name, "device": info.device, "dtype": info.dtype,
             "version": __version__, "dimension": str(info.dimension),

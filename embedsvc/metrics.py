@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,13 @@ class Metrics:
             "embedsvc_model_load_seconds", "Time to load, place and warm the model", registry=r,
         )
         self.model_info = Info("embedsvc_model", "The served model", registry=r)
+        self.admission_limit = Gauge(
+            "embedsvc_admission_limit_inputs", "MAX_QUEUE: inputs admitted before 429",
+            registry=r,
+        )
+        self._device_memory = _DeviceMemory()
+        r.register(self._device_memory)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, cpu seconds
 
     def observe_batch(self, lengths: list[int], seconds: float) -> None:
         """One computed batch, given the token count of each of its inputs."""
@@ -117,18 +124,21 @@ class Metrics:
 
     def watch_device_memory(self, read: Callable[[], tuple[int, int]]) -> None:
         """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
-        self.registry.register(_DeviceMemory(read))
+        self._device_memory.read = read
 
 
 class _DeviceMemory(Collector):
-    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
-        self._read = read
+    """Device memory read at scrape time, without the device lock; no samples on the CPU."""
+
+    read: Callable[[], tuple[int, int]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        allocated, reserved = self._read()
         family = GaugeMetricFamily(
-            "embedsvc_device_memory_bytes", "Device memory held by torch", labels=["kind"]
+            "embedsvc_device_memory_bytes", "Device memory held by torch (CUDA only)",
+            labels=["kind"],
         )
-        family.add_metric(["allocated"], allocated)
-        family.add_metric(["reserved"], reserved)
+        if self.read is not None:
+            allocated, reserved = self.read()
+            family.add_metric(["allocated"], allocated)
+            family.add_metric(["reserved"], reserved)
         yield family
