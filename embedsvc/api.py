@@ -220,7 +220,8 @@ def _embed(inputs: list[Any], **options: Any) -> Embedded:
     if isinstance(inputs[0], str):
         _check_nonempty(inputs, "string")
     g.inputs = len(inputs)
-    out = _engine().embed(inputs, **options)
+    disconnected = request.environ.get("waitress.client_disconnected")
+    out = _engine().embed(inputs, disconnected=disconnected, **options)
     g.tokens = out.tokens
     return out
 

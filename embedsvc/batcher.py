@@ -160,6 +160,7 @@ class Batcher:
         self._admitted = 0  # inputs queued plus in flight
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
+        self._current_released = 0  # how many of its inputs are already answered
         self._accepting = True
         self._stopping = False
         self._rate = 0.0  # inputs/s the device sustains, a moving average, for Retry-After
@@ -225,6 +226,16 @@ class Batcher:
         self._thread.start()
         self.metrics.batcher_alive.set(1)
 
+    def restart(self) -> bool:
+        """Start a new thread if the last one died; the queue is kept. True if it did so."""
+        with self._cond:
+            if self.alive or self._stopping or self._thread is None:
+                return False
+            self.start()
+        self.metrics.batcher_restarts.inc()
+        log.warning("batcher thread restarted; %d inputs were waiting", len(self._pending))
+        return True
+
     def shutdown(self, timeout: float) -> ShutdownReport:
         """Stop admitting, finish what is queued within ``timeout``, fail the rest with 503."""
         deadline = time.monotonic() + timeout
@@ -262,16 +273,18 @@ class Batcher:
                     self._current = []
                     self._in_flight = 0
                     self._publish_depth()
-        except BaseException:
-            log.exception("the batcher thread died; failing every queued request")
+        except BaseException:  # noqa: BLE001 - the thread must not vanish silently
+            log.exception("the batcher thread died; failing the batch it was computing")
             with self._cond:
-                for job in {id(it.job): it.job for it in self._pending + self._current}.values():
+                for job in {id(it.job): it.job for it in self._current}.values():
                     if not job.done:
-                        self._drop(job, BatchFailed("the batcher stopped", code="batcher_died"))
-                self._admitted -= len(self._current)
+                        self._drop(job, BatchFailed("the batcher stopped while computing this "
+                                                    "request; retry it", code="batcher_died"))
+                self._admitted -= len(self._current) - self._current_released
                 self._current = []
+                self._in_flight = 0
+                self._publish_depth()
             self.metrics.batcher_alive.set(0)
-            raise
 
     def _next_batch(self) -> list[_Item] | None:
         with self._cond:
@@ -309,6 +322,7 @@ class Batcher:
             self.metrics.queue_wait.observe(now - it.queued)
         self._in_flight = len(batch)
         self._current = batch
+        self._current_released = 0
         self._publish_depth()
         return batch
 
@@ -377,12 +391,15 @@ class Batcher:
         self._pending = [it for it in self._pending if it.job is not job]
         removed = before - len(self._pending)
         self._admitted -= removed
+        if removed:
+            self.metrics.dropped_inputs.labels(reason=error.reason).inc(removed)
         job._finish(error)
         self._publish_depth()
         self._cond.notify_all()
 
     def _release(self, n: int) -> None:
         self._admitted -= n
+        self._current_released += n
         self._publish_depth()
         self._cond.notify_all()
 

@@ -23,15 +23,17 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .batcher import Batcher, BatchLimits, ShutdownReport, deadline_error
+from .batcher import Batcher, BatchLimits, Job, ShutdownReport, deadline_error
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
-from .errors import InvalidRequest, Unavailable
+from .errors import ClientDisconnected, InvalidRequest, Unavailable
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 Inputs = Sequence[str] | Sequence[Sequence[int]]
+_WATCH_S = 0.5  # how often the watchdog checks the batcher thread
+_DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Engine:
         self._loader = loader or (lambda: load_encoder(settings))
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
         self._ready = threading.Event()
+        self._stop = threading.Event()
         self._draining = False
         self._started = False
         self._start_lock = threading.Lock()
@@ -113,6 +116,7 @@ class Engine:
         )
         self.batcher = Batcher(encoder.encode, limits, metrics=self.metrics)
         self.batcher.start()
+        threading.Thread(target=self._watch, name="embedsvc-watchdog", daemon=True).start()
         self.encoder = encoder
         self._announce(encoder, time.monotonic() - started)
         self._ready.set()
@@ -136,9 +140,16 @@ class Engine:
             info.size_bytes / 2**20, seconds,
         )
 
+    def _watch(self) -> None:
+        """Restart the batcher thread if it dies; /health says unhealthy meanwhile."""
+        while not self._stop.wait(_WATCH_S):
+            if self.batcher is not None and not self.batcher.alive:
+                self.batcher.restart()
+
     def drain(self, timeout: float) -> ShutdownReport:
         """Refuse new work, finish what was admitted within ``timeout``."""
         self._draining = True
+        self._stop.set()
         if self.batcher is None:
             return ShutdownReport(0, 0, True)
         return self.batcher.shutdown(timeout)
@@ -179,8 +190,13 @@ class Engine:
         truncate: bool | None = None,
         direction: str = "right",
         deadline: float | None = None,
+        disconnected: Callable[[], bool] | None = None,
     ) -> Embedded:
-        """Embed ``inputs`` (strings, or token-id lists without special tokens)."""
+        """Embed ``inputs`` (strings, or token-id lists without special tokens).
+
+        ``disconnected`` (waitress's ``waitress.client_disconnected``) lets queued inputs of a
+        client that went away be dropped before they reach the model.
+        """
         arrived = time.monotonic()
         deadline = deadline or arrived + self.settings.request_timeout_s
         encoder = self.wait_ready(deadline)
@@ -196,10 +212,7 @@ class Engine:
         self.metrics.tokenization.observe(tokenize_s)
         assert self.batcher is not None
         job = self.batcher.submit(ids, deadline)
-        while not job.wait(max(0.0, job.deadline - time.monotonic())):
-            if self.batcher.expire(job, deadline_error()):
-                break
-            job.wait(None)  # it reached the model: the result is on its way
+        self._await(job, disconnected)
         rows = job.result()
         if dimensions is not None:
             rows = rows[:, :dimensions]
@@ -213,6 +226,23 @@ class Engine:
             inference_s=job.inference_s,
             total_s=time.monotonic() - arrived,
         )
+
+    def _await(self, job: Job, disconnected: Callable[[], bool] | None) -> None:
+        """Wait for ``job``; drop it if its deadline passes or its client leaves while queued."""
+        assert self.batcher is not None
+        while True:
+            remaining = max(0.0, job.deadline - time.monotonic())
+            if job.wait(min(remaining, _DISCONNECT_POLL_S) if disconnected else remaining):
+                return
+            if job.started:
+                job.wait(None)  # it reached the model: the result is on its way
+                return
+            if disconnected is not None and disconnected():
+                gone = ClientDisconnected("the client disconnected", code="client_disconnected")
+                if self.batcher.expire(job, gone):
+                    return
+            elif time.monotonic() >= job.deadline and self.batcher.expire(job, deadline_error()):
+                return
 
     def prepare(
         self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right"

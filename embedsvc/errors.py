@@ -76,6 +76,14 @@ class Overloaded(ApiError):
         super().__init__(message, code="overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+class ClientDisconnected(ApiError):
+    """The client went away while its inputs were queued; nobody reads this answer."""
+
+    status = 499  # the status nginx logs for a client that closed the connection
+    type = "client_closed_request"
+    reason = "disconnected"
+
+
 class BatchFailed(ApiError):
     status = 500
     type = "server_error"

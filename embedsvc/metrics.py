@@ -77,6 +77,10 @@ class Metrics:
         self.rejections = Counter(
             "embedsvc_rejections", "Requests refused, by reason", ["reason"], registry=r,
         )
+        self.dropped_inputs = Counter(
+            "embedsvc_dropped_inputs", "Queued inputs dropped before compute, by reason",
+            ["reason"], registry=r,
+        )
         self.batch_failures = Counter(
             "embedsvc_batch_failures", "Device batches that raised", registry=r,
         )

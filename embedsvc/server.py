@@ -14,7 +14,7 @@ from typing import Any
 
 from waitress import create_server
 from waitress.channel import HTTPChannel
-from waitress.wasyncore import dispatcher
+from waitress.wasyncore import close_all, dispatcher
 
 from .api import create_app
 from .engine import Engine
@@ -23,15 +23,20 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
+_QUIET_S = 0.2
 
 
 class Server:
     """One waitress server around one engine, with a graceful stop.
 
-    On the first SIGTERM or SIGINT it stops listening (new connections are refused), makes
-    /health answer 503 ``draining`` and new embedding requests 503, lets every admitted
-    request finish and its response leave (up to DRAIN_TIMEOUT_S), then returns from ``run``.
-    A second signal stops at once.
+    ``stop()``, or the first SIGTERM or SIGINT, stops listening (new connections are
+    refused), makes /health answer 503 ``draining`` and new embedding requests 503, lets
+    every admitted request finish and its response leave (up to DRAIN_TIMEOUT_S), waits
+    until no request has arrived for a moment, then makes ``run`` return. A second signal
+    stops at once.
+
+    >>> server = Server(Settings(port=0), engine)            # doctest: +SKIP
+    >>> threading.Thread(target=server.run, args=(False,)).start()  # doctest: +SKIP
     """
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
@@ -45,25 +50,36 @@ class Server:
             threads=settings.threads,
             ident="embedsvc",
             clear_untrusted_proxy_headers=True,
+            # read ahead on each connection, so that a client that hangs up is noticed
+            # (waitress.client_disconnected) and its queued inputs are dropped
+            channel_request_lookahead=4,
         )
         self._signals = 0
-        self._drained = threading.Event()
 
     @property
     def port(self) -> int:
         return int(self.waitress.effective_port)
 
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+    def run(self, install_signals: bool = True) -> None:
+        """Serve until ``stop()`` or a signal has drained the server."""
+        if install_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
         log.info("serving on http://%s:%d (pid %d, %d threads)", self.settings.host, self.port,
                  os.getpid(), self.settings.threads)
-        self.waitress.run()  # returns once _on_signal raises KeyboardInterrupt after the drain
+        try:
+            self.waitress.run()  # returns when the drain has closed every channel
+        finally:
+            self.waitress.task_dispatcher.shutdown(timeout=5)
+
+    def stop(self) -> None:
+        """Drain and make ``run`` return; safe to call from any thread."""
+        self._drain()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1
-        if self._drained.is_set() or self._signals > 1:
-            raise KeyboardInterrupt
+        if self._signals > 1:
+            raise KeyboardInterrupt  # waitress's loop stops on it at once
         log.info("signal %d: draining (up to %.0fs)", signum, self.settings.drain_timeout_s)
         threading.Thread(target=self._drain, name="embedsvc-drain", daemon=True).start()
 
@@ -71,12 +87,18 @@ class Server:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         self.waitress.trigger.pull_trigger(self._stop_listening)
         report = self.engine.drain(self.settings.drain_timeout_s)
-        while self._responses_pending() and time.monotonic() < deadline:
+        quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
+        while time.monotonic() < deadline:
+            if self._responses_pending():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= _QUIET_S:
+                break
             time.sleep(_POLL_S)
         log.info("drained: %d inputs finished, %d failed; stopping",
                  report.completed, report.failed)
-        self._drained.set()
-        os.kill(os.getpid(), signal.SIGINT)  # wakes the main loop, which then stops
+        self.waitress.trigger.pull_trigger(lambda: close_all(self.waitress._map))
 
     def _stop_listening(self) -> None:
         self.waitress.accepting = False

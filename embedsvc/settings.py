@@ -139,11 +139,12 @@ class Settings:
             if value is not None:
                 text = str(value).lower() if isinstance(value, bool) else str(value)
                 object.__setattr__(self, f.name, _parse(f, text))
-        if self.max_batch_size > self.max_queue:
+        if self.max_inputs_per_request > self.max_queue:
             raise SettingsError(
-                f"MAX_BATCH_SIZE ({self.max_batch_size}) is larger than MAX_QUEUE "
-                f"({self.max_queue}): raise EMBEDSVC_MAX_QUEUE / --max-queue or lower "
-                "EMBEDSVC_MAX_BATCH_SIZE / --max-batch-size"
+                f"MAX_INPUTS_PER_REQUEST ({self.max_inputs_per_request}) is larger than "
+                f"MAX_QUEUE ({self.max_queue}), so the largest requests could never be "
+                "admitted: lower EMBEDSVC_MAX_INPUTS_PER_REQUEST / --max-inputs-per-request "
+                "or raise EMBEDSVC_MAX_QUEUE / --max-queue"
             )
 
     @classmethod

@@ -210,7 +210,7 @@ def test_api_key_guards_all_but_health_and_metrics(fake, registry):
 
 
 def test_full_admission_gives_429_with_retry_after(fake, registry):
-    app = make_app(fake, registry, max_queue=2, max_batch_size=2)
+    app = make_app(fake, registry, max_queue=2, max_inputs_per_request=2, max_batch_size=2)
     client = app.test_client()
     fake.hold()
     done = []

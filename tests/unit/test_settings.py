@@ -41,8 +41,8 @@ def test_every_setting_has_a_flag():
         ({"EMBEDSVC_MAX_QUEUE": "lots"}, ["MAX_QUEUE", "lots"]),
         ({"EMBEDSVC_AUTO_TRUNCATE": "maybe"}, ["AUTO_TRUNCATE", "true"]),
         ({"EMBEDSVC_PORT": "70000"}, ["PORT", "0 to 65535"]),
-        ({"EMBEDSVC_MAX_BATCH_SIZE": "512", "EMBEDSVC_MAX_QUEUE": "100"},
-         ["MAX_BATCH_SIZE", "MAX_QUEUE", "--max-queue"]),
+        ({"EMBEDSVC_MAX_QUEUE": "100"},
+         ["MAX_INPUTS_PER_REQUEST", "MAX_QUEUE", "--max-queue", "--max-inputs-per-request"]),
     ],
 )
 def test_bad_values_name_the_setting_and_the_fix(env, words):

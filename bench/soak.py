@@ -1,0 +1,115 @@
+"""Soak test: steady load on a real `embedsvc serve`, sampling RSS, threads and open fds.
+
+    .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8
+
+Starts the server on a free loopback port (the bundled model on the CPU), sends requests
+from --clients threads for --duration seconds, and prints one row per --interval: requests
+served so far, errors, and the server's resident memory, thread count and open file
+descriptors. Flat columns mean nothing leaks. The load runs on the same cores as the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = ("embedding", "service", "batch", "token", "model", "vector", "query", "document",
+         "search", "rank", "cluster", "latency", "queue", "device", "thread", "request")
+
+
+def proc_stats(pid: int) -> tuple[float, int, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return rss_kib / 1024, threads, fds
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    exe = Path(sys.executable).with_name("embedsvc")
+    out = open(log, "wb")  # noqa: SIM115 - the server writes to it until it stops
+    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32"], stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{log.read_text()}")
+        time.sleep(0.2)
+    raise SystemExit("server did not start")
+
+
+def client(url: str, stop: threading.Event, counts: dict[str, int], lock: threading.Lock) -> None:
+    rng = random.Random()
+    with httpx.Client(base_url=url, timeout=60) as c:
+        while not stop.is_set():
+            inputs = [" ".join(rng.choices(WORDS, k=rng.randint(3, 40)))
+                      for _ in range(rng.choice((1, 1, 1, 4, 16)))]
+            try:
+                ok = c.post("/embed", json={"inputs": inputs}).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            with lock:
+                counts["ok" if ok else "errors"] += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600, help="seconds of load")
+    parser.add_argument("--interval", type=float, default=30, help="seconds between samples")
+    parser.add_argument("--clients", type=int, default=8, help="client threads")
+    args = parser.parse_args(argv)
+
+    log = Path(tempfile.mkdtemp(prefix="embedsvc-soak-")) / "server.log"
+    proc, url = start_server(log)
+    stop, lock = threading.Event(), threading.Lock()
+    counts = {"ok": 0, "errors": 0}
+    threads = [threading.Thread(target=client, args=(url, stop, counts, lock), daemon=True)
+               for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    print(f"soak: {args.clients} clients for {args.duration:.0f}s against {url} (pid {proc.pid})")
+    print("| t (s) | requests ok | errors | RSS (MiB) | threads | open fds |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    started = time.monotonic()
+    try:
+        while True:
+            elapsed = time.monotonic() - started
+            rss, nthreads, fds = proc_stats(proc.pid)
+            rows.append((rss, nthreads, fds))
+            print(f"| {elapsed:.0f} | {counts['ok']} | {counts['errors']} | {rss:.1f} | "
+                  f"{nthreads} | {fds} |", flush=True)
+            if elapsed >= args.duration:
+                break
+            time.sleep(min(args.interval, args.duration - elapsed + 0.01))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    warm = rows[1] if len(rows) > 1 else rows[0]
+    last = rows[-1]
+    print(f"\nafter warm-up sample -> end: RSS {warm[0]:.1f} -> {last[0]:.1f} MiB "
+          f"(max {max(r[0] for r in rows):.1f}), threads {warm[1]} -> {last[1]}, "
+          f"fds {warm[2]} -> {last[2]}; {counts['ok']} requests ok, {counts['errors']} errors; "
+          f"server exit code {code}")
+    return 0 if counts["errors"] == 0 and code == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
