@@ -22,11 +22,16 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(BIN)/embedsvc serve
 
-# System tools the tests run for real: promtool (Debian package prometheus).
+# System tools the tests run for real, from Debian's packages: promtool (prometheus),
+# nginx (the load balancer of the scale-out test) and kubectl (renders the kustomize base).
+TOOLS := promtool:prometheus nginx:nginx kubectl:kubectl
 tools:
-	@command -v promtool >/dev/null || { \
-	  echo "installing promtool (Debian package prometheus)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@missing=""; for t in $(TOOLS); do \
+	  command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy

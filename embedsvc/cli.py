@@ -1,4 +1,4 @@
-"""The command line: ``embedsvc serve [--<setting> VALUE ...]``."""
+"""The command line: ``embedsvc serve`` and ``embedsvc embed``; ``main(argv)`` -> exit code."""
 
 from __future__ import annotations
 
@@ -24,6 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every flag also reads from EMBEDSVC_<NAME>; a flag wins over the variable.",
     )
     Settings.add_arguments(serve)
+    embed = commands.add_parser(
+        "embed",
+        help="embed a text or JSONL file into .npy or JSONL, in this process or via --url",
+        description="Embeds every non-blank line of INPUT (a text file, or .jsonl/.ndjson). "
+        "Settings flags apply to the in-process model.",
+    )
+    embed.add_argument("input", help="text file (one input per line) or .jsonl/.ndjson")
+    embed.add_argument("--output", "-o", required=True, help=".npy or .jsonl file to write")
+    embed.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    embed.add_argument("--id-field", default="id",
+                       help="JSONL field copied to the output's id (default: the line number)")
+    embed.add_argument("--url", help="send to a running server at this URL instead")
+    embed.add_argument("--chunk-size", type=int, default=256, help="inputs per request")
+    embed.add_argument("--concurrency", type=int, default=4, help="chunks in flight")
+    Settings.add_arguments(embed)
     return parser
 
 
@@ -34,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"embedsvc: {exc}", file=sys.stderr)
         return 2
+    if args.command == "embed":
+        from .bulk import run
+
+        return run(args, settings)
     from .server import serve
 
     return serve(settings)

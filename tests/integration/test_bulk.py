@@ -1,0 +1,69 @@
+"""`embedsvc embed`: a whole file in this process, or through a running server."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from embedsvc.cli import main
+
+from .conftest import cosine
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon").split()
+
+
+def corpus(path: Path, lines: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(3, 20))) for _ in range(lines)]
+    path.write_text("\n".join(texts) + "\n")
+    return texts
+
+
+def test_ten_thousand_lines_to_npy_equal_the_models_vectors(tmp_path, reference):
+    source, target = tmp_path / "corpus.txt", tmp_path / "vectors.npy"
+    texts = corpus(source, 10_000)
+    exe = Path(sys.executable).with_name("embedsvc")
+    result = subprocess.run([str(exe), "embed", str(source), "--output", str(target)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "10000 inputs" in result.stderr and "inputs/s" in result.stderr
+    vectors = np.load(target)
+    assert vectors.shape == (10_000, 384) and vectors.dtype == np.float32
+    sample = random.Random(1).sample(range(10_000), 64)
+    assert (cosine(vectors[sample], reference.encode([texts[i] for i in sample])) > 0.9999).all()
+
+
+def test_jsonl_in_and_out_keeps_ids_and_skips_blank_lines(tmp_path, reference):
+    source, target = tmp_path / "docs.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": f"doc-{i}", "body": f"document number {i} about {WORDS[i]}"} for i in range(7)]
+    source.write_bytes(b"\n".join(orjson.dumps(r) for r in rows[:3]) + b"\n\n" +
+                       b"\n".join(orjson.dumps(r) for r in rows[3:]) + b"\n")
+    code = main(["embed", str(source), "-o", str(target), "--text-field", "body",
+                 "--chunk-size", "2", "--device", "cpu"])
+    assert code == 0
+    out = [orjson.loads(line) for line in target.read_bytes().splitlines()]
+    assert [o["id"] for o in out] == [r["id"] for r in rows]
+    got = np.array([o["embedding"] for o in out])
+    assert (cosine(got, reference.encode([r["body"] for r in rows])) > 0.9999).all()
+
+
+def test_url_mode_sends_to_a_running_server(tmp_path, served, reference):
+    source, target = tmp_path / "corpus.txt", tmp_path / "vectors.npy"
+    texts = corpus(source, 300, seed=2)
+    code = main(["embed", str(source), "-o", str(target), "--url", served.url,
+                 "--chunk-size", "64", "--concurrency", "3"])
+    assert code == 0
+    vectors = np.load(target)
+    assert (cosine(vectors, reference.encode(texts)) > 0.9999).all()
+
+
+def test_bad_jsonl_names_the_line(tmp_path, served, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    code = main(["embed", str(source), "-o", str(tmp_path / "o.jsonl"), "--url", served.url])
+    assert code == 1
+    assert "bad.jsonl:2" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""deploy/: manifests validate offline and agree with each other and with the app."""
+
+import configparser
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from embedsvc.metrics import Metrics
+from embedsvc.settings import Settings
+
+DEPLOY = Path(__file__).parents[2] / "deploy"
+K8S = DEPLOY / "k8s"
+K8S_VERSION = "1.33"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if path is None:
+        pytest.fail(f"{name} is missing: `make test` installs it")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    out = subprocess.run([tool("kubectl"), "kustomize", str(K8S)], capture_output=True,
+                         text=True, check=True).stdout
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+
+
+def test_the_kustomize_base_renders_every_resource(rendered):
+    assert set(rendered) == {"Deployment", "Service", "HorizontalPodAutoscaler",
+                             "PodDisruptionBudget", "ServiceMonitor"}
+    for doc in rendered.values():
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "embedsvc"
+
+
+def test_builtin_manifests_validate_against_the_kubernetes_schemas(rendered):
+    import kubernetes_validate
+
+    for kind, doc in rendered.items():
+        if kind == "ServiceMonitor":  # a CRD, checked below
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "config.yaml").read_text())
+    kubernetes_validate.validate(adapter, K8S_VERSION, strict=True)
+
+
+def container(rendered) -> dict:
+    return rendered["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(c: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c["env"]}
+
+
+def test_deployment_agrees_with_the_app_settings(rendered):
+    c = container(rendered)
+    settings = Settings.from_env(env_of(c))  # every variable is a real, valid setting
+    assert settings.host == "0.0.0.0" and settings.device == "cuda"
+    port = c["ports"][0]
+    assert port["name"] == "http" and port["containerPort"] == settings.port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # model load
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > settings.drain_timeout_s
+    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + settings.drain_timeout_s + 5
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+
+
+def test_service_monitor_pdb_and_selectors_match_the_pods(rendered):
+    labels = rendered["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    selectors = [rendered["Deployment"]["spec"]["selector"]["matchLabels"],
+                 rendered["Service"]["spec"]["selector"],
+                 rendered["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]]
+    for selector in selectors:
+        assert selector.items() <= labels.items()
+    service_labels = rendered["Service"]["metadata"]["labels"]
+    monitor = rendered["ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service_labels.items()
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] == rendered["Service"]["spec"]["ports"][0]["name"]
+    assert rendered["Service"]["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_the_hpa_scales_on_a_metric_the_adapter_serves_and_the_app_exports(rendered):
+    metric = rendered["HorizontalPodAutoscaler"]["spec"]["metrics"][0]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "config.yaml").read_text())
+    rule = yaml.safe_load(adapter["data"]["config.yaml"])["rules"][0]
+    assert rule["name"]["as"] == name
+    assert rule["seriesQuery"].startswith(name + "{")
+    exported = {m.name for m in Metrics().registry.collect()}
+    assert name in exported
+    target = rendered["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "embedsvc")
+
+
+def test_dockerfile_passes_hadolint_and_serves_as_a_non_root_user():
+    dockerfile = DEPLOY / "docker" / "Dockerfile"
+    result = subprocess.run([tool("hadolint"), str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = dockerfile.read_text()
+    assert "USER 10001:10001" in text and "useradd" in text
+    assert 'ENTRYPOINT ["embedsvc", "serve"]' in text
+    assert "EMBEDSVC_HOST=0.0.0.0" in text and "HEALTHCHECK" in text and "/health" in text
+    assert "ARG BASE=nvidia/cuda:" in text and "download.pytorch.org/whl/cpu" in text
+
+
+def test_systemd_unit_drains_within_its_stop_timeout():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(DEPLOY / "systemd" / "embedsvc.service")
+    service = unit["Service"]
+    assert service["ExecStart"].endswith("embedsvc serve")
+    assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
+    assert service["EnvironmentFile"].lstrip("-") == "/etc/embedsvc/embedsvc.env"
+    env = dict(line.split("=", 1) for line in
+               (DEPLOY / "systemd" / "embedsvc.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    settings = Settings.from_env(env)
+    assert int(service["TimeoutStopSec"]) > settings.drain_timeout_s
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
