@@ -12,8 +12,8 @@ from embedsvc.cli import main
 
 from .conftest import cosine
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
-         "rho sigma tau upsilon").split()
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon")
 
 
 def corpus(path: Path, lines: int, seed: int = 0) -> list[str]:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
