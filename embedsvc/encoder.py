@@ -262,10 +262,12 @@ def _modules_without_normalize(model: Any) -> tuple[list[Any], bool]:
 class FakeEncoder:
     """Deterministic stand-in for tests and the simulated device of the benchmark.
 
-    A word is one token; an input's vector depends only on its ids, so a test can compute
-    the exact answer with ``expected``. ``delay_s + per_token_s * padded_tokens`` is spent in
-    ``time.sleep`` (the GIL released, as during device work). ``fail`` lets a test inject
-    an exception for chosen batches.
+    A word is one token; an input's vector is a position-weighted sum of rows of a fixed
+    random matrix (a fixed-weight linear layer), so it depends only on the ids, and a test
+    can compute the exact answer with ``expected``. ``delay_s + per_token_s * padded_tokens``
+    is spent in ``time.sleep`` (the GIL released, as during device work). ``fail`` lets a
+    test inject an exception for chosen batches. ``batches`` records every batch unless
+    ``record`` is off.
     """
 
     def __init__(
@@ -276,6 +278,7 @@ class FakeEncoder:
         delay_s: float = 0.0,
         per_token_s: float = 0.0,
         fail: Callable[[Sequence[Sequence[int]]], BaseException | None] | None = None,
+        record: bool = True,
     ) -> None:
         self.info = ModelInfo(
             name="fake",
@@ -288,7 +291,11 @@ class FakeEncoder:
         self.delay_s = delay_s
         self.per_token_s = per_token_s
         self.fail = fail
+        self.record = record
         self.batches: list[list[list[int]]] = []
+        self._weights = np.random.default_rng(0).standard_normal((1000, dimension)).astype(
+            np.float32
+        )
         self._lock = threading.Lock()
 
     special_tokens = 2
@@ -314,8 +321,9 @@ class FakeEncoder:
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         batch = [list(ids) for ids in batch]
-        with self._lock:
-            self.batches.append(batch)
+        if self.record:
+            with self._lock:
+                self.batches.append(batch)
         padded = max(len(ids) for ids in batch) * len(batch)
         if self.delay_s or self.per_token_s:
             time.sleep(self.delay_s + self.per_token_s * padded)
@@ -327,8 +335,8 @@ class FakeEncoder:
 
     def vector(self, ids: Sequence[int]) -> np.ndarray:
         """The raw row for wrapped ``ids``: what ``encode`` returns for them."""
-        rng = np.random.default_rng(zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes()))
-        return rng.standard_normal(self.info.dimension).astype(np.float32)
+        positions = np.arange(1, len(ids) + 1, dtype=np.float32)
+        return positions @ self._weights[np.asarray(ids)]
 
     def expected(self, text: str) -> np.ndarray:
         """The normalised vector the service should return for ``text``."""

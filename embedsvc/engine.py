@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from . import __version__, heap
 from .batcher import Batcher, BatchLimits, Job, ShutdownReport, deadline_error
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
 from .errors import ClientDisconnected, InvalidRequest, Unavailable
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 Inputs = Sequence[str] | Sequence[Sequence[int]]
 _WATCH_S = 0.5  # how often the watchdog checks the batcher thread
+_TRIM_EVERY_S = 5.0  # how often it hands freed heap memory back (see heap.py)
 _DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 
 
@@ -141,10 +142,14 @@ class Engine:
         )
 
     def _watch(self) -> None:
-        """Restart the batcher thread if it dies; /health says unhealthy meanwhile."""
+        """Restart the batcher thread if it dies (/health says unhealthy meanwhile); trim."""
+        last_trim = time.monotonic()
         while not self._stop.wait(_WATCH_S):
             if self.batcher is not None and not self.batcher.alive:
                 self.batcher.restart()
+            if time.monotonic() - last_trim >= _TRIM_EVERY_S:
+                heap.trim()
+                last_trim = time.monotonic()
 
     def drain(self, timeout: float) -> ShutdownReport:
         """Refuse new work, finish what was admitted within ``timeout``."""

@@ -1,0 +1,340 @@
+"""Side by side, in one run: the offline limit, embedsvc, the naive Flask app and Infinity.
+
+    .venv/bin/python bench/run.py --duration 15 --record
+
+Servers run one at a time on loopback; wrk (one thread, a Lua script) drives them from the
+same cores, so every figure is relative to this machine and this run: compare ratios, not
+absolute numbers. Scenarios: 1 client x 1 input; 32 clients x 1 input; 4 clients x 32
+inputs (10-word sentences); 32 clients x 1 input of 5 to 200 words. Then embedsvc over a
+simulated zero-cost device (bench/sim_server.py): its sustained requests/s and the server
+CPU microseconds per request and per input, for 1- and 32-input requests, next to
+Infinity's debugengine. Infinity is installed into bench/out/infinity-venv on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+OUT = BENCH / "out"
+VENV_BIN = Path(sys.executable).parent
+INFINITY_VENV = OUT / "infinity-venv"
+INFINITY_VERSION = "0.0.78"
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "service", "embedding",
+         "vector", "batch", "token", "model", "request", "latency", "search", "query")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    clients: int
+    inputs: int
+    min_words: int = 10
+    max_words: int = 10
+    offline_batch: int | None = None  # the offline figure this scenario is compared with
+
+
+SCENARIOS = [
+    Scenario("1x1", 1, 1, offline_batch=1),
+    Scenario("32x1", 32, 1, offline_batch=32),
+    Scenario("4x32", 4, 32, offline_batch=128),
+    Scenario("mixed 32x1", 32, 1, 5, 200),
+]
+SIM_SCENARIOS = [Scenario("sim 64x1", 64, 1), Scenario("sim 8x32", 8, 32)]
+
+
+@dataclass
+class Result:
+    server: str
+    scenario: Scenario
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_s: float = 0.0
+    requests: int = 0
+    padding: float | None = None
+
+    @property
+    def inputs_per_s(self) -> float:
+        return self.rps * self.scenario.inputs
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+def model_path() -> str:
+    from embedsvc.encoder import bundled_model_path
+
+    return bundled_model_path()
+
+
+def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
+    """(command, route, extra environment) for one of the servers under test."""
+    if name == "embedsvc":
+        return [str(VENV_BIN / "embedsvc"), "serve", "--port", str(port), "--threads", "64",
+                "--log-level", "warning"], "/v1/embeddings", {}
+    if name == "naive":
+        return [str(VENV_BIN / "waitress-serve"), "--threads=32", f"--port={port}",
+                "--call", "bench.naive_app:create"], "/v1/embeddings", {}
+    if name == "sim":
+        return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
+            "/v1/embeddings", {}
+    if name in ("infinity", "infinity-debug"):
+        engine = "debugengine" if name == "infinity-debug" else "torch"
+        return [str(INFINITY_VENV / "bin" / "infinity_emb"), "v2", "--model-id", model_path(),
+                "--served-model-name", "bench", "--engine", engine,
+                "--device", os.environ.get("EMBEDSVC_DEVICE", "cpu"),
+                "--host", "127.0.0.1", "--port", str(port), "--batch-size", "32",
+                "--no-bettertransformer", "--log-level", "warning"], "/embeddings", \
+            {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
+    raise ValueError(name)
+
+
+def ensure_infinity() -> bool:
+    exe = INFINITY_VENV / "bin" / "infinity_emb"
+    if exe.exists():
+        return True
+    print(f"installing infinity-emb {INFINITY_VERSION} into {INFINITY_VENV} ...", flush=True)
+    pip = [str(INFINITY_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", str(INFINITY_VENV)], [*pip, "torch==2.13.0"],
+             [*pip, f"infinity-emb[server,torch]=={INFINITY_VERSION}"]]
+    for step in steps:
+        if subprocess.run(step).returncode != 0:
+            print("could not install Infinity; it is left out of this run")
+            return False
+    return exe.exists()
+
+
+class Running:
+    def __init__(self, name: str, port: int) -> None:
+        cmd, self.route, env = server_command(name, port)
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = OUT / f"{name}.log"
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **env}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                         cwd=REPO)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                resp = httpx.post(self.url + self.route, json={"model": "bench", "input": ["hi"]},
+                                  timeout=10)
+                if resp.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout}s")
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        found = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def wrk(server: Running, sc: Scenario, seconds: float) -> dict:
+    env = {**os.environ, "BENCH_ROUTE": server.route, "BENCH_INPUTS": str(sc.inputs),
+           "BENCH_MIN_WORDS": str(sc.min_words), "BENCH_MAX_WORDS": str(sc.max_words)}
+    cmd = ["wrk", "-t1", f"-c{sc.clients}", f"-d{seconds:.0f}s", "--timeout", "60s",
+           "-s", str(BENCH / "embed.lua"), server.url]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(server: Running, sc: Scenario, seconds: float) -> Result:
+    wrk(server, sc, 2)  # warm-up: caches, thread pools, allocator
+    padded_before = real_before = 0.0
+    if server.name == "embedsvc":
+        padded_before = server.metric("embedsvc_batch_tokens_sum")
+        real_before = server.metric("embedsvc_input_tokens_total")
+    cpu_before = server.cpu_seconds()
+    stats = wrk(server, sc, seconds)
+    cpu = server.cpu_seconds() - cpu_before
+    padding = None
+    if server.name == "embedsvc":
+        padded = server.metric("embedsvc_batch_tokens_sum") - padded_before
+        real = server.metric("embedsvc_input_tokens_total") - real_before
+        padding = real / padded if padded else None
+    return Result(server.name, sc, stats["requests"] / stats["seconds"], stats["p50_ms"],
+                  stats["p99_ms"], stats["errors"], cpu, stats["requests"], padding)
+
+
+def offline_limits() -> dict[int, float]:
+    """Sentences/s of SentenceTransformer.encode in this process, and single-input latency."""
+    import random
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_path(), device=os.environ.get("EMBEDSVC_DEVICE", "cpu"))
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choices(WORDS, k=10)) + f" {i}" for i in range(1024)]
+    limits: dict[int, float] = {}
+    with torch.inference_mode():
+        model.encode(sentences[:64], batch_size=32)
+        for batch, count in ((1, 200), (32, 640), (128, 768)):
+            started = time.perf_counter()
+            model.encode(sentences[:count], batch_size=batch)
+            limits[batch] = count / (time.perf_counter() - started)
+        latencies = []
+        for s in sentences[:100]:
+            started = time.perf_counter()
+            model.encode([s], batch_size=1)
+            latencies.append((time.perf_counter() - started) * 1000)
+    limits[0] = median(latencies)  # key 0: single-input latency in ms
+    return limits
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def table(results: list[Result], offline: dict[int, float]) -> str:
+    by = {(r.server, r.scenario.name): r for r in results}
+    lines = ["| scenario | server | inputs/s | req/s | p50 ms | p99 ms | errors | vs offline "
+             "| vs naive | vs Infinity |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r.server.startswith("sim") or r.server == "infinity-debug":
+            continue
+        limit = offline.get(r.scenario.offline_batch or -1)
+        cells = [f"{r.inputs_per_s / limit:.2f}" if limit else ""]
+        for peer in ("naive", "infinity"):
+            other = by.get((peer, r.scenario.name))
+            ok = other and other.inputs_per_s and r.server != peer
+            cells.append(f"{r.inputs_per_s / other.inputs_per_s:.2f}x" if ok else "")
+        lines.append(f"| {r.scenario.name} | {r.server} | {r.inputs_per_s:.1f} | {r.rps:.1f} | "
+                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.errors} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sim_table(results: list[Result]) -> str:
+    lines = ["| scenario | server | req/s | inputs/s | p50 ms | p99 ms | errors | server CPU "
+             "us/request | us/input |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if not (r.server.startswith("sim") or r.server == "infinity-debug"):
+            continue
+        per_req = r.cpu_s / r.requests * 1e6 if r.requests else 0.0
+        lines.append(f"| {r.scenario.name} | {r.server} | {r.rps:.0f} | {r.inputs_per_s:.0f} | "
+                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.errors} | {per_req:.0f} | "
+                     f"{per_req / r.scenario.inputs:.0f} |")
+    return "\n".join(lines)
+
+
+def targets(results: list[Result], offline: dict[int, float]) -> str:
+    by = {(r.server, r.scenario.name): r for r in results}
+    rows = []
+
+    def row(name: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
+        if value is None:
+            rows.append(f"| {name} | not measured | {fmt.format(goal)} | - |")
+            return
+        met = value >= goal if higher else value <= goal
+        rows.append(f"| {name} | {fmt.format(value)} | {fmt.format(goal)} | "
+                    f"{'met' if met else 'MISSED'} |")
+
+    e32, e128, e1 = by.get(("embedsvc", "32x1")), by.get(("embedsvc", "4x32")), \
+        by.get(("embedsvc", "1x1"))
+    inf32, mixed = by.get(("infinity", "32x1")), by.get(("embedsvc", "mixed 32x1"))
+    sim = by.get(("sim", "sim 64x1"))
+    row("32x1 / offline batch 32", e32 and e32.inputs_per_s / offline[32], 0.75, "{:.2f}")
+    row("32x1 / Infinity 32x1", e32 and inf32 and e32.inputs_per_s / inf32.inputs_per_s, 2.0,
+        "{:.2f}")
+    row("4x32 / offline batch 128", e128 and e128.inputs_per_s / offline[128], 0.95, "{:.2f}")
+    row("1x1 p50 - offline single latency (ms)", e1 and e1.p50_ms - offline[0], 2.0, "{:.2f}",
+        higher=False)
+    row("mixed padding efficiency", mixed and mixed.padding, 0.8, "{:.2f}")
+    row("simulated zero-cost device, 1-input req/s", sim and sim.rps, 2000, "{:.0f}")
+    return "| target | measured | goal | |\n|---|---:|---:|---|\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=15, help="seconds per scenario")
+    parser.add_argument("--only", default="embedsvc,naive,infinity,sim",
+                        help="comma-separated: embedsvc, naive, infinity, sim")
+    parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
+    args = parser.parse_args(argv)
+    os.environ["EMBEDSVC_DEVICE"] = args.device
+    OUT.mkdir(exist_ok=True)
+    wanted = args.only.split(",")
+    if "infinity" in wanted and not ensure_infinity():
+        wanted.remove("infinity")
+
+    print("offline limit ...", flush=True)
+    offline = offline_limits()
+    results: list[Result] = []
+    plan = [(n, SCENARIOS) for n in ("embedsvc", "naive", "infinity") if n in wanted]
+    if "sim" in wanted:
+        plan.append(("sim", SIM_SCENARIOS))
+        if "infinity" in wanted:
+            plan.append(("infinity-debug", SIM_SCENARIOS))
+    for port, (name, scenarios) in enumerate(plan, start=18801):
+        print(f"{name} ...", flush=True)
+        try:
+            server = Running(name, port)
+        except RuntimeError as exc:
+            print(f"  left out: {exc}"[:500])
+            continue
+        try:
+            for sc in scenarios:
+                results.append(measure(server, sc, args.duration))
+                r = results[-1]
+                print(f"  {sc.name}: {r.inputs_per_s:.1f} inputs/s, p50 {r.p50_ms:.1f} ms, "
+                      f"errors {r.errors}", flush=True)
+        finally:
+            server.stop()
+
+    report = "\n\n".join([
+        f"Offline `SentenceTransformer.encode` (sentences/s): batch 1 {offline[1]:.1f}, "
+        f"batch 32 {offline[32]:.1f}, batch 128 {offline[128]:.1f}; single-input latency "
+        f"p50 {offline[0]:.2f} ms.",
+        table(results, offline), sim_table(results), targets(results, offline)])
+    print("\n" + report)
+    if args.record:
+        command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        header = (f"\n## {when}: `{command}`\n\n{os.cpu_count()} cores, {platform.machine()}, "
+                  f"device {args.device}; wrk and the server share the cores. "
+                  f"{args.duration:.0f} s per scenario after a 2 s warm-up.\n\n")
+        with open(BENCH / "RESULTS.md", "a") as f:
+            f.write(header + report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""embedsvc over a simulated device: the server's own cost, without the model's.
+
+    .venv/bin/python bench/sim_server.py --port 8091 --fixed-ms 0 --per-token-us 0
+
+The encoder spends ``fixed_ms + per_token_us x padded tokens`` in time.sleep (the GIL
+released, as during CUDA kernels) and returns deterministic 384-dimensional vectors, so all
+CPU the process uses is the server's: HTTP, parsing, validation, batching, serialising.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from embedsvc.encoder import FakeEncoder
+from embedsvc.engine import Engine
+from embedsvc.logs import configure_logging
+from embedsvc.server import Server
+from embedsvc.settings import Settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8091)
+    parser.add_argument("--threads", type=int, default=64)
+    parser.add_argument("--fixed-ms", type=float, default=0.0, help="cost of each batch")
+    parser.add_argument("--per-token-us", type=float, default=0.0, help="cost per padded token")
+    args = parser.parse_args()
+    settings = Settings(port=args.port, threads=args.threads, log_level="warning")
+    configure_logging(settings.log_level, settings.log_format)
+    encoder = FakeEncoder(dimension=384, max_input_tokens=256, delay_s=args.fixed_ms / 1000,
+                          per_token_s=args.per_token_us / 1e6, record=False)
+    engine = Engine(settings, encoder=encoder)
+    engine.start(background=False)
+    Server(settings, engine).run()
+
+
+if __name__ == "__main__":
+    main()
