@@ -166,6 +166,9 @@ class Batcher:
         self._rate = 0.0  # inputs/s the device sustains, a moving average, for Retry-After
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
+        # read at scrape time, so that the request path pays nothing for them
+        self.metrics.queue_depth.set_function(lambda: len(self._pending))
+        self.metrics.in_flight.set_function(lambda: self._in_flight)
 
     # -- request side -------------------------------------------------------------------------
 
@@ -194,7 +197,6 @@ class Batcher:
             now = time.monotonic()
             self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
             self._admitted += n
-            self._publish_depth()
             self._warn_if_deep(now)
             self._cond.notify()
         return job
@@ -272,7 +274,6 @@ class Batcher:
                 with self._cond:
                     self._current = []
                     self._in_flight = 0
-                    self._publish_depth()
         except BaseException:  # noqa: BLE001 - the thread must not vanish silently
             log.exception("the batcher thread died; failing the batch it was computing")
             with self._cond:
@@ -283,7 +284,6 @@ class Batcher:
                 self._admitted -= len(self._current) - self._current_released
                 self._current = []
                 self._in_flight = 0
-                self._publish_depth()
             self.metrics.batcher_alive.set(0)
 
     def _next_batch(self) -> list[_Item] | None:
@@ -323,7 +323,6 @@ class Batcher:
         self._in_flight = len(batch)
         self._current = batch
         self._current_released = 0
-        self._publish_depth()
         return batch
 
     def _compute(self, batch: list[_Item]) -> None:
@@ -394,13 +393,11 @@ class Batcher:
         if removed:
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(removed)
         job._finish(error)
-        self._publish_depth()
         self._cond.notify_all()
 
     def _release(self, n: int) -> None:
         self._admitted -= n
         self._current_released += n
-        self._publish_depth()
         self._cond.notify_all()
 
     def _expire_due(self, now: float) -> None:
@@ -408,10 +405,6 @@ class Batcher:
                if it.job.deadline <= now and not it.job.started}
         for job in due.values():
             self._drop(job, deadline_error())
-
-    def _publish_depth(self) -> None:
-        self.metrics.queue_depth.set(len(self._pending))
-        self.metrics.in_flight.set(self._in_flight)
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
