@@ -276,11 +276,6 @@ class Engine:
             out.append(encoder.wrap(ids))
         return out
 
-    def tokenize(self, texts: Sequence[str], *, deadline: float | None = None) -> list[list[int]]:
-        """For /tokenize: token ids with special tokens, as the model would see them."""
-        self.wait_ready(deadline or time.monotonic() + self.settings.request_timeout_s)
-        return self.prepare(texts)
-
     def check_chars(self, texts: Sequence[str]) -> None:
         limit = self.settings.max_input_chars
         for i, text in enumerate(texts):
