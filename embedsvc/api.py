@@ -94,9 +94,8 @@ def tokenize() -> Response:
     texts = _as_list(req.inputs)
     _check_count(texts)
     _check_nonempty(texts, "string")
-    engine = _engine()
-    encoder: Encoder = engine.wait_ready(time.monotonic() + engine.settings.request_timeout_s)
-    engine.check_chars(texts)
+    encoder = _ready_encoder()
+    _engine().check_chars(texts)
     g.inputs = len(texts)
     return _json([[vars(p) for p in pieces] for pieces in encoder.pieces(texts)])
 
@@ -121,7 +120,7 @@ def health() -> Response:
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    registry = current_app.extensions["embedsvc.metrics"].registry
+    registry = _engine().metrics.registry
     return Response(generate_latest(registry), mimetype=None, content_type=CONTENT_TYPE_LATEST)
 
 
@@ -135,6 +134,12 @@ def openapi() -> Response:
 
 def _engine() -> Engine:
     return current_app.extensions["embedsvc"]
+
+
+def _ready_encoder() -> Encoder:
+    """The encoder, waiting for the model to load up to the request's deadline."""
+    engine = _engine()
+    return engine.wait_ready(time.monotonic() + engine.settings.request_timeout_s)
 
 
 def _parse(model: type[Request]) -> Any:
@@ -227,7 +232,7 @@ def _embed(inputs: list[Any], **options: Any) -> Embedded:
 
 
 def _prompt(name: str) -> str:
-    encoder = _engine().wait_ready(time.monotonic() + _engine().settings.request_timeout_s)
+    encoder = _ready_encoder()
     prompts = encoder.info.prompts
     if name not in prompts:
         known = ", ".join(sorted(prompts)) or "none"
@@ -278,7 +283,7 @@ def _before() -> None:
 def _after(response: Response) -> Response:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
     seconds = time.monotonic() - g.get("started", time.monotonic())
-    current_app.extensions["embedsvc.metrics"].count_request(route, response.status_code, seconds)
+    _engine().metrics.count_request(route, response.status_code, seconds)
     access_log.info(
         "%s %s %d inputs=%d tokens=%d ms=%.1f",
         request.method, route, response.status_code, g.get("inputs", 0), g.get("tokens", 0),
@@ -288,8 +293,7 @@ def _after(response: Response) -> Response:
 
 
 def _api_error(exc: ApiError) -> Response:
-    metrics: Metrics = current_app.extensions["embedsvc.metrics"]
-    metrics.count_rejection(exc.reason)
+    _engine().metrics.count_rejection(exc.reason)
     return _json(exc.body(), status=exc.status, headers=exc.headers)
 
 
@@ -333,7 +337,6 @@ def create_app(
     app = Flask("embedsvc")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["embedsvc"] = engine
-    app.extensions["embedsvc.metrics"] = engine.metrics
     app.register_blueprint(bp)
     app.register_error_handler(ApiError, _api_error)
     app.register_error_handler(HTTPException, _http_error)
