@@ -29,6 +29,7 @@ from .encoder import DeviceOutOfMemory
 from .errors import (
     ApiError,
     BatchFailed,
+    ClientDisconnected,
     DeadlineExceeded,
     Overloaded,
     PayloadTooLarge,
@@ -57,27 +58,38 @@ class BatchLimits:
 class Job:
     """One request's inputs in the batcher; ``result()`` waits for their rows, in order."""
 
-    def __init__(self, inputs: list[list[int]], deadline: float) -> None:
+    def __init__(self, inputs: list[list[int]], deadline: float,
+                 disconnected: Callable[[], bool] | None = None) -> None:
         self.inputs = inputs
         self.deadline = deadline
+        self.disconnected = disconnected  # True once the client has gone (see Batcher.reap)
         self.submitted = time.monotonic()
-        self.finished = 0.0
+        self.finished_at = 0.0
         self.inference_s = 0.0
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
         self.error: ApiError | None = None
-        self._done = threading.Event()
+        self._finished = False
+        # A held lock that _finish releases: cheaper to wait on than an Event (no Condition,
+        # no waiter list), which counts when every request waits once.
+        self._signal = threading.Lock()
+        self._signal.acquire()
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
+        if self._finished:
+            return True
+        if self._signal.acquire(timeout=-1 if timeout is None else timeout):
+            self._signal.release()  # open for any later wait
+            return True
+        return self._finished
 
     def result(self, timeout: float | None = None) -> np.ndarray:
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise DeadlineExceeded("no result in time", code="timeout")
         if self.error is not None:
             raise self.error
@@ -87,12 +99,15 @@ class Job:
     @property
     def queue_s(self) -> float:
         """Time spent waiting rather than computing, from submit to the last row."""
-        return max(0.0, (self.finished or time.monotonic()) - self.submitted - self.inference_s)
+        return max(0.0, (self.finished_at or time.monotonic()) - self.submitted - self.inference_s)
 
     def _finish(self, error: ApiError | None = None) -> None:
+        if self._finished:
+            return
         self.error = error
-        self.finished = time.monotonic()
-        self._done.set()
+        self.finished_at = time.monotonic()
+        self._finished = True
+        self._signal.release()
 
 
 @dataclass
@@ -172,8 +187,13 @@ class Batcher:
 
     # -- request side -------------------------------------------------------------------------
 
-    def submit(self, inputs: list[list[int]], deadline: float) -> Job:
-        """Queue one request's wrapped token ids; raises 413, 429 or 503 instead of queueing."""
+    def submit(self, inputs: list[list[int]], deadline: float,
+               disconnected: Callable[[], bool] | None = None) -> Job:
+        """Queue one request's wrapped token ids; raises 413, 429 or 503 instead of queueing.
+
+        Until its inputs reach the model, the job fails with 504 at ``deadline`` and is
+        dropped once ``disconnected()`` is true; ``reap`` checks both.
+        """
         n = len(inputs)
         limit = self.limits.max_queue
         if n > limit:
@@ -183,7 +203,7 @@ class Batcher:
                 param="input",
                 code="too_many_inputs",
             )
-        job = Job(inputs, deadline)
+        job = Job(inputs, deadline, disconnected)
         with self._cond:
             if not self._accepting:
                 raise Unavailable("the server is shutting down; retry on another replica",
@@ -208,6 +228,24 @@ class Batcher:
                 return False
             self._drop(job, error)
             return True
+
+    def reap(self) -> int:
+        """Fail queued jobs that are past their deadline or whose client left; how many.
+
+        Called periodically (the engine's watchdog), so that a waiting request thread needs
+        no timeout of its own: a timed wait costs measurably more CPU than a plain one.
+        """
+        now = time.monotonic()
+        with self._cond:
+            waiting = list({id(it.job): it.job for it in self._pending}.values())
+        failed = 0
+        for job in waiting:
+            if job.deadline <= now:
+                failed += self.expire(job, deadline_error())
+            elif job.disconnected is not None and job.disconnected():
+                gone = ClientDisconnected("the client disconnected", code="client_disconnected")
+                failed += self.expire(job, gone)
+        return failed
 
     @property
     def alive(self) -> bool:
@@ -319,7 +357,7 @@ class Batcher:
         now = time.monotonic()
         for it in batch:
             it.job.started = True
-            self.metrics.queue_wait.observe(now - it.queued)
+        self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
         self._current_released = 0

@@ -6,7 +6,9 @@ Input: a text file (one input per line) or JSONL (``.jsonl``/``.ndjson``, the te
 the line number of a text file). Both are written as chunks finish, with a bounded number of
 chunks in flight, so memory stays flat however large the file.
 
->>> embed_file(Path("corpus.txt"), Path("vectors.npy"), LocalEmbedder(Settings()))  # doctest: +SKIP
+Example (loads the model)::
+
+    embed_file(Path("corpus.txt"), Path("vectors.npy"), LocalEmbedder(Settings()))
 """
 
 from __future__ import annotations

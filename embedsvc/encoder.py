@@ -107,8 +107,10 @@ class SentenceTransformerEncoder:
     Loading and placing are separate so that a pre-forking server can load the weights once
     in its master (CPU only, no device probing) and let each worker place them after fork.
 
-    >>> enc = SentenceTransformerEncoder.load("")      # doctest: +SKIP
-    >>> enc.place("auto", "auto")                      # doctest: +SKIP
+    Example (loads the bundled model)::
+
+        enc = SentenceTransformerEncoder.load("")
+        enc.place("auto", "auto")
     """
 
     def __init__(self, model: Any, name: str) -> None:
@@ -293,9 +295,8 @@ class FakeEncoder:
         self.fail = fail
         self.record = record
         self.batches: list[list[list[int]]] = []
-        self._weights = np.random.default_rng(0).standard_normal((1000, dimension)).astype(
-            np.float32
-        )
+        weights = np.random.default_rng(0).standard_normal((1000, dimension)).astype(np.float32)
+        self._weights = np.vstack([weights, np.zeros((1, dimension), np.float32)])  # + padding
         self._lock = threading.Lock()
 
     special_tokens = 2
@@ -331,12 +332,21 @@ class FakeEncoder:
             error = self.fail(batch)
             if error is not None:
                 raise error
-        return np.stack([self.vector(ids) for ids in batch])
+        return self._rows(batch)
 
     def vector(self, ids: Sequence[int]) -> np.ndarray:
         """The raw row for wrapped ``ids``: what ``encode`` returns for them."""
-        positions = np.arange(1, len(ids) + 1, dtype=np.float32)[:, None]
-        return (self._weights[np.asarray(ids)] * positions).sum(axis=0)  # no BLAS call
+        return self._rows([ids])[0]
+
+    def _rows(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        # One padded gather for the batch, so that the simulated device costs little CPU.
+        # Padding points at an all-zero row: each row is the same in any batch.
+        longest = max(len(ids) for ids in batch)
+        ids = np.full((len(batch), longest), len(self._weights) - 1, dtype=np.intp)
+        for i, row in enumerate(batch):
+            ids[i, : len(row)] = row
+        positions = np.arange(1, longest + 1, dtype=np.float32)[:, None]
+        return (self._weights[ids] * positions).sum(axis=1)  # no BLAS call
 
     def expected(self, text: str) -> np.ndarray:
         """The normalised vector the service should return for ``text``."""

@@ -23,18 +23,18 @@ from typing import Any
 import numpy as np
 
 from . import __version__, heap
-from .batcher import Batcher, BatchLimits, Job, ShutdownReport, deadline_error
+from .batcher import Batcher, BatchLimits, ShutdownReport
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
-from .errors import ClientDisconnected, InvalidRequest, Unavailable
+from .errors import InvalidRequest, Unavailable
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 Inputs = Sequence[str] | Sequence[Sequence[int]]
-_WATCH_S = 0.5  # how often the watchdog checks the batcher thread
+_REAP_S = 0.1  # how often the watchdog fails queued requests past their deadline or orphaned
+_WATCH_S = 0.5  # how often it checks the batcher thread
 _TRIM_EVERY_S = 5.0  # how often it hands freed heap memory back (see heap.py)
-_DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -142,14 +142,23 @@ class Engine:
         )
 
     def _watch(self) -> None:
-        """Restart the batcher thread if it dies (/health says unhealthy meanwhile); trim."""
-        last_trim = time.monotonic()
-        while not self._stop.wait(_WATCH_S):
-            if self.batcher is not None and not self.batcher.alive:
-                self.batcher.restart()
-            if time.monotonic() - last_trim >= _TRIM_EVERY_S:
-                heap.trim()
-                last_trim = time.monotonic()
+        """Expire queued requests; restart the batcher thread if it dies (/health says
+        unhealthy meanwhile); trim the heap."""
+        last_watch = last_trim = time.monotonic()
+        while not self._stop.wait(_REAP_S):
+            try:
+                if self.batcher is not None:
+                    self.batcher.reap()
+                now = time.monotonic()
+                if now - last_watch >= _WATCH_S:
+                    last_watch = now
+                    if self.batcher is not None and not self.batcher.alive:
+                        self.batcher.restart()
+                if now - last_trim >= _TRIM_EVERY_S:
+                    last_trim = now
+                    heap.trim()
+            except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
+                log.exception("watchdog tick failed; continuing")
 
     def drain(self, timeout: float) -> ShutdownReport:
         """Refuse new work, finish what was admitted within ``timeout``."""
@@ -172,9 +181,14 @@ class Engine:
             return "unhealthy"
         return "ready" if self._ready.is_set() else "loading"
 
+    def deadline(self) -> float:
+        """The deadline of a request arriving now (REQUEST_TIMEOUT_S)."""
+        return time.monotonic() + self.settings.request_timeout_s
+
     def wait_ready(self, deadline: float) -> Encoder:
         """The encoder, once loaded; 503 if it is not by ``deadline`` or cannot be."""
-        self._ready.wait(max(0.0, deadline - time.monotonic()))
+        if not self._ready.is_set():
+            self._ready.wait(max(0.0, deadline - time.monotonic()))
         state = self.state
         if state != "ready" or self.encoder is None:
             message = {
@@ -216,8 +230,8 @@ class Engine:
         tokenize_s = time.monotonic() - tokenize_started
         self.metrics.tokenization.observe(tokenize_s)
         assert self.batcher is not None
-        job = self.batcher.submit(ids, deadline)
-        self._await(job, disconnected)
+        job = self.batcher.submit(ids, deadline, disconnected)
+        job.wait(None)  # the watchdog fails it at its deadline while it is queued
         rows = job.result()
         if dimensions is not None:
             rows = rows[:, :dimensions]
@@ -231,23 +245,6 @@ class Engine:
             inference_s=job.inference_s,
             total_s=time.monotonic() - arrived,
         )
-
-    def _await(self, job: Job, disconnected: Callable[[], bool] | None) -> None:
-        """Wait for ``job``; drop it if its deadline passes or its client leaves while queued."""
-        assert self.batcher is not None
-        while True:
-            remaining = max(0.0, job.deadline - time.monotonic())
-            if job.wait(min(remaining, _DISCONNECT_POLL_S) if disconnected else remaining):
-                return
-            if job.started:
-                job.wait(None)  # it reached the model: the result is on its way
-                return
-            if disconnected is not None and disconnected():
-                gone = ClientDisconnected("the client disconnected", code="client_disconnected")
-                if self.batcher.expire(job, gone):
-                    return
-            elif time.monotonic() >= job.deadline and self.batcher.expire(job, deadline_error()):
-                return
 
     def prepare(
         self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right"

@@ -101,8 +101,10 @@ def preloading_in_gunicorn_master() -> bool:
 class LazyApp:
     """The WSGI app of ``embedsvc:app``; see the module docstring for what it does when.
 
-    >>> from embedsvc import app
-    >>> app.warm(timeout=120)          # doctest: +SKIP  (a gunicorn post_worker_init hook)
+    In a gunicorn ``post_worker_init`` hook, to load the model before the first request::
+
+        from embedsvc import app
+        app.warm(timeout=120)
     """
 
     def __init__(
