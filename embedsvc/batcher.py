@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -110,12 +110,12 @@ class Job:
         self._signal.release()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     job: Job
     index: int
     ids: list[int]
-    queued: float = field(default_factory=time.monotonic)
+    queued: float
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,7 @@ class Batcher:
         self.name = name
         self._cond = threading.Condition()
         self._pending: list[_Item] = []
+        self._earliest_deadline = math.inf  # no queued job is due before this
         self._admitted = 0  # inputs queued plus in flight
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
@@ -216,6 +217,7 @@ class Batcher:
                 )
             now = time.monotonic()
             self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
+            self._earliest_deadline = min(self._earliest_deadline, deadline)
             self._admitted += n
             self._warn_if_deep(now)
             self._cond.notify()
@@ -351,9 +353,12 @@ class Batcher:
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
         chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens)
-        picked = set(chosen)
-        batch = [self._pending[i] for i in sorted(chosen)]
-        self._pending = [it for i, it in enumerate(self._pending) if i not in picked]
+        if len(chosen) == len(self._pending):
+            batch, self._pending = self._pending, []
+        else:
+            picked = set(chosen)
+            batch = [self._pending[i] for i in sorted(chosen)]
+            self._pending = [it for i, it in enumerate(self._pending) if i not in picked]
         now = time.monotonic()
         for it in batch:
             it.job.started = True
@@ -439,10 +444,13 @@ class Batcher:
         self._cond.notify_all()
 
     def _expire_due(self, now: float) -> None:
+        if now < self._earliest_deadline:  # nothing queued can be due: skip the scan
+            return
         due = {id(it.job): it.job for it in self._pending
                if it.job.deadline <= now and not it.job.started}
         for job in due.values():
             self._drop(job, deadline_error())
+        self._earliest_deadline = min((it.job.deadline for it in self._pending), default=math.inf)
 
     def _retry_after(self) -> int:
         if self._rate <= 0:

@@ -37,7 +37,7 @@ _WATCH_S = 0.5  # how often it checks the batcher thread
 _TRIM_EVERY_S = 5.0  # how often it hands freed heap memory back (see heap.py)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Embedded:
     """The rows for one request, in input order, and where its time went."""
 

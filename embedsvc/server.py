@@ -1,6 +1,8 @@
 """``embedsvc serve``: load the model, then serve it with waitress; drain on SIGTERM or SIGINT.
 
->>> serve(Settings(port=0))     # doctest: +SKIP
+Example (loads the model and blocks)::
+
+    serve(Settings(port=0))
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class Server:
     until no request has arrived for a moment, then makes ``run`` return. A second signal
     stops at once.
 
-    >>> server = Server(Settings(port=0), engine)            # doctest: +SKIP
-    >>> threading.Thread(target=server.run, args=(False,)).start()  # doctest: +SKIP
+    Example::
+
+        server = Server(Settings(port=0), engine)
+        threading.Thread(target=server.run, args=(False,)).start()
     """
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
