@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 Inputs = Sequence[str] | Sequence[Sequence[int]]
 _REAP_S = 0.1  # how often the watchdog fails queued requests past their deadline or orphaned
 _WATCH_S = 0.5  # how often it checks the batcher thread
-_TRIM_EVERY_S = 5.0  # how often it hands freed heap memory back (see heap.py)
+_TRIM_AFTER_BATCH_S = 0.5  # the batcher hands freed heap memory back at most this often
+_TRIM_IDLE_S = 5.0  # and the watchdog when no batch did for this long (see heap.py)
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class Engine:
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
         self._ready = threading.Event()
         self._stop = threading.Event()
+        self._last_trim = time.monotonic()
         self._draining = False
         self._started = False
         self._start_lock = threading.Lock()
@@ -115,7 +118,8 @@ class Engine:
         limits = BatchLimits(
             s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue
         )
-        self.batcher = Batcher(encoder.encode, limits, metrics=self.metrics)
+        self.batcher = Batcher(partial(self._encode, encoder.encode), limits,
+                               metrics=self.metrics)
         self.batcher.start()
         threading.Thread(target=self._watch, name="embedsvc-watchdog", daemon=True).start()
         self.encoder = encoder
@@ -144,7 +148,7 @@ class Engine:
     def _watch(self) -> None:
         """Expire queued requests; restart the batcher thread if it dies (/health says
         unhealthy meanwhile); trim the heap."""
-        last_watch = last_trim = time.monotonic()
+        last_watch = time.monotonic()
         while not self._stop.wait(_REAP_S):
             try:
                 if self.batcher is not None:
@@ -154,11 +158,23 @@ class Engine:
                     last_watch = now
                     if self.batcher is not None and not self.batcher.alive:
                         self.batcher.restart()
-                if now - last_trim >= _TRIM_EVERY_S:
-                    last_trim = now
-                    heap.trim()
+                self._trim(_TRIM_IDLE_S)
             except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
                 log.exception("watchdog tick failed; continuing")
+
+    def _encode(self, encode: Callable[[list[list[int]]], np.ndarray],
+                batch: list[list[int]]) -> np.ndarray:
+        rows = encode(batch)
+        # The activations just freed would otherwise stay resident: varying batch shapes
+        # fragment the heap, and a bulk run's memory grew with its length (bench/RESULTS.md).
+        self._trim(_TRIM_AFTER_BATCH_S)
+        return rows
+
+    def _trim(self, gap_s: float) -> None:
+        now = time.monotonic()
+        if now - self._last_trim >= gap_s:
+            self._last_trim = now
+            heap.trim()  # a few milliseconds after a large batch
 
     def drain(self, timeout: float) -> ShutdownReport:
         """Refuse new work, finish what was admitted within ``timeout``."""

@@ -1,4 +1,5 @@
 import base64
+import io
 import threading
 import time
 
@@ -311,3 +312,65 @@ def test_openapi_describes_every_route(client):
     fields = doc["components"]["schemas"]["EmbeddingsRequest"]["properties"]
     assert set(fields) == {"input", "model", "encoding_format", "dimensions", "user"}
     assert orjson.loads(orjson.dumps(doc)) == doc
+
+
+def test_the_wsgi_front_refuses_other_methods_on_post_routes(client, fake):
+    for method in ("PUT", "DELETE", "PATCH"):
+        resp = client.open("/v1/embeddings", method=method, json={"input": "x"})
+        assert_error(resp, 405, "invalid_request_error")
+        assert resp.headers["Allow"] == "POST"
+    assert_still_serving(client, fake)
+
+
+def test_the_wsgi_front_reads_a_body_without_content_length(fake, registry):
+    # A chunked upload reaches the app without CONTENT_LENGTH; the body runs to the stream's end.
+    app = make_app(fake, registry, max_body_bytes=1000)
+    seen = {}
+
+    def call(body: bytes, length: str | None):
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/embed",
+                   "wsgi.input": io.BytesIO(body)}
+        if length is not None:
+            environ["CONTENT_LENGTH"] = length
+        out = b"".join(app.wsgi_app(environ, lambda status, headers: seen.update(s=status)))
+        return int(seen["s"].split()[0]), orjson.loads(out)
+
+    status, rows = call(b'{"inputs": ["hello world"]}', None)
+    assert status == 200
+    np.testing.assert_allclose(rows[0], fake.expected("hello world"), rtol=1e-6)
+    status, err = call(b'{"inputs": "' + b"a" * 2000 + b'"}', None)
+    assert status == 413 and err["error"]["code"] == "body_too_large"
+    status, err = call(b'{"inputs": "x"}', "-5")
+    assert status == 400 and err["error"]["code"] == "invalid_content_length"
+
+
+def test_a_waiting_client_that_hangs_up_is_dropped_before_compute(fake, registry):
+    app = make_app(fake, registry)
+    engine = app.extensions["embedsvc"]
+    fake.hold()
+    first = threading.Thread(target=lambda: app.test_client().post("/embed",
+                                                                   json={"inputs": "first"}))
+    first.start()
+    assert fake.entered.wait(5)
+    gone = threading.Event()
+    replies = []
+
+    def orphan():
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/embed",
+                   "wsgi.input": io.BytesIO(b'{"inputs": "orphan words"}'),
+                   "CONTENT_LENGTH": "26", "waitress.client_disconnected": gone.is_set}
+        replies.append(b"".join(app.wsgi_app(environ, lambda status, headers: None)))
+
+    t = threading.Thread(target=orphan)
+    t.start()
+    deadline = time.monotonic() + 5
+    while engine.batcher.depth == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gone.set()  # the watchdog notices within its 100 ms tick
+    t.join(5)
+    assert orjson.loads(replies[0])["error"]["code"] == "client_disconnected"
+    fake.gate.set()
+    first.join(5)
+    assert all(fake.wrap(fake.tokenize(["orphan words"])[0]) not in b for b in fake.batches)
+    assert registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                     {"reason": "disconnected"}) == 1

@@ -6,7 +6,14 @@ import pytest
 
 from embedsvc.batcher import Batcher, BatchLimits, plan_batch
 from embedsvc.encoder import DeviceOutOfMemory, FakeEncoder
-from embedsvc.errors import BatchFailed, DeadlineExceeded, Overloaded, PayloadTooLarge, Unavailable
+from embedsvc.errors import (
+    BatchFailed,
+    ClientDisconnected,
+    DeadlineExceeded,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
 from embedsvc.metrics import Metrics
 
 from .conftest import GatedEncoder
@@ -245,3 +252,39 @@ def test_metrics_count_batches_inputs_and_tokens(metrics, registry):
     assert get("embedsvc_input_tokens_total") == 3 + 4 + 3
     assert get("embedsvc_batch_tokens_sum") == 3 + 4 * 2
     assert get("embedsvc_queue_depth") == 0
+
+
+def test_reap_fails_queued_jobs_past_their_deadline_or_orphaned_but_not_running_ones(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    running = occupy(b, enc)
+    gone = threading.Event()
+    late = b.submit([ids(5)], time.monotonic() + 0.01)
+    orphan = b.submit([ids(6)], later(), disconnected=gone.is_set)
+    patient = b.submit([ids(7)], later(), disconnected=gone.is_set)
+    time.sleep(0.02)
+    assert b.reap() == 1  # only the late one; nobody has left yet
+    gone.set()
+    patient.disconnected = None  # this client is still there
+    assert b.reap() == 1
+    with pytest.raises(DeadlineExceeded):
+        late.result(1)
+    with pytest.raises(ClientDisconnected):
+        orphan.result(1)
+    enc.gate.set()
+    running.result(5)
+    np.testing.assert_array_equal(patient.result(5)[0], enc.vector(ids(7)))
+    assert all(ids(5) not in batch and ids(6) not in batch for batch in enc.batches)
+    assert b.admitted == 0
+    b.shutdown(1)
+
+
+def test_a_job_can_be_waited_on_more_than_once_and_a_timeout_says_not_done(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    job = occupy(b, enc)
+    assert job.wait(0.01) is False and not job.done
+    enc.gate.set()
+    assert job.wait(5) and job.wait(0) and job.done
+    np.testing.assert_array_equal(job.result(0)[0], enc.vector(ids(999)))
+    b.shutdown(1)
