@@ -8,7 +8,9 @@ absolute numbers. Scenarios: 1 client x 1 input; 32 clients x 1 input; 4 clients
 inputs (10-word sentences); 32 clients x 1 input of 5 to 200 words. Then embedsvc over a
 simulated zero-cost device (bench/sim_server.py): its sustained requests/s and the server
 CPU microseconds per request and per input, for 1- and 32-input requests, next to
-Infinity's debugengine. Infinity is installed into bench/out/infinity-venv on first use.
+Infinity's debugengine and, when granian is installed (the bench extra), the same app
+under granian's WSGI server instead of waitress. Infinity is installed into
+bench/out/infinity-venv on first use.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     if name == "sim":
         return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
             "/v1/embeddings", {}
+    if name == "sim-granian":  # the same app under an HTTP server with a compiled parser
+        return [str(VENV_BIN / "granian"), "--interface", "wsgi", "--factory", "--host",
+                "127.0.0.1", "--port", str(port), "--workers", "1", "--runtime-threads", "1",
+                "--blocking-threads", "64", "--log-level", "warning",
+                "bench.sim_server:make_app"], "/v1/embeddings", {}
     if name in ("infinity", "infinity-debug"):
         engine = "debugengine" if name == "infinity-debug" else "torch"
         return [str(INFINITY_VENV / "bin" / "infinity_emb"), "v2", "--model-id", model_path(),
@@ -148,8 +155,8 @@ class Running:
         raise RuntimeError(f"{self.name} not ready after {timeout}s")
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        """User and system CPU of the server and its worker processes (granian forks one)."""
+        return sum(_cpu_ticks(pid) for pid in _tree(self.proc.pid)) / CLK_TCK
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -162,6 +169,21 @@ class Running:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _tree(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        children += [int(c) for c in task.read_text().split()]
+    return [pid] + [p for child in children for p in _tree(child)]
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -269,7 +291,7 @@ def targets(results: list[Result], offline: dict[int, float]) -> str:
     e32, e128, e1 = by.get(("embedsvc", "32x1")), by.get(("embedsvc", "4x32")), \
         by.get(("embedsvc", "1x1"))
     inf32, mixed = by.get(("infinity", "32x1")), by.get(("embedsvc", "mixed 32x1"))
-    sim = by.get(("sim", "sim 64x1"))
+    sim, granian = by.get(("sim", "sim 64x1")), by.get(("sim-granian", "sim 64x1"))
     row("32x1 / offline batch 32", e32 and e32.inputs_per_s / offline[32], 0.75, "{:.2f}")
     row("32x1 / Infinity 32x1", e32 and inf32 and e32.inputs_per_s / inf32.inputs_per_s, 2.0,
         "{:.2f}")
@@ -278,6 +300,7 @@ def targets(results: list[Result], offline: dict[int, float]) -> str:
         higher=False)
     row("mixed padding efficiency", mixed and mixed.padding, 0.8, "{:.2f}")
     row("simulated zero-cost device, 1-input req/s", sim and sim.rps, 2000, "{:.0f}")
+    row("the same under granian instead of waitress", granian and granian.rps, 2000, "{:.0f}")
     return "| target | measured | goal | |\n|---|---:|---:|---|\n" + "\n".join(rows)
 
 
@@ -301,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(n, SCENARIOS) for n in ("embedsvc", "naive", "infinity") if n in wanted]
     if "sim" in wanted:
         plan.append(("sim", SIM_SCENARIOS))
+        if (VENV_BIN / "granian").exists():
+            plan.append(("sim-granian", SIM_SCENARIOS))
+        else:
+            print("sim-granian left out: pip install -e '.[bench]' to compare with granian")
         if "infinity" in wanted:
             plan.append(("infinity-debug", SIM_SCENARIOS))
     for port, (name, scenarios) in enumerate(plan, start=18801):

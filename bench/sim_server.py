@@ -11,11 +11,30 @@ from __future__ import annotations
 
 import argparse
 
+from flask import Flask
+
+from embedsvc.api import create_app
 from embedsvc.encoder import FakeEncoder
 from embedsvc.engine import Engine
 from embedsvc.logs import configure_logging
 from embedsvc.server import Server
 from embedsvc.settings import Settings
+
+
+def build_engine(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0) -> Engine:
+    encoder = FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
+                          per_token_s=per_token_us / 1e6, record=False)
+    engine = Engine(settings, encoder=encoder)
+    engine.start(background=False)
+    return engine
+
+
+def make_app() -> Flask:
+    """The same app for another WSGI server: ``granian --interface wsgi --factory
+    bench.sim_server:make_app`` (zero-cost device)."""
+    settings = Settings(log_level="warning")
+    configure_logging(settings.log_level, settings.log_format)
+    return create_app(settings, engine=build_engine(settings))
 
 
 def main() -> None:
@@ -27,11 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings(port=args.port, threads=args.threads, log_level="warning")
     configure_logging(settings.log_level, settings.log_format)
-    encoder = FakeEncoder(dimension=384, max_input_tokens=256, delay_s=args.fixed_ms / 1000,
-                          per_token_s=args.per_token_us / 1e6, record=False)
-    engine = Engine(settings, encoder=encoder)
-    engine.start(background=False)
-    Server(settings, engine).run()
+    Server(settings, build_engine(settings, args.fixed_ms, args.per_token_us)).run()
 
 
 if __name__ == "__main__":
