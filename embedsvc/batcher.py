@@ -237,14 +237,12 @@ class Batcher:
         Called periodically (the engine's watchdog), so that a waiting request thread needs
         no timeout of its own: a timed wait costs measurably more CPU than a plain one.
         """
-        now = time.monotonic()
         with self._cond:
-            waiting = list({id(it.job): it.job for it in self._pending}.values())
-        failed = 0
-        for job in waiting:
-            if job.deadline <= now:
-                failed += self.expire(job, deadline_error())
-            elif job.disconnected is not None and job.disconnected():
+            failed = self._expire_due(time.monotonic())
+            watched = list({id(it.job): it.job for it in self._pending
+                            if it.job.disconnected is not None}.values())
+        for job in watched:
+            if job.disconnected():  # type: ignore[misc]
                 gone = ClientDisconnected("the client disconnected", code="client_disconnected")
                 failed += self.expire(job, gone)
         return failed
@@ -443,14 +441,16 @@ class Batcher:
         self._current_released += n
         self._cond.notify_all()
 
-    def _expire_due(self, now: float) -> None:
+    def _expire_due(self, now: float) -> int:
+        """Fail queued jobs past their deadline; how many."""
         if now < self._earliest_deadline:  # nothing queued can be due: skip the scan
-            return
+            return 0
         due = {id(it.job): it.job for it in self._pending
                if it.job.deadline <= now and not it.job.started}
         for job in due.values():
             self._drop(job, deadline_error())
         self._earliest_deadline = min((it.job.deadline for it in self._pending), default=math.inf)
+        return len(due)
 
     def _retry_after(self) -> int:
         if self._rate <= 0:

@@ -247,8 +247,7 @@ class Engine:
         self.metrics.tokenization.observe(tokenize_s)
         assert self.batcher is not None
         job = self.batcher.submit(ids, deadline, disconnected)
-        job.wait(None)  # the watchdog fails it at its deadline while it is queued
-        rows = job.result()
+        rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
         if dimensions is not None:
             rows = rows[:, :dimensions]
         if normalize:

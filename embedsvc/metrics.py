@@ -183,9 +183,7 @@ class BulkHistogram(Collector):
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect_left(self._bounds, value)] += 1
-            self._sum += value
+        self.observe_many((value,))
 
     def observe_many(self, values: Iterable[float]) -> None:
         bounds, counts, total = self._bounds, self._counts, 0.0
