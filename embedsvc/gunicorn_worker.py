@@ -178,6 +178,12 @@ class ThreadWorker(gthread.ThreadWorker):
         self.poller.register(sock, selectors.EVENT_READ,
                              partial(self.on_pending_socket_readable, conn))
 
+    def murder_pending(self) -> None:
+        waiting = len(self.pending_conns)
+        super().murder_pending()
+        for _ in range(waiting - len(self.pending_conns)):
+            self._count_closed("header_timeout")  # no first byte by the head's deadline
+
     def finish_request(self, conn: Any, fs: Any) -> None:
         # gunicorn closes with util.close_graceful, which lingers up to 2 s reading from the
         # client, on the main loop: a client that keeps trickling stalls every connection.

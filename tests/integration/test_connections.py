@@ -184,7 +184,7 @@ def fds_to_deleted_files(pid: int) -> list[str]:
             target = os.readlink(fd)
         except OSError:
             continue
-        if target.endswith("(deleted)"):
+        if target.endswith("(deleted)") and "/wgunicorn-" not in target:  # not its heartbeat
             found.append(target)
     return found
 
@@ -250,8 +250,8 @@ MALFORMED = {
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_the_http_servers_own_answers_are_json(bounded, case):
     data, want = MALFORMED[case]
-    if bounded.launcher == "gunicorn-conf" and case == "huge header":
-        want = 400  # gunicorn answers a field over limit_request_field_size with 400
+    if bounded.launcher == "gunicorn-conf" and case == "unknown transfer coding":
+        want = 400  # gunicorn refuses the header itself
     status, headers, body = raw_exchange(bounded.port, data)
     assert_json_error(status, headers, body, want)
 
