@@ -88,7 +88,7 @@ class ProbeListener:
         if self._thread is None:
             return
         server = self.server
-        server.trigger.pull_trigger(lambda: (waitress_adapter.stop_listening(server),
+        server.trigger.pull_trigger(lambda: (waitress_adapter.start_draining(server),
                                              waitress_adapter.close(server)))
         self._thread.join(timeout)
         self._thread = None

@@ -110,11 +110,11 @@ class Server:
         deadline = started + self.settings.drain_timeout_s
         computed_before = self._inputs_computed()
         server = self.waitress
-        server.trigger.pull_trigger(lambda: waitress_adapter.stop_listening(server))
+        server.trigger.pull_trigger(lambda: waitress_adapter.start_draining(server))
         # Requests arriving or running now (an upload in progress, a request between its
         # parsing and the batcher) are let in before the engine stops admitting.
-        arriving = waitress_adapter.busy_channels(server)
-        while waitress_adapter.any_busy(server, arriving) and time.monotonic() < deadline:
+        arriving = waitress_adapter.requests_in_progress(server)
+        while waitress_adapter.still_in_progress(arriving) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         report = self.engine.drain(max(0.0, deadline - time.monotonic()))
         quiet_since = None  # a request still in transit on a kept-alive connection gets a 503

@@ -14,7 +14,8 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   written before the connection closes, so the access log never records an answer that was
   not written to the socket;
 - the JSON error shape for the answers waitress writes itself (400, 408, 413, 431, 501, 500);
-- what the graceful drain needs to know about connections.
+- what the graceful drain needs: connections closing after their answer, and which requests
+  are in progress.
 
 It reaches into waitress's ``HTTPChannel``, ``ErrorTask``, ``TcpWSGIServer.maintenance`` and
 the server's socket map, so waitress is bounded below 3.1 in pyproject.toml and
@@ -176,6 +177,10 @@ class Channel(HTTPChannel):
         return self.peer_closed or not self.connected
 
     def service(self) -> None:
+        if self.server.draining and self.requests:
+            # answer with "Connection: close", so the client sends its next request elsewhere
+            # instead of onto a connection that is about to close
+            self.requests[0].headers["CONNECTION"] = "close"
         super().service()
         if self.peer_closed:
             with self.requests_lock:
@@ -214,6 +219,7 @@ class Server(TcpWSGIServer):
     """A waitress TCP server whose maintenance sweep enforces ``Bounds``."""
 
     channel_class = Channel
+    draining = False
 
     def __init__(self, app: Any, adj: Adjustments, bounds: Bounds,
                  on_close: Callable[[str], None], on_error: Callable[[Any, int], None]) -> None:
@@ -262,8 +268,10 @@ def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, iden
     return Server(app, adj, bounds, on_close, on_error)
 
 
-def stop_listening(server: Server) -> None:
-    """Close the listening socket only; open connections stay (call in the loop thread)."""
+def start_draining(server: Server) -> None:
+    """Close the listening socket; open connections stay, each closing after its next answer
+    (call in the loop thread)."""
+    server.draining = True
     server.accepting = False
     dispatcher.close(server)
 
@@ -273,18 +281,29 @@ def close(server: Server) -> None:
     close_all(server._map)
 
 
-def busy_channels(server: Server) -> list[Channel]:
-    return [ch for ch in server.channels() if ch.busy()]
+def requests_in_progress(server: Server) -> list[tuple[Channel, Any]]:
+    """Each request arriving, queued or being served now, with its connection."""
+    found = []
+    for ch in server.channels():
+        with ch.requests_lock:
+            if ch.request is not None:
+                found.append((ch, ch.request))
+            found += [(ch, request) for request in ch.requests]
+    return found
 
 
-def any_busy(server: Server, channels: Iterable[Channel] | None = None) -> bool:
-    """Whether a request is queued or running, or one of ``channels`` (default all) is busy."""
+def still_in_progress(requests: Iterable[tuple[Channel, Any]]) -> bool:
+    """Whether any of ``requests`` is still arriving, queued or being served."""
+    return any(ch.connected and (request is ch.request or any(r is request for r in ch.requests))
+               for ch, request in requests)
+
+
+def any_busy(server: Server) -> bool:
+    """Whether a request is queued or running, or any connection has one or output left."""
     tasks = server.task_dispatcher
-    if channels is None and (tasks.queue or tasks.active_count > 0):
+    if tasks.queue or tasks.active_count > 0:
         return True
-    open_now = set(map(id, server.channels()))
-    pool = server.channels() if channels is None else channels
-    return any(id(ch) in open_now and ch.busy() for ch in pool)
+    return any(ch.busy() for ch in server.channels())
 
 
 def open_connections(server: Server) -> int:

@@ -30,7 +30,7 @@ def test_a_built_server_has_the_instance_state_the_drain_reads():
             time.sleep(0.01)
         assert not waitress_adapter.any_busy(server)
     finally:
-        waitress_adapter.stop_listening(server)
+        waitress_adapter.start_draining(server)
         waitress_adapter.close(server)
         server.task_dispatcher.shutdown(timeout=1)
 
