@@ -81,14 +81,14 @@ class ProbeListener:
         try:
             self.server.run()
         finally:
-            self.server.task_dispatcher.shutdown(timeout=2)
+            waitress_adapter.stop_threads(self.server, 2)
 
     def stop(self, timeout: float = 5) -> None:
         """Close the listener and its connections; safe from any thread."""
         if self._thread is None:
             return
         server = self.server
-        server.trigger.pull_trigger(lambda: (waitress_adapter.start_draining(server),
-                                             waitress_adapter.close(server)))
+        waitress_adapter.in_loop(server, lambda: (waitress_adapter.start_draining(server),
+                                                  waitress_adapter.close(server)))
         self._thread.join(timeout)
         self._thread = None

@@ -85,7 +85,7 @@ class Server:
         try:
             self.waitress.run()  # returns when the drain has closed every channel
         finally:
-            self.waitress.task_dispatcher.shutdown(timeout=5)
+            waitress_adapter.stop_threads(self.waitress, 5)
             if self.probes is not None:
                 self.probes.stop()
 
@@ -110,7 +110,7 @@ class Server:
         deadline = started + self.settings.drain_timeout_s
         computed_before = self._inputs_computed()
         server = self.waitress
-        server.trigger.pull_trigger(lambda: waitress_adapter.start_draining(server))
+        waitress_adapter.in_loop(server, lambda: waitress_adapter.start_draining(server))
         # Requests arriving or running now (an upload in progress, a request between its
         # parsing and the batcher) are let in before the engine stops admitting.
         arriving = waitress_adapter.requests_in_progress(server)
@@ -129,7 +129,7 @@ class Server:
         log.info("drained in %.1fs: %d inputs computed while draining; requests unfinished at "
                  "the timeout (%d inputs) got 503; stopping", time.monotonic() - started,
                  self._inputs_computed() - computed_before, report.failed)
-        server.trigger.pull_trigger(lambda: waitress_adapter.close(server))
+        waitress_adapter.in_loop(server, lambda: waitress_adapter.close(server))
 
     def _inputs_computed(self) -> int:
         value = self.engine.metrics.registry.get_sample_value("embedsvc_inputs_total")

@@ -268,6 +268,16 @@ def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, iden
     return Server(app, adj, bounds, on_close, on_error)
 
 
+def in_loop(server: Server, thunk: Callable[[], object]) -> None:
+    """Run ``thunk`` in the server's event loop thread, soon; safe from any thread."""
+    server.trigger.pull_trigger(thunk)
+
+
+def stop_threads(server: Server, timeout: float) -> None:
+    """Stop the request threads, waiting up to ``timeout`` for running requests."""
+    server.task_dispatcher.shutdown(timeout=timeout)
+
+
 def start_draining(server: Server) -> None:
     """Close the listening socket; open connections stay, each closing after its next answer
     (call in the loop thread)."""
