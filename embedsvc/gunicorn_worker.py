@@ -42,6 +42,7 @@ from gunicorn.http.errors import NoMoreData
 from gunicorn.workers import gthread
 
 from .errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from .process import ensure_open_files
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class ThreadWorker(gthread.ThreadWorker):
             raise RuntimeError("this gunicorn lacks what embedsvc's worker uses: "
                                + ", ".join(missing) + "; install gunicorn>=27,<28")
         self.settings = Settings.from_env(os.environ)
+        ensure_open_files(self.cfg.worker_connections)
         util.write_error = write_json_error
         super().init_process()
 

@@ -21,6 +21,7 @@ from .api import create_app
 from .engine import Engine
 from .logs import configure_logging
 from .probe import ProbeListener
+from .process import ensure_open_files
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -160,5 +161,6 @@ def serve(settings: Settings) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
+    ensure_open_files(settings.max_connections)
     Server(settings, engine).run()
     return 0

@@ -132,3 +132,18 @@ def test_heap_trim_works_on_this_linux():
     from embedsvc import heap
 
     assert heap.trim() is True
+
+
+def test_the_open_files_limit_is_raised_to_fit_the_connections():
+    import resource
+
+    from embedsvc.process import ensure_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        want = 600 if hard == resource.RLIM_INFINITY else min(600, hard)
+        assert ensure_open_files(500, spare=100) == want
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
