@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -321,36 +322,29 @@ def test_a_second_sigterm_exits_at_once_without_sigabrt(tmp_path):
     assert "terminate called" not in server.output()
 
 
-def test_sighup_drains_like_sigterm(tmp_path):
-    out: list = []
-    with serve(tmp_path, "--max-batch-size", "16") as server:
-        thread = post_in_thread(server, LONG[:64], out)
-        wait_computing(server)
-        server.proc.send_signal(1)  # SIGHUP
-        code = server.proc.wait(60)
-        thread.join(10)
-    assert code == 0, server.output()[-2000:]
-    assert out and not isinstance(out[0], Exception) and out[0].status_code == 200
-    assert len(out[0].json()) == 64
-    assert "drained in" in server.output()
-
-
-def test_an_upload_in_progress_at_sigterm_completes(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, signum):
     body = json.dumps({"inputs": ["uploaded across the signal"] * 4}).encode()
     head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
-    with serve(tmp_path, "--drain-timeout-s", "20") as server, \
+    out: list = []
+    with serve(tmp_path, "--drain-timeout-s", "20", "--max-batch-size", "16") as server, \
             socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body[:10])
-        time.sleep(0.3)
-        server.proc.terminate()
+        thread = post_in_thread(server, LONG[:64], out)
+        wait_computing(server)
+        server.proc.send_signal(signum)
         time.sleep(1.0)  # the old drain closed the connection after 0.2 s of quiet
         sock.sendall(body[10:])
         status, _, answer = read_response(sock, 30)
         code = server.proc.wait(30)
+        thread.join(10)
     assert status == 200, answer[:300]
     assert len(json.loads(answer)) == 4
-    assert code == 0
+    assert out and not isinstance(out[0], Exception) and out[0].status_code == 200
+    assert len(out[0].json()) == 64
+    assert code == 0, server.output()[-2000:]
+    assert "drained in" in server.output()
 
 
 def test_the_drain_log_counts_inputs_computed_by_a_request_cut_at_the_timeout(tmp_path):
