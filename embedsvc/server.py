@@ -18,6 +18,7 @@ from typing import Any
 
 from . import waitress_adapter
 from .api import create_app
+from .batcher import ShutdownReport
 from .engine import Engine
 from .logs import configure_logging
 from .probe import ProbeListener
@@ -68,6 +69,7 @@ class Server:
         self.probes = (ProbeListener(self.app, settings)
                        if settings.health_port is not None else None)
         self._signals = 0
+        self.drain_report: ShutdownReport | None = None
 
     @property
     def port(self) -> int:
@@ -117,7 +119,7 @@ class Server:
         arriving = waitress_adapter.requests_in_progress(server)
         while waitress_adapter.still_in_progress(arriving) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-        report = self.engine.drain(max(0.0, deadline - time.monotonic()))
+        report = self.drain_report = self.engine.drain(max(0.0, deadline - time.monotonic()))
         quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
         while time.monotonic() < deadline:
             if waitress_adapter.any_busy(server):
@@ -162,5 +164,12 @@ def serve(settings: Settings) -> int:
         log.error("%s", exc)
         return 1
     ensure_open_files(settings.max_connections)
-    Server(settings, engine).run()
+    server = Server(settings, engine)
+    server.run()
+    if server.drain_report is not None and not server.drain_report.clean:
+        # The batch still on the device at the drain timeout runs in torch's native threads,
+        # which abort the process (SIGABRT) if the interpreter tears them down: leave now.
+        log.info("exiting with a batch still computing")
+        _flush_logs()
+        os._exit(0)
     return 0
