@@ -85,6 +85,13 @@ def _optional_text(text: str) -> str | None:
     return text or None
 
 
+def _optional_port(text: str) -> int | None:
+    value = text.strip().lower()
+    if value in ("", "off", "none"):
+        return None
+    return _port(value)
+
+
 def _setting(default: Any, parse: Callable[[str], Any], help: str) -> Any:
     return field(default=default, metadata={"parse": parse, "help": help})
 
@@ -132,6 +139,26 @@ class Settings:
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+    header_timeout_s: float = _setting(
+        10.0, _positive(float),
+        "a connection's request head must arrive in full within this long (from accept, or "
+        "from its first byte on a kept-alive connection), else the connection is closed",
+    )
+    body_timeout_s: float = _setting(
+        60.0, _positive(float),
+        "a request body must arrive in full within this long after its head, else 408",
+    )
+    idle_timeout_s: float = _setting(
+        30.0, _positive(float), "a kept-alive connection with no request is closed after this"
+    )
+    max_connections: int = _setting(
+        1000, _positive(int), "open client connections before the server stops accepting"
+    )
+    health_port: int | None = _setting(
+        None, _optional_port,
+        "serve /health, /metrics and /info also on this port, with their own threads "
+        "(off: not at all; 0: any free port)",
+    )
 
     def __post_init__(self) -> None:
         # Keyword values pass through the same parsers as the environment's strings, so a
