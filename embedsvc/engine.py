@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, heap
+from . import __version__, backend, heap
 from .batcher import Batcher, BatchLimits, ShutdownReport
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
 from .errors import InvalidRequest, Unavailable
@@ -55,9 +55,7 @@ def load_encoder(
     settings: Settings, preloaded: SentenceTransformerEncoder | None = None
 ) -> Encoder:
     """Load (unless a pre-fork master already did) and place the model in this process."""
-    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
-    encoder.place(settings.device, settings.dtype)
-    return encoder
+    return backend.load_encoder(settings, preloaded)
 
 
 class Engine:
