@@ -20,11 +20,11 @@ def reference():
     return SentenceTransformer(bundled_model_path(), device="cpu")
 
 
-@pytest.fixture(scope="session")
-def real_app():
-    """The Flask app on the real model, in this process."""
+@pytest.fixture(scope="session", params=["torch", "onnx"])
+def real_app(request):
+    """The Flask app on the real model, in this process, on each backend."""
     registry = CollectorRegistry()
-    engine = Engine(Settings(device="cpu"), metrics=Metrics(registry))
+    engine = Engine(Settings(device="cpu", backend=request.param), metrics=Metrics(registry))
     engine.start(background=False)
     app = create_app(engine.settings, engine=engine)
     yield app
