@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -24,7 +26,8 @@ def reference():
 def real_app(request):
     """The Flask app on the real model, in this process, on each backend."""
     registry = CollectorRegistry()
-    engine = Engine(Settings(device="cpu", backend=request.param), metrics=Metrics(registry))
+    settings = Settings.from_env(os.environ, device="cpu", backend=request.param)
+    engine = Engine(settings, metrics=Metrics(registry))
     engine.start(background=False)
     app = create_app(engine.settings, engine=engine)
     yield app
