@@ -79,8 +79,37 @@ def offline(seconds: float) -> dict[str, dict[int, float]]:
     return rates
 
 
-def served(seconds: float, infinity_engine: str | None) -> list[Result]:
-    results = []
+def sweep(seconds: float) -> str:
+    """ONNX Runtime float32 sentences/s by batch shape: what MAX_BATCH_TOKENS should allow."""
+    from embedsvc.backend import load_encoder
+    from embedsvc.settings import Settings
+
+    encoder = load_encoder(Settings.from_env({**os.environ, **CONFIGS["onnx fp32"]},
+                                             device="cpu"))
+    lines = ["| tokens per input | inputs per batch | padded tokens | sentences/s |",
+             "|---:|---:|---:|---:|"]
+    for words in (10, 100):
+        text = " ".join(sentences(1)[0].split()[:10] * (words // 10))
+        ids = encoder.wrap(encoder.tokenize([text])[0])
+        for size in (8, 32, 128, 512):
+            if len(ids) * size > 32768:
+                continue
+            batch = [ids] * size
+            encoder.encode(batch)
+            done, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                encoder.encode(batch)
+                done += size
+            rate = done / (time.perf_counter() - started)
+            lines.append(f"| {len(ids)} | {size} | {len(ids) * size} | {rate:.0f} |")
+            print("  " + lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def served(seconds: float, infinity_engine: str | None) -> tuple[list[Result], dict[str, float]]:
+    """The served scenarios per config, and seconds from launch to the first answer (the
+    cache already warm: offline() built every graph)."""
+    results, startup = [], {}
     plan = [(label, env) for label, env in CONFIGS.items()]
     if infinity_engine:
         plan.append((f"infinity {infinity_engine}", {}))
@@ -89,7 +118,9 @@ def served(seconds: float, infinity_engine: str | None) -> list[Result]:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
+            started = time.monotonic()
             server = Running(name, port)
+            startup[label] = time.monotonic() - started
         except RuntimeError as exc:
             print(f"  {label} left out: {exc}"[:500])
             continue
@@ -104,10 +135,11 @@ def served(seconds: float, infinity_engine: str | None) -> list[Result]:
                       f"{r.p50_ms:.1f} ms, errors {r.errors}", flush=True)
         finally:
             server.stop()
-    return results
+    return results, startup
 
 
-def report(rates: dict[str, dict[int, float]], results: list[Result]) -> str:
+def report(rates: dict[str, dict[int, float]], results: list[Result],
+           startup: dict[str, float]) -> str:
     torch32 = rates["torch fp32"]
     lines = ["| compute | offline batch 32 /s | offline batch 128 /s | vs torch fp32 (b32) |",
              "|---|---:|---:|---:|"]
@@ -128,6 +160,8 @@ def report(rates: dict[str, dict[int, float]], results: list[Result]) -> str:
         lines.append(f"| {r.scenario.name} | {r.server} | {r.inputs_per_s:.1f} | "
                      f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.errors} | {vs_offline} | "
                      f"{vs_torch} |")
+    lines.append("\nSeconds from launch to the first answer (warm cache, polled every 0.5 s): "
+                 + ", ".join(f"{label} {s:.1f}" for label, s in startup.items()) + ".")
     return "\n".join(lines)
 
 
@@ -138,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--infinity-engine", default="optimum",
                         help="Infinity's --engine (optimum is its ONNX Runtime engine); "
                         "'none' leaves Infinity out")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also ONNX Runtime's rate by batch shape (for MAX_BATCH_TOKENS)")
     parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_INFINITY_ENGINE"] = engine
     print("offline ...", flush=True)
     rates = offline(args.offline_seconds)
-    results = served(args.duration, engine)
-    text = report(rates, results)
+    results, startup = served(args.duration, engine)
+    text = report(rates, results, startup)
+    if args.sweep:
+        print("batch shapes ...", flush=True)
+        text += "\n\nONNX Runtime float32, one batch shape at a time:\n\n" + sweep(
+            args.offline_seconds)
     print("\n" + text)
     if args.record:
         command = "python bench/backends.py " + " ".join(argv if argv is not None
