@@ -156,7 +156,7 @@ def report(rates: dict[str, dict[int, float]], results: list[Result],
         limit = rates.get(r.server, {}).get(r.scenario.offline_batch or -2)
         vs_offline = f"{r.inputs_per_s / limit:.2f}" if limit else ""
         b = base.get(r.scenario.name)
-        vs_torch = f"{r.inputs_per_s / b.inputs_per_s:.2f}x" if b else ""
+        vs_torch = f"{r.inputs_per_s / b.inputs_per_s:.2f}x" if b and b.inputs_per_s else ""
         lines.append(f"| {r.scenario.name} | {r.server} | {r.inputs_per_s:.1f} | "
                      f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.errors} | {vs_offline} | "
                      f"{vs_torch} |")
