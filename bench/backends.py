@@ -169,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10, help="seconds per scenario")
     parser.add_argument("--offline-seconds", type=float, default=5, help="seconds per rate")
-    parser.add_argument("--infinity-engine", default="optimum",
-                        help="Infinity's --engine (optimum is its ONNX Runtime engine); "
-                        "'none' leaves Infinity out")
+    parser.add_argument("--infinity-engine", default="torch",
+                        help="Infinity's --engine; 'none' leaves it out. Its ONNX engine "
+                        "(optimum) did not load a local model here: infinity-emb 0.0.78 passes "
+                        "optimum an absolute file name where it expects one in the directory")
     parser.add_argument("--sweep", action="store_true",
                         help="also ONNX Runtime's rate by batch shape (for MAX_BATCH_TOKENS)")
     parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     OUT.mkdir(exist_ok=True)
+    os.environ.setdefault("EMBEDSVC_CACHE_DIR", str(OUT / "cache"))  # the servers' too
     engine = None if args.infinity_engine == "none" else args.infinity_engine
     if engine and not (INFINITY_VENV / "bin" / "infinity_emb").exists():
         print("Infinity is not installed (bench/run.py installs it); left out")
