@@ -9,8 +9,9 @@ together build it once and never read half a file. A file that exists but fails 
 >>> import tempfile
 >>> cache = GraphCache(Path(tempfile.mkdtemp()))
 >>> build = lambda path: path.write_text("graph")
->>> cache.get_or_build(cache.path("m", "abc"), build, Path.read_text)
-'graph'
+>>> text, path = cache.get_or_build(cache.path("m", "abc"), build, Path.read_text)
+>>> (text, path.name)
+('graph', 'm-abc.onnx')
 """
 
 from __future__ import annotations
@@ -51,22 +52,24 @@ class GraphCache:
         return self.root / f"{safe or 'model'}-{key[:24]}{suffix}"
 
     def get_or_build(self, path: Path, build: Callable[[Path], object],
-                     load: Callable[[Path], T]) -> T:
-        """``load(path)``; if that file is missing or does not load, ``build`` it first.
+                     load: Callable[[Path], T]) -> tuple[T, Path]:
+        """``load(path)`` and the path it read; if that file is missing or does not load,
+        ``build`` it first.
 
         ``load`` raises for a file that must not be served. In a directory this process cannot
-        write, a missing file is built into a private temporary directory instead.
+        write, a missing file is built into a private temporary directory, whose path is
+        returned.
         """
         found = _try_load(path, load)
         if found is not None:
-            return found[0]
+            return found[0], path
         failed = _identity(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(path):
                 if _identity(path) not in (None, failed):  # another process published one
                     found = _try_load(path, load)
-                return found[0] if found is not None else _publish(path, build, load)
+                return (found[0] if found is not None else _publish(path, build, load)), path
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
                 raise
@@ -74,7 +77,7 @@ class GraphCache:
             log.warning("cannot write the cache %s (%s): building %s for this process only; "
                         "run 'embedsvc export' where it is writable, or set CACHE_DIR",
                         path.parent, exc.strerror, private)
-            return _publish(private, build, load)
+            return _publish(private, build, load), private
 
 
 def _try_load(path: Path, load: Callable[[Path], T]) -> tuple[T] | None:

@@ -125,10 +125,10 @@ def attach(encoder: SentenceTransformerEncoder, settings: Settings) -> str:
     int8, path, quality = _int8(encoder, fp32, (path, key), cache, threads,
                                 settings.quantize_min_cosine)
     encoder.use_forward(int8, "onnx", "int8")
-    return (f"backend: ONNX Runtime int8 (QUANTIZE=int8) on the CPU, {threads} intra-op "
-            f"threads; cosine to float32 on {quality.texts} texts: mean {quality.mean:.4f}, "
-            f"min {quality.min:.4f} (floor QUANTIZE_MIN_COSINE={settings.quantize_min_cosine}); "
-            f"graph {path}")
+    return (f"backend: ONNX Runtime on the CPU, serving a model quantized to int8 "
+            f"(QUANTIZE=int8), {threads} intra-op threads; cosine to float32 on "
+            f"{quality.texts} texts: mean {quality.mean:.4f}, min {quality.min:.4f} (floor "
+            f"QUANTIZE_MIN_COSINE={settings.quantize_min_cosine}); graph {path}")
 
 
 def available_cpus() -> int:
@@ -168,7 +168,8 @@ def _float32(encoder: SentenceTransformerEncoder, output_key: str, cache: GraphC
             break
     key = model_key(encoder.input_module)
     path = cache.path(encoder.info.name, key)
-    return cache.get_or_build(path, partial(export_graph, encoder), verified), path, key
+    forward, path = cache.get_or_build(path, partial(export_graph, encoder), verified)
+    return forward, path, key
 
 
 def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[Path, str],
@@ -188,7 +189,7 @@ def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[
 
     key = hashlib.sha256(f"{source[1]}|int8-dynamic-per-channel|{FORMAT}".encode()).hexdigest()
     path = cache.path(encoder.info.name + "-int8", key)
-    forward, quality = cache.get_or_build(path, partial(quantize_graph, source[0]), load)
+    (forward, quality), path = cache.get_or_build(path, partial(quantize_graph, source[0]), load)
     if quality.mean < floor:
         raise QualityBelowFloor(
             f"QUANTIZE=int8 refused: mean cosine to float32 is {quality.mean:.4f} (min "

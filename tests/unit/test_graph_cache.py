@@ -31,8 +31,8 @@ class Builder:
 def test_a_missing_file_is_built_once_then_read(tmp_path):
     cache, build = GraphCache(tmp_path / "c"), Builder()
     path = cache.path("all-MiniLM-L6-v2", "ab" * 32)
-    assert cache.get_or_build(path, build, load) == GOOD
-    assert cache.get_or_build(path, build, load) == GOOD
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
     assert build.calls == 1
     assert path.read_text() == GOOD
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
@@ -44,7 +44,7 @@ def test_an_unusable_file_is_rebuilt_not_served(tmp_path, content):
     cache, build = GraphCache(tmp_path), Builder()
     path = cache.path("m", "cd" * 32)
     path.write_text(content)
-    assert cache.get_or_build(path, build, load) == GOOD
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
     assert build.calls == 1 and path.read_text() == GOOD
 
 
@@ -68,7 +68,7 @@ def _start(root: str, counter: str, out: str) -> None:
                 time.sleep(0.02)
 
     cache = GraphCache(Path(root))
-    Path(out).write_text(cache.get_or_build(cache.path("m", "12" * 32), build, load))
+    Path(out).write_text(cache.get_or_build(cache.path("m", "12" * 32), build, load)[0])
 
 
 def test_processes_starting_together_build_once_and_all_read_the_whole_file(tmp_path):
