@@ -1,6 +1,8 @@
 """The cache of exported graphs: built once, rebuilt when unusable, safe to start twice at once."""
 
+import errno
 import multiprocessing
+import shutil
 import time
 from pathlib import Path
 
@@ -95,3 +97,18 @@ def test_the_cache_root_follows_the_setting_then_xdg_then_home(tmp_path):
 def test_names_stay_inside_the_cache_directory(tmp_path):
     path = GraphCache(tmp_path).path("../../etc/org/model", "ab" * 32)
     assert path.parent == tmp_path and path.name.endswith("-" + "ab" * 12 + ".onnx")
+
+
+def test_a_cache_that_cannot_be_written_builds_privately_and_says_so(tmp_path, monkeypatch,
+                                                                     caplog):
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)  # as a read-only mount answers; root ignores modes
+    cache, build = GraphCache(tmp_path / "ro"), Builder()
+    text, where = cache.get_or_build(cache.path("m", "34" * 32), build, load)
+    monkeypatch.undo()
+    assert text == GOOD and where.read_text() == GOOD
+    assert where.parent != tmp_path / "ro" and not (tmp_path / "ro").exists()
+    assert "cannot write the cache" in caplog.text and "embedsvc export" in caplog.text
+    shutil.rmtree(where.parent)
