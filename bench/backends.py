@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = None
     if engine:
         os.environ["BENCH_INFINITY_ENGINE"] = engine
+    load = os.getloadavg()
     print("offline ...", flush=True)
     rates = offline(args.offline_seconds)
     results, startup = served(args.duration, engine)
@@ -201,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(BENCH / "RESULTS.md", "a") as f:
             f.write(f"\n## {when}: `{command}`\n\n{os.cpu_count()} cores, "
-                    f"{platform.machine()}; wrk and the server share the cores.\n\n{text}\n")
+                    f"{platform.machine()}; wrk and the server share the cores; load average "
+                    f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above "
+                    f"{os.cpu_count()}, other work shared the cores).\n\n{text}\n")
     return 0
 
 
