@@ -70,6 +70,13 @@ def _non_negative(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError("must be greater than 0 and at most 1")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -158,6 +165,23 @@ class Settings:
         None, _optional_port,
         "serve /health, /metrics and /info also on this port, with their own threads "
         "(off: not at all; 0: any free port)",
+    )
+    backend: str = _setting(
+        "auto", _choice("auto", "torch", "onnx"),
+        "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx",
+    )
+    quantize: str = _setting(
+        "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)"
+    )
+    quantize_min_cosine: float = _setting(
+        0.99, _fraction, "QUANTIZE=int8 refuses to serve below this mean cosine to float32"
+    )
+    cache_dir: str = _setting(
+        "", _text, "where exported ONNX graphs are kept; empty: $XDG_CACHE_HOME/embedsvc "
+        "(~/.cache/embedsvc)"
+    )
+    onnx_threads: int = _setting(
+        0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use"
     )
 
     def __post_init__(self) -> None:
