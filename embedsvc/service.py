@@ -129,7 +129,7 @@ class Service:
             encoder = self._given or self._loader()
         except Exception as exc:
             log.exception("the model failed to load")
-            self.failure = f"the model failed to load: {type(exc).__name__}"
+            self.failure = f"the model failed to load: {exc}"
             self._loaded.set()
             return
         batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),
