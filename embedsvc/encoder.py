@@ -181,7 +181,7 @@ class SentenceTransformerEncoder:
             encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
             return [e.ids for e in encodings]
         return [ids for ids, _ in token_window(self._tokenizer, texts, limit, direction,
-                                               self._margin)]
+                                               self._margin, offsets=False)]
 
     def wrap(self, ids: Sequence[int]) -> list[int]:
         return [*self._prefix, *ids, *self._suffix]

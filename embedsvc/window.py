@@ -25,12 +25,14 @@ _BOUNDARY_WORDS = 2
 
 
 def token_window(tokenizer: Any, texts: Sequence[str], limit: int | None,
-                 direction: str = "right", margin: int = 0) -> list[tuple[list[int], Offsets]]:
+                 direction: str = "right", margin: int = 0, offsets: bool = True
+                 ) -> list[tuple[list[int], Offsets]]:
     """Ids and character offsets of each text's first (``right``) or last (``left``)
     ``limit`` tokens, no special tokens; all of them when ``limit`` is None.
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` without truncation or padding; ``margin`` is
-    the length of its longest added token.
+    the length of its longest added token. ``offsets=False`` spares building the offsets of
+    texts read whole (their list is then empty).
     """
     out: list[tuple[list[int], Offsets] | None] = [None] * len(texts)
     span = {i: _CHARS_PER_TOKEN * (limit + 16) for i in range(len(texts))} if limit else {}
@@ -41,7 +43,10 @@ def token_window(tokenizer: Any, texts: Sequence[str], limit: int | None,
         again = []
         for i, part, enc in zip(todo, parts, encodings, strict=True):
             whole = len(part) == len(texts[i])
-            kept = _kept(enc, whole, len(part), direction, margin)
+            if whole:
+                kept = (enc.ids, enc.offsets if offsets else [])
+            else:
+                kept = _kept(enc, len(part), direction, margin)
             if limit is not None and len(kept[0]) < limit and not whole:
                 span[i] *= _GROWTH
                 again.append(i)
@@ -58,12 +63,9 @@ def _part(text: str, span: int | None, direction: str) -> str:
     return text[:span] if direction == "right" else text[len(text) - span:]
 
 
-def _kept(enc: Any, whole: bool, length: int, direction: str, margin: int
-          ) -> tuple[list[int], Offsets]:
+def _kept(enc: Any, length: int, direction: str, margin: int) -> tuple[list[int], Offsets]:
     """The tokens of ``enc`` that a cut at the window's edge cannot have changed."""
     ids, offsets, words = enc.ids, enc.offsets, enc.word_ids
-    if whole or not ids:
-        return list(ids), list(offsets)
     if direction == "right":
         edge, end = _edge_word(words, reverse=True), length - margin
         n = 0
@@ -95,10 +97,8 @@ def _cut(kept: tuple[list[int], Offsets], limit: int | None, direction: str, shi
          ) -> tuple[list[int], Offsets]:
     ids, offsets = kept
     if limit is not None and len(ids) > limit:
-        if direction == "right":
-            ids, offsets = ids[:limit], offsets[:limit]
-        else:
-            ids, offsets = ids[len(ids) - limit:], offsets[len(offsets) - limit:]
-    if shift:
+        keep = slice(None, limit) if direction == "right" else slice(len(ids) - limit, None)
+        ids, offsets = ids[keep], offsets[keep]
+    if shift and offsets:
         offsets = [(a + shift, b + shift) for a, b in offsets]
     return ids, offsets
