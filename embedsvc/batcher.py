@@ -293,8 +293,10 @@ class Batcher:
             computed_before = self._computed
             while self.admission.used_inputs and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            failed = len(self._pending)
-            for job in list({id(it.job): it.job for it in self._pending}.values()):
+            leftover = {id(it.job): it.job for it in self._pending}
+            # their inputs on the device now will be computed for nobody
+            failed = len(self._pending) + self._unanswered(lambda job: id(job) in leftover)
+            for job in leftover.values():
                 self._cancel(job, Unavailable("the server shut down before this request ran",
                                               code="draining"))
             self._stopping = True
@@ -304,7 +306,7 @@ class Batcher:
         clean = not self.alive
         with self._cond:
             if not clean:
-                failed += sum(1 for it in self._current if not it.answered)
+                failed += self._unanswered(lambda job: id(job) not in leftover)
             completed = self._computed - computed_before
         self.metrics.batcher_alive.set(0)
         report = ShutdownReport(completed, failed, clean)
@@ -456,6 +458,10 @@ class Batcher:
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
         self._cond.notify_all()
+
+    def _unanswered(self, which: Callable[[Job], bool]) -> int:
+        """Inputs on the device, not yet answered, of the jobs ``which`` picks."""
+        return sum(1 for it in self._current if not it.answered and which(it.job))
 
     def _release(self, items: list[_Item]) -> None:
         """Give back the admission of inputs answered or dropped."""
