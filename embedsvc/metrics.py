@@ -107,6 +107,15 @@ class Metrics:
             "MAX_QUEUE in effect: inputs admitted at once (derived from the rate when unset)",
             registry=r,
         )
+        self.connections_closed = Counter(
+            "embedsvc_connections_closed",
+            "Client connections the server closed for a bound, by reason", ["reason"],
+            registry=r,
+        )
+        self.open_connections = Gauge(
+            "embedsvc_open_connections", "Client connections open on the serving port",
+            registry=r,
+        )
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)
