@@ -130,9 +130,10 @@ class _Item:
 
 @dataclass(frozen=True)
 class ShutdownReport:
-    completed: int  # inputs computed while draining
-    failed: int  # inputs not computed: queued at the timeout, or on the device at the end
+    completed: int  # inputs computed while draining, for requests that got them
+    failed: int  # inputs of the requests that got no answer (503 at the timeout, or cut off)
     clean: bool  # the thread ended within the timeout
+    uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> list[int]:
@@ -284,8 +285,8 @@ class Batcher:
         """Stop admitting, finish what was admitted within ``timeout``, fail the rest with 503.
 
         The report counts inputs: those computed while draining (a long request's included),
-        and those that never were (still queued at the timeout, or on the device when the
-        thread did not end in time).
+        those of the requests that got no answer, and how many of these were never computed
+        (still queued at the timeout, or on the device when the thread did not end in time).
         """
         deadline = time.monotonic() + timeout
         self.admission.close()
@@ -294,8 +295,9 @@ class Batcher:
             while self.admission.used_inputs and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             leftover = {id(it.job): it.job for it in self._pending}
+            failed = sum(len(job.inputs) for job in leftover.values())
             # their inputs on the device now will be computed for nobody
-            failed = len(self._pending) + self._unanswered(lambda job: id(job) in leftover)
+            uncomputed = len(self._pending) + self._unanswered(lambda job: id(job) in leftover)
             for job in leftover.values():
                 self._cancel(job, Unavailable("the server shut down before this request ran",
                                               code="draining"))
@@ -305,13 +307,17 @@ class Batcher:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         clean = not self.alive
         with self._cond:
-            if not clean:
-                failed += self._unanswered(lambda job: id(job) not in leftover)
+            if not clean:  # the requests on the stuck batch will never be answered
+                cut = {id(it.job): it.job for it in self._current
+                       if not it.answered and id(it.job) not in leftover}
+                failed += sum(len(job.inputs) for job in cut.values())
+                uncomputed += self._unanswered(lambda job: id(job) in cut)
             completed = self._computed - computed_before
         self.metrics.batcher_alive.set(0)
-        report = ShutdownReport(completed, failed, clean)
-        log.info("batcher stopped: %d inputs completed while draining, %d failed, clean=%s",
-                 report.completed, report.failed, report.clean)
+        report = ShutdownReport(completed, failed, clean, uncomputed)
+        log.info("batcher stopped: %d inputs completed while draining; requests with %d "
+                 "inputs failed, %d of them never computed; clean=%s",
+                 report.completed, report.failed, report.uncomputed, report.clean)
         return report
 
     # -- the batcher thread -------------------------------------------------------------------

@@ -220,10 +220,21 @@ def test_the_drain_report_counts_inputs_computed_and_failed_of_a_long_request(
         threading.Timer(0.8, enc.finish.set).start()
     drain.join(5)
     enc.finish.set()
-    # batch 4 is computed for nobody either way: its request already failed with 503
-    assert reports[0] == ShutdownReport(completed=4, failed=2 + 2, clean=joining)
+    # the request (10 inputs) failed with 503; batches 4 and 5 were never computed for it
+    assert reports[0] == ShutdownReport(completed=4, failed=10, clean=joining, uncomputed=2 + 2)
     with pytest.raises(Unavailable):
         job.result(1)
+    b._thread.join(5)
+
+
+def test_a_drain_that_ends_with_a_batch_stuck_on_the_device_counts_its_request(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    job = occupy(b, enc)  # one input, on the device until the gate opens
+    report = b.shutdown(0.1)
+    enc.gate.set()
+    assert report == ShutdownReport(completed=0, failed=1, clean=False, uncomputed=1)
+    job.result(5)  # it does finish afterwards, but the process would have exited by now
     b._thread.join(5)
 
 
