@@ -84,9 +84,10 @@ class Engine:
         deadline = deadline or arrived + self.settings.request_timeout_s
         rules.check_dimensions(dimensions, self.encoder.info.dimension)
         self.check(inputs)
+        asked = time.monotonic()
         ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
         try:
-            tokenizing = time.monotonic()
+            tokenizing = time.monotonic()  # the wait for admission counts as queue time
             ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
             tokenize_s = time.monotonic() - tokenizing
             self.metrics.tokenization.observe(tokenize_s)
@@ -102,7 +103,7 @@ class Engine:
             vectors=rows,
             tokens=sum(len(x) for x in ids),
             tokenize_s=tokenize_s,
-            queue_s=job.queue_s,
+            queue_s=job.queue_s + tokenizing - asked,
             inference_s=job.inference_s,
             total_s=time.monotonic() - arrived,
         )
