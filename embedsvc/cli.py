@@ -68,11 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(settings: Settings) -> int:
     """``embedsvc serve``: a user's mistake is one line and exit 2 (usage) or 1 (failure)."""
     from .preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
-    from .process import serving_process
-    from .server import serve
 
     try:
-        check_serving(settings)
+        check_serving(settings)  # before the imports below, which take seconds
+        from .process import serving_process
+        from .server import serve
+
         serving_process(settings)
         return serve(settings)
     except PreflightError as exc:
