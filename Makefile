@@ -40,8 +40,9 @@ $(VENV)/.installed: pyproject.toml $(REINSTALL)
 serve: setup
 	$(BIN)/embedsvc serve
 
-# System tools the tests run for real, from Debian's packages: promtool (prometheus),
-# nginx (the load balancer of the scale-out test) and kubectl (renders the kustomize base).
+# System tools the tests run for real, as apt packages: promtool (Debian's prometheus), nginx
+# (the load balancer of the scale-out test) and kubectl (renders the kustomize base; from
+# Kubernetes' apt repository, which must be configured for apt-get to find it).
 # Missing ones are installed with apt-get, which needs root; the README says so.
 TOOLS := promtool:prometheus nginx:nginx kubectl:kubectl
 tools:
@@ -49,13 +50,15 @@ tools:
 	  command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
-	  echo "make test needs the Debian packages$$missing (promtool, nginx, kubectl):" \
+	  echo "make test needs the packages$$missing (promtool, nginx, kubectl):" \
 	    "run it as root on Debian or Ubuntu to install them with apt-get, or install them" \
 	    "yourself (sudo apt-get install$$missing)" >&2; \
 	  exit 1; \
 	fi; \
 	echo "installing$$missing with apt-get"; \
-	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing \
+	  >/dev/null || { echo "apt-get could not install$$missing (kubectl is not in Debian's" \
+	    "archive: it comes from Kubernetes' apt repository, https://pkgs.k8s.io)" >&2; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
