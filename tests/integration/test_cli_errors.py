@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,30 +70,34 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def busy_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
 def run_embedsvc(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDSVC_")}
     return subprocess.run([str(BIN / "embedsvc"), *args], env={**clean, **env}, cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize(("args", "env", "code", "message"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_user_error_is_one_line_and_an_exit_code(args, env, code, message, tmp_path,
-                                                   busy_port):
-    (tmp_path / "not-a-model").mkdir()
-    (tmp_path / "not-a-model" / "notes.txt").write_text("not a model\n")
-    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
-    values = {"file": str(tmp_path / "weights.bin"), "directory": str(tmp_path / "not-a-model"),
-              "busy_port": str(busy_port)}
-    result = run_embedsvc([a.format(**values) for a in args], env, tmp_path)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+    """Every case's run, started together: a few of them import torch or load a model."""
+    where = tmp_path_factory.mktemp("cli-errors")
+    (where / "not-a-model").mkdir()
+    (where / "not-a-model" / "notes.txt").write_text("not a model\n")
+    (where / "weights.bin").write_bytes(b"\0" * 16)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        values = {"file": str(where / "weights.bin"), "directory": str(where / "not-a-model"),
+                  "busy_port": str(busy.getsockname()[1])}
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            runs = {case[0]: pool.submit(run_embedsvc, [a.format(**values) for a in case[1]],
+                                         case[2], where) for case in CASES}
+            yield {name: run.result() for name, run in runs.items()}
+
+
+@pytest.mark.parametrize(("name", "code", "message"), [(c[0], c[3], c[4]) for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_a_user_error_is_one_line_and_an_exit_code(name, code, message, results):
+    result = results[name]
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr + result.stdout, result.stderr
     assert result.returncode == code, result.stderr

@@ -45,13 +45,12 @@ def assert_no_created_samples(server: Server) -> None:
     assert not [ln for ln in text.splitlines() if "_created" in ln]
 
 
-def test_embedsvc_serve_prints_its_startup_lines_only(tmp_path):
-    with running(["embedsvc", "serve", "--port", "0"], tmp_path / "serve.log",
-                 healthy=False) as server:
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        lines = lines_when(server, access("GET", "/health", 200))
-        assert_lines(lines, [MODEL_READY, SERVING, access("GET", "/health", 200)])
-        assert_no_created_samples(server)
+def test_embedsvc_serve_prints_its_startup_lines_only(served):
+    # the shared server: its first request was the GET /health that found it ready
+    lines = lines_when(served, access("GET", "/health", 200))
+    first = next(i for i, line in enumerate(lines) if " embedsvc.access: " in line)
+    assert_lines(lines[: first + 1], [MODEL_READY, SERVING, access("GET", "/health", 200)])
+    assert_no_created_samples(served)
 
 
 def test_waitress_serve_prints_its_startup_lines_only(tmp_path):
