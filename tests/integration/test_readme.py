@@ -30,6 +30,7 @@ SECTIONS = ("Quick start", "Clients")
 # README that lost them would make this test vacuous.
 MIN_RUN = {"Quick start": 4, "Clients": 1}
 README_URL = "127.0.0.1:8080"
+RUNNABLE = ("sh", "python")
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 _MARK = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*-->\s*$")
 _OUTPUT = re.compile(r"^\s*print\(.*\)\s+#\s*(.+?)\s*$")
@@ -120,7 +121,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 3
 
 def test_the_readme_blocks_follow_the_conventions():
     found = blocks(README.read_text())
-    assert all(b.lang in ("sh", "python") for b in found), [b.lang for b in found]
+    # sh and python blocks run; others (text, json, js ...) are shown only. A block without a
+    # language would be skipped unnoticed, so each one names its language.
+    assert all(b.lang for b in found), [b.code for b in found if not b.lang]
     marks = [b.mark for b in found if b.mark]
     assert sorted(marks) == ["background", "ci"], marks
     ci = next(b for b in found if b.mark == "ci")
@@ -138,7 +141,7 @@ def test_quick_start_and_clients_run_as_typed(tmp_path):
     env = newcomer_env(port)
     server_log = tmp_path / "background.log"
     background = [b for b in found if b.mark == "background"]
-    runnable = [b for b in found if b.mark is None]
+    runnable = [b for b in found if b.mark is None and b.lang in RUNNABLE]
     for title, least in MIN_RUN.items():
         if section_text(README.read_text(), title) is None and title != "Quick start":
             continue  # a section still to be written; Quick start must be there
