@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would point at the top-level --help; the command's says more
+        parser.exit(2, f"embedsvc: unrecognized arguments: {' '.join(extra)} "
+                    f"(see 'embedsvc {args.command} --help')\n")
     try:
         settings = Settings.from_args(args, os.environ)
     except SettingsError as exc:

@@ -20,7 +20,8 @@ CASES = [
     # (id, arguments, extra environment, exit code, what the one line must say)
     ("no-command", [], {}, USAGE, "the following arguments are required: COMMAND"),
     ("unknown-command", ["srve"], {}, USAGE, "invalid choice: 'srve'"),
-    ("unknown-flag", ["serve", "--prot", "8081"], {}, USAGE, "unrecognized arguments: --prot"),
+    ("unknown-flag", ["serve", "--prot", "8081"], {}, USAGE,
+     "unrecognized arguments: --prot 8081 (see 'embedsvc serve --help')"),
     ("stray-argument", ["serve", "now"], {}, USAGE, "unrecognized arguments: now"),
     ("port-not-a-number", ["serve", "--port", "http"], {}, USAGE,
      "argument --port: expected a whole number"),
