@@ -77,8 +77,9 @@ def free_port() -> int:
 
 def newcomer_env(port: int) -> dict[str, str]:
     """This environment as a fresh terminal has it: no virtualenv on PATH."""
+    inherited = ("VIRTUAL_ENV", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")  # make test's
     env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH") and not k.startswith(("PYTEST", "EMBEDSVC_"))}
+           if k not in inherited and not k.startswith(("PYTEST", "EMBEDSVC_"))}
     venv_bins = {str(Path(sys.executable).parent), str(REPO / ".venv" / "bin")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
                                   if p.rstrip("/") not in venv_bins)
