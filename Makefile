@@ -1,37 +1,64 @@
 # Two entry points, each working on a fresh machine: `make serve` and `make test`.
-PYTHON ?= python3
+# `make setup` only installs; every target installs first when needed.
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is installed first and pinned, so that the rest of the install keeps it. On this
-# project's machines pip finds the CPU build of 2.13.0 on local disk; elsewhere, a CPU-only
-# box gets the CPU build with TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+# What the install in $(VENV) was made with (INSTALLED_PYTHON, INSTALLED_TORCH_PIP_ARGS,
+# INSTALLED_KEY), written after a successful install; absent before the first one.
+INSTALLED := $(VENV)/install.mk
+-include $(INSTALLED)
+# A value given once (command line or environment) is remembered by the install, so that a
+# later plain `make test` keeps the torch build chosen by `make setup TORCH_PIP_ARGS=...`.
+PYTHON ?= $(or $(INSTALLED_PYTHON),python3)
+# torch is installed first and pinned, so that the rest of the install keeps it. Where pip
+# finds no local CPU build, plain PyPI gives Linux the multi-GB CUDA build; a CPU-only box
+# asks for the CPU build with TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
-TORCH_PIP_ARGS ?=
+TORCH_PIP_ARGS ?= $(INSTALLED_TORCH_PIP_ARGS)
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup tools serve test lint clean
+# A different interpreter or torch source than the install's rebuilds $(VENV) from scratch:
+# pip would otherwise keep the torch build already there, which satisfies the same pin.
+INSTALL_KEY := $(strip $(PYTHON) | $(TORCH_SPEC) | $(TORCH_PIP_ARGS))
+ifneq ($(INSTALL_KEY),$(strip $(INSTALLED_KEY)))
+REINSTALL := FORCE
+endif
+quote = '$(subst ','\'',$(1))'
+
+.PHONY: setup tools serve test lint clean FORCE
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(VENV)/.installed: pyproject.toml $(REINSTALL)
+	$(PYTHON) -m venv $(if $(REINSTALL),--clear) $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -q -e ".[test]"
+	printf '%s\n' $(call quote,INSTALLED_PYTHON := $(PYTHON)) \
+	  $(call quote,INSTALLED_TORCH_PIP_ARGS := $(TORCH_PIP_ARGS)) \
+	  $(call quote,INSTALLED_KEY := $(INSTALL_KEY)) > $(INSTALLED)
 	touch $@
 
 serve: setup
 	$(BIN)/embedsvc serve
 
-# System tools the tests run for real, from Debian's packages: promtool (prometheus),
-# nginx (the load balancer of the scale-out test) and kubectl (renders the kustomize base).
+# System tools the tests run for real, as apt packages: promtool (Debian's prometheus), nginx
+# (the load balancer of the scale-out test) and kubectl (renders the kustomize base; from
+# Kubernetes' apt repository, which must be configured for apt-get to find it).
+# Missing ones are installed with apt-get, which needs root; the README says so.
 TOOLS := promtool:prometheus nginx:nginx kubectl:kubectl
 tools:
 	@missing=""; for t in $(TOOLS); do \
 	  command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-	fi
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "make test needs the packages$$missing (promtool, nginx, kubectl):" \
+	    "run it as root on Debian or Ubuntu to install them with apt-get, or install them" \
+	    "yourself (sudo apt-get install$$missing)" >&2; \
+	  exit 1; \
+	fi; \
+	echo "installing$$missing with apt-get"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing \
+	  >/dev/null || { echo "apt-get could not install$$missing (kubectl is not in Debian's" \
+	    "archive: it comes from Kubernetes' apt repository, https://pkgs.k8s.io)" >&2; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy

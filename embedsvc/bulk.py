@@ -220,7 +220,7 @@ def embed_file(
 
 def run(args: Any, settings: Settings) -> int:
     """``embedsvc embed`` with parsed arguments; the exit code."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     source, target = Path(args.input), Path(args.output)
     if target.suffix not in {".npy", *_JSONL}:
@@ -231,7 +231,7 @@ def run(args: Any, settings: Settings) -> int:
                      else LocalEmbedder(settings))
     try:
         count = count_records(source)
-        with tqdm(total=count, unit="input", file=sys.stderr) as bar:
+        with progress_bar(total=count) as bar:
             summary = embed_file(source, target, embedder, text_field=args.text_field,
                                  id_field=args.id_field, chunk_size=args.chunk_size,
                                  concurrency=args.concurrency, progress=bar.update, count=count)

@@ -6,18 +6,27 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import __version__
 from .settings import Settings, SettingsError
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line with the fix, exit code 2 (argparse prints the whole usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"embedsvc: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="embedsvc",
         description="Self-hosted text embeddings: one process, one model, a micro-batcher.",
     )
     parser.add_argument("--version", action="version", version=f"embedsvc {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser)
     serve = commands.add_parser(
         "serve",
         help="load the model, then serve HTTP with waitress",
@@ -52,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would point at the top-level --help; the command's says more
+        parser.exit(2, f"embedsvc: unrecognized arguments: {' '.join(extra)} "
+                    f"(see 'embedsvc {args.command} --help')\n")
     try:
         settings = Settings.from_args(args, os.environ)
     except SettingsError as exc:
@@ -64,9 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, settings)
     if args.command == "export":
         return _export(settings)
-    from .server import serve
-
-    return serve(settings)
+    return _serve(settings)
 
 
 def _export(settings: Settings) -> int:
@@ -80,3 +91,27 @@ def _export(settings: Settings) -> int:
         print(f"embedsvc: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(settings: Settings) -> int:
+    """``embedsvc serve``: a user's mistake is one line and exit 2 (usage) or 1 (failure)."""
+    from .preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
+
+    try:
+        check_serving(settings)  # before the imports below, which take seconds
+        from .process import serving_process
+        from .server import serve
+
+        serving_process(settings)
+        return serve(settings)
+    except PreflightError as exc:
+        print(f"embedsvc: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # the port was taken between the check and the bind
+        if exc.errno not in LISTEN_ERRNOS:
+            raise
+        print(f"embedsvc: {listen_failure(settings.host, settings.port, exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads; once serving, it drains
+        print("embedsvc: interrupted", file=sys.stderr)
+        return 130

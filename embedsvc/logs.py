@@ -1,14 +1,20 @@
-"""Log setup for the ``embedsvc`` loggers: plain text or one JSON object per line."""
+"""Log setup of a serving process: the ``embedsvc`` loggers (plain text or one JSON object per
+line) and, in that process only, the model libraries' progress bars and warnings switched off.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import warnings
 
 import orjson
 
 _PLAIN = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
+# The libraries that load the model: what they print while loading (a "Loading weights"
+# progress bar, notes about the checkpoint) is not a server's output.
+_MODEL_LIBRARIES = ("transformers", "sentence_transformers", "huggingface_hub")
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,3 +48,18 @@ def configure_logging(level: str, fmt: str) -> None:
     logger.addHandler(handler)
     logger.propagate = False
     logger.debug("logging configured in pid %d", os.getpid())
+
+
+def quiet_model_libraries() -> None:
+    """Switch off the model libraries' progress bars and warnings in this process.
+
+    For the process that serves only: a library user's own process keeps its defaults. Errors
+    still show, and anything that stops the model from loading reaches our log as the error.
+    """
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # also huggingface_hub's bars
+    transformers_logging.set_verbosity_error()
+    for name in _MODEL_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")

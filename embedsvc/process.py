@@ -27,7 +27,7 @@ from flask import Flask
 
 from .encoder import Encoder
 from .errors import Unavailable
-from .logs import configure_logging
+from .logs import configure_logging, quiet_model_libraries
 from .service import Service, load_encoder
 from .settings import Settings
 
@@ -40,6 +40,23 @@ BAD_FORK_MESSAGE = (
 )
 # gunicorn stops (rather than respawning forever) when a worker exits with this code at boot.
 WORKER_BOOT_ERROR = 3
+
+
+def serving_process(settings: Settings) -> None:
+    """Set up the output of the process that serves, when it starts serving (never at import).
+
+    Its log handler; the model libraries' progress bars and warnings off (kept at
+    LOG_LEVEL=debug); and /metrics without the ``*_created`` samples, which prometheus_client
+    adds to every counter and histogram (half the exposition, and nothing our dashboards or
+    alerts read). prometheus_client's switch for them is global, hence here and not in
+    ``Metrics``.
+    """
+    from prometheus_client import disable_created_metrics
+
+    configure_logging(settings.log_level, settings.log_format)
+    if settings.log_level != "debug":
+        quiet_model_libraries()
+    disable_created_metrics()
 
 
 def cuda_poisoned() -> bool:
@@ -175,7 +192,7 @@ class LazyApp:
         from .wsgi import create_app
 
         settings = Settings.from_env(self._env)
-        configure_logging(settings.log_level, settings.log_format)
+        serving_process(settings)
         check_fork(settings)
         service = Service(settings, loader=partial(self._load, settings, self._preloaded))
         service.on_ready.append(lambda info: warn_if_wasteful(
@@ -187,7 +204,7 @@ class LazyApp:
     def _preload(self, settings: Settings) -> None:
         from .encoder import SentenceTransformerEncoder
 
-        configure_logging(settings.log_level, settings.log_format)
+        serving_process(settings)
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
                  "to share; each worker places them on its device after the fork", os.getpid())
         self._preloaded = SentenceTransformerEncoder.load(settings.model)

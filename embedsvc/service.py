@@ -80,7 +80,7 @@ class Service:
         if background:
             threading.Thread(target=self._load, name="embedsvc-loader", daemon=True).start()
         else:
-            self._load()
+            self._load(background=False)
             if self.failure:
                 raise RuntimeError(self.failure)
 
@@ -129,13 +129,17 @@ class Service:
             return ShutdownReport(0, 0, True)
         return self._engine.batcher.shutdown(timeout)
 
-    def _load(self) -> None:
+    def _load(self, background: bool = True) -> None:
         started = time.monotonic()
         try:
             encoder = self._given or self._loader()
         except Exception as exc:
-            log.exception("the model failed to load")
-            self.failure = f"the model failed to load: {exc}"
+            # Mostly the user's to fix (a path, a hub id offline, a device): one line that
+            # says what went wrong; the traceback only at LOG_LEVEL=debug.
+            self.failure = f"the model failed to load: {_reason(exc)}"
+            log.debug("the model failed to load", exc_info=True)
+            if background:  # a foreground start raises it to its caller, which reports it
+                log.error("%s", self.failure)
             self._loaded.set()
             return
         batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),
@@ -178,6 +182,13 @@ class Service:
                         batcher.restart()
             except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
                 log.exception("watchdog tick failed; continuing")
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: message``, the message's first line only (library errors can run long)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _cuda_memory() -> tuple[int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,9 +51,21 @@ def _device(text: str) -> str:
     return value
 
 
+def _number(kind: type, text: str) -> Any:
+    """``int`` or ``float`` of ``text``, with a message for people rather than Python's."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError("expected a whole number" if kind is int else "expected a number"
+                         ) from None
+    if not math.isfinite(value):  # nan would pass every comparison below
+        raise ValueError("expected a finite number")
+    return value
+
+
 def _positive(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        value = kind(text)
+        value = _number(kind, text)
         if value <= 0:
             raise ValueError("must be greater than 0")
         return value
@@ -62,7 +75,7 @@ def _positive(kind: type) -> Callable[[str], Any]:
 
 def _non_negative(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        value = kind(text)
+        value = _number(kind, text)
         if value < 0:
             raise ValueError("must be 0 or more")
         return value
@@ -78,7 +91,7 @@ def _fraction(text: str) -> float:
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if not 0 <= value <= 65535:
         raise ValueError("must be a TCP port, 0 to 65535 (0 picks a free one)")
     return value

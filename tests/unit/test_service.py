@@ -1,11 +1,14 @@
 """service.py: loading, readiness and failure as the routes see them."""
 
+import logging
 import threading
 import time
 
 import numpy as np
+import pytest
 
 from embedsvc.encoder import FakeEncoder
+from embedsvc.errors import Unavailable
 from embedsvc.metrics import Metrics
 from embedsvc.service import Service
 from embedsvc.settings import Settings
@@ -53,3 +56,46 @@ def test_a_model_that_never_loads_gives_503(registry):
     assert "failed to load" in err["message"] and "/srv/private" not in err["message"]
     assert assert_error(client.get("/health"), 503, "service_unavailable")["code"] == "unhealthy"
     assert "/srv/private" in service.failure  # the log and `embedsvc serve` say why
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def service_log():
+    logger = logging.getLogger("embedsvc.service")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def broken_loader():
+    raise OSError("no such model: /models/x\nsee the documentation for more")
+
+
+def test_a_load_failure_is_one_log_line_with_the_traceback_at_debug_only(registry, service_log):
+    service = Service(Settings(), loader=broken_loader, metrics=Metrics(registry))
+    service.start(background=True)
+    with pytest.raises(Unavailable):
+        service.ready(timeout=5)
+    shown = [r for r in service_log if r.levelno >= logging.INFO]
+    assert [r.getMessage() for r in shown] == [
+        "the model failed to load: OSError: no such model: /models/x"]
+    assert shown[0].exc_info is None
+    assert [r.exc_info is not None for r in service_log if r.levelno == logging.DEBUG] == [True]
+
+
+def test_a_foreground_load_failure_is_raised_to_the_caller_not_logged(registry, service_log):
+    service = Service(Settings(), loader=broken_loader, metrics=Metrics(registry))
+    with pytest.raises(RuntimeError, match="^the model failed to load: OSError: no such model"):
+        service.start(background=False)
+    assert not [r for r in service_log if r.levelno >= logging.INFO]

@@ -1,4 +1,5 @@
 import argparse
+import re
 
 import pytest
 
@@ -73,3 +74,18 @@ def test_readme_documents_every_setting():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     for name in Settings.__dataclass_fields__:
         assert f"| `{name.upper()}` |" in readme, f"README's settings table lacks {name.upper()}"
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"EMBEDSVC_PORT": "eighty"}, "cannot be 'eighty': expected a whole number"),
+        ({"EMBEDSVC_MAX_BATCH_SIZE": "2.5"}, "cannot be '2.5': expected a whole number"),
+        ({"EMBEDSVC_REQUEST_TIMEOUT_S": "soon"}, "cannot be 'soon': expected a number"),
+        ({"EMBEDSVC_REQUEST_TIMEOUT_S": "nan"}, "cannot be 'nan': expected a finite number"),
+        ({"EMBEDSVC_MAX_WAIT_MS": "inf"}, "cannot be 'inf': expected a finite number"),
+    ],
+)
+def test_numbers_are_refused_in_words_not_python_errors(env, says):
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        Settings.from_env(env)

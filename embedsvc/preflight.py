@@ -1,0 +1,107 @@
+"""What ``embedsvc serve`` checks before it loads the model: that the settings fit this machine.
+
+Each problem is one line that names the setting and the fix, with the exit code it deserves
+(2: a setting that cannot work, 1: the machine refuses, e.g. a port already in use), so that
+the user learns it in a second rather than after the model has loaded, and without a
+traceback.
+
+>>> check_model("/no/such/model")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+embedsvc.preflight.PreflightError: setting MODEL (...) cannot be '/no/such/model': no such directory
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from .settings import ENV_PREFIX, Settings
+
+USAGE, FAILURE = 2, 1
+
+
+class PreflightError(Exception):
+    """A setting this machine cannot serve with; ``exit_code`` is 2 (usage) or 1 (failure)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_serving(settings: Settings) -> None:
+    """Raise PreflightError for the first setting that cannot work here."""
+    check_model(settings.model)
+    check_device(settings.device)
+    check_listen(settings.host, settings.port)
+
+
+def setting_error(name: str, value: object, why: str) -> PreflightError:
+    flag = "--" + name.lower().replace("_", "-")
+    return PreflightError(f"setting {name} (env {ENV_PREFIX}{name}, flag {flag}) cannot be "
+                          f"{value!r}: {why}", USAGE)
+
+
+def check_model(model: str) -> None:
+    """A MODEL that is a local path must be a directory; a hub id is checked when it loads."""
+    if not model:
+        return
+    if os.path.exists(model):
+        if not os.path.isdir(model):
+            raise setting_error("MODEL", model, "a file, not a model directory")
+    elif os.path.isabs(model) or model.startswith((".", "~")):
+        raise setting_error("MODEL", model, "no such directory")
+
+
+def check_device(device: str) -> None:
+    """A DEVICE other than auto or cpu must exist here."""
+    if device in ("auto", "cpu"):
+        return
+    import torch
+
+    if device == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise PreflightError("DEVICE is 'mps' but torch sees no Apple GPU here: set "
+                                 "EMBEDSVC_DEVICE=auto or cpu", FAILURE)
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        seen = f"{count} CUDA device(s)" if count else "no CUDA device"
+        raise PreflightError(f"DEVICE is {device!r} but torch sees {seen}: check the driver and "
+                             "CUDA_VISIBLE_DEVICES, or set EMBEDSVC_DEVICE=auto or cpu", FAILURE)
+
+
+def check_listen(host: str, port: int) -> None:
+    """HOST must name an address of this machine and PORT be free on it."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise setting_error("HOST", host, f"{exc.strerror} (an address of this machine, e.g. "
+                            "127.0.0.1, or 0.0.0.0 for every interface)") from None
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise PreflightError(listen_failure(host, port, exc), FAILURE) from None
+
+
+def listen_failure(host: str, port: int, exc: OSError) -> str:
+    """The one line for a socket that cannot listen on ``host:port``."""
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"{where}: the port is in use (another embedsvc, or `make serve`?); stop it "
+                "or choose another port with --port or EMBEDSVC_PORT")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"{where}: {host} is not an address of this machine; set --host or "
+                "EMBEDSVC_HOST to 127.0.0.1, 0.0.0.0 or one of its addresses")
+    if exc.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need root); choose a higher port"
+    return f"{where}: {exc.strerror or exc}"
+
+
+LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})

@@ -1,0 +1,187 @@
+"""The README is the fixture: its Quick start and Clients sections run as typed.
+
+Every ``sh`` and ``python`` block of those sections runs, in order, in one bash session
+started in the checkout with no virtualenv active, as a newcomer's terminal would; the
+conventions (background server, the test command, the port) are stated in a comment at the
+top of the README's Quick start and parsed here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from embedsvc.settings import Settings
+
+REPO = Path(__file__).parents[2]
+README = REPO / "README.md"
+SECTIONS = ("Quick start", "Clients")
+# Quick start holds make setup, the curl lines, the activation and the openai snippet; a
+# README that lost them would make this test vacuous.
+MIN_RUN = {"Quick start": 4, "Clients": 1}
+README_URL = "127.0.0.1:8080"
+RUNNABLE = ("sh", "python")
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+_MARK = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*-->\s*$")
+_OUTPUT = re.compile(r"^\s*print\(.*\)\s+#\s*(.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str
+    lang: str
+    code: str
+    mark: str | None  # "background", "ci" or None
+
+    def expected_output(self) -> list[str]:
+        """The ``# text`` after each ``print(...)`` line: what that line must print."""
+        if self.lang != "python":
+            return []
+        return [m.group(1) for m in map(_OUTPUT.match, self.code.splitlines()) if m]
+
+
+def section_text(markdown: str, title: str) -> str | None:
+    found = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    return found.group(1) if found else None
+
+
+def blocks(markdown: str) -> list[Block]:
+    out = []
+    for title in SECTIONS:
+        text = section_text(markdown, title)
+        if text is None:
+            continue
+        for fence in _FENCE.finditer(text):
+            lang = {"bash": "sh", "shell": "sh", "py": "python"}.get(fence[1], fence[1])
+            before = text[: fence.start()].rstrip().splitlines()
+            mark = _MARK.match(before[-1].strip()) if before else None
+            out.append(Block(title, lang, fence[2], mark[1] if mark else None))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def newcomer_env(port: int) -> dict[str, str]:
+    """This environment as a fresh terminal has it: no virtualenv on PATH."""
+    inherited = ("VIRTUAL_ENV", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")  # make test's
+    env = {k: v for k, v in os.environ.items()
+           if k not in inherited and not k.startswith(("PYTEST", "EMBEDSVC_"))}
+    venv_bins = {str(Path(sys.executable).parent), str(REPO / ".venv" / "bin")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if p.rstrip("/") not in venv_bins)
+    env["EMBEDSVC_PORT"] = str(port)  # what `make serve` listens on, in place of 8080
+    return env
+
+
+def script(runnable: list[Block], port: int) -> str:
+    """One bash session that runs the blocks in order, each after a marker line."""
+    lines = ["set -e"]
+    for i, block in enumerate(runnable):
+        code = block.code.replace(README_URL, f"127.0.0.1:{port}")
+        lines.append(f"echo '@@block {i}@@'")
+        if block.lang == "python":
+            lines += ["python - <<'README_PYTHON'", code.rstrip("\n"), "README_PYTHON"]
+        else:
+            lines.append(code.rstrip("\n"))
+    lines.append("echo '@@end@@'")
+    return "\n".join(lines) + "\n"
+
+
+def ci_commands() -> list[str]:
+    """What .ci/run runs, after its own set-up lines."""
+    lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith(("#", "set ", "cd "))]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the background block exited:\n{log.read_text()}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"not healthy after {timeout}s:\n{log.read_text()}")
+
+
+def test_the_readme_blocks_follow_the_conventions():
+    found = blocks(README.read_text())
+    # sh and python blocks run; others (text, json, js ...) are shown only. A block without a
+    # language would be skipped unnoticed, so each one names its language.
+    assert all(b.lang for b in found), [b.code for b in found if not b.lang]
+    marks = [b.mark for b in found if b.mark]
+    assert sorted(marks) == ["background", "ci"], marks
+    ci = next(b for b in found if b.mark == "ci")
+    assert ci.code.strip().splitlines() == ci_commands(), "README test command is not .ci/run's"
+    assert README_URL.endswith(f":{Settings().port}"), "the README's port is not serve's default"
+    background = next(b for b in found if b.mark == "background")
+    assert background.code.strip() == "make serve"
+
+
+def test_quick_start_and_clients_run_as_typed(tmp_path):
+    found = blocks(README.read_text())
+    if subprocess.run(["make", "-q", "setup"], cwd=REPO).returncode != 0:
+        pytest.fail("the install in .venv is not up to date: run `make setup` (make test does)")
+    port = free_port()
+    env = newcomer_env(port)
+    server_log = tmp_path / "background.log"
+    background = [b for b in found if b.mark == "background"]
+    runnable = [b for b in found if b.mark is None and b.lang in RUNNABLE]
+    for title, least in MIN_RUN.items():
+        if section_text(README.read_text(), title) is None and title != "Quick start":
+            continue  # a section still to be written; Quick start must be there
+        ran = [b for b in runnable if b.section == title]
+        assert len(ran) >= least, f"README section {title!r} runs {len(ran)} blocks"
+    with open(server_log, "wb") as out:
+        procs = [subprocess.Popen(["bash", "-c", b.code], cwd=REPO, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for b in background]
+    try:
+        for proc in procs:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", server_log)
+        result = subprocess.run(["bash"], input=script(runnable, port), cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=600)
+    finally:
+        for proc in procs:  # Ctrl-C, as the README says
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    check_session(result, runnable)
+
+
+def check_session(result: subprocess.CompletedProcess, runnable: list[Block]) -> None:
+    parts = re.split(r"^@@block (\d+)@@\n", result.stdout, flags=re.M)
+    outputs = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+    last = max(outputs, default=-1)
+    if result.returncode != 0 or "@@end@@" not in result.stdout:
+        block = runnable[last] if last >= 0 else None
+        raise AssertionError(
+            f"README block {last} of {block.section if block else '?'!r} failed "
+            f"(exit {result.returncode}):\n{block.code if block else ''}\n"
+            f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+    assert len(outputs) == len(runnable)
+    for i, block in enumerate(runnable):
+        out = outputs[i].replace("@@end@@\n", "")
+        assert '{"error"' not in out, f"README block {i} got an error answer:\n{out}"
+        expected = block.expected_output()
+        if expected:
+            assert out.strip().splitlines() == expected, (block.code, out)

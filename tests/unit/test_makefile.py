@@ -1,0 +1,74 @@
+"""The Makefile's install: remembered inputs, a rebuild when they change, none otherwise.
+
+Runs the real Makefile in a scratch directory with a stand-in interpreter whose venv's
+python records the pip commands instead of installing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[2]
+FAKE_PYTHON = """#!/bin/sh
+# stand-in for python3: `-m venv [--clear] DIR` makes DIR/bin/python, which logs its calls
+[ "$1" = -m ] && [ "$2" = venv ] || exit 64
+shift 2
+clear=""
+if [ "$1" = --clear ]; then clear=1; shift; fi
+[ -n "$clear" ] && rm -rf "$1" && echo "clear" >> "$LOG"
+mkdir -p "$1/bin"
+printf '#!/bin/sh\\necho "pip $*" >> "$LOG"\\n' > "$1/bin/python"
+chmod +x "$1/bin/python"
+"""
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    if shutil.which("make") is None:
+        pytest.fail("make is missing")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    python = tmp_path / "fake-python3"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    return tmp_path
+
+
+def make(checkout: Path, *args: str, **env: str) -> list[str]:
+    """Run make; the install steps it took (``clear``, ``pip ...``)."""
+    log = checkout / "steps.log"
+    log.write_text("")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PYTHON", "TORCH_PIP_ARGS", "TORCH_SPEC", "VENV", "MAKEFLAGS")}
+    result = subprocess.run(["make", "-s", *args], cwd=checkout, capture_output=True, text=True,
+                            env={**clean, "LOG": str(log), **env}, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return log.read_text().splitlines()
+
+
+def test_the_install_remembers_its_inputs_and_rebuilds_when_one_changes(checkout):
+    python = f"PYTHON={checkout / 'fake-python3'}"
+    first = make(checkout, "setup", python)
+    assert first == ["clear", "pip -m pip install -q torch==2.13.0",
+                     "pip -m pip install -q -e .[test]"]
+    assert make(checkout, "setup") == []  # PYTHON remembered, nothing changed
+    cpu = "--index-url https://download.pytorch.org/whl/cpu"
+    rebuilt = make(checkout, "setup", f"TORCH_PIP_ARGS={cpu}")
+    assert rebuilt == ["clear", f"pip -m pip install -q torch==2.13.0 {cpu}",
+                       "pip -m pip install -q -e .[test]"]
+    assert make(checkout, "setup") == []  # the CPU build is kept without being asked again
+    assert make(checkout, "setup", TORCH_PIP_ARGS=cpu) == []  # the same, from the environment
+    assert make(checkout, "setup", "TORCH_PIP_ARGS=")[0] == "clear"  # back to plain PyPI
+
+
+def test_a_changed_pyproject_reinstalls_into_the_same_venv(checkout):
+    make(checkout, "setup", f"PYTHON={checkout / 'fake-python3'}")
+    stamp = checkout / ".venv" / ".installed"
+    os.utime(checkout / "pyproject.toml", (stamp.stat().st_mtime + 5,) * 2)
+    assert make(checkout, "setup") == ["pip -m pip install -q torch==2.13.0",
+                                       "pip -m pip install -q -e .[test]"]
