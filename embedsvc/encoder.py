@@ -34,6 +34,8 @@ class ModelInfo:
     parameters: int = 0
     size_bytes: int = 0
     prompts: dict[str, str] = field(default_factory=dict)
+    kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
+    labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,12 @@ class SentenceTransformerEncoder:
 
         enc = SentenceTransformerEncoder.load("")
         enc.place("auto", "auto")
+
+    The other model kinds (scorer.py, sparse.py) subclass it for its tokenizer handling,
+    placing and description, and run their own forward pass.
     """
+
+    kind = "embedding"
 
     def __init__(self, model: Any, name: str) -> None:
         self._model = model
@@ -130,12 +137,17 @@ class SentenceTransformerEncoder:
     @classmethod
     def load(cls, model: str) -> SentenceTransformerEncoder:
         """Load the weights onto the CPU. Touches no accelerator, so it is safe before fork."""
-        from sentence_transformers import SentenceTransformer
-
         path = model or bundled_model_path()
-        st = SentenceTransformer(path, device="cpu")
+        st = cls._model_class()(path, device="cpu")
         st.eval()
         return cls(st, model or "all-MiniLM-L6-v2")
+
+    @staticmethod
+    def _model_class() -> Any:
+        """The sentence-transformers class that loads this kind of model directory."""
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer
 
     def place(self, device: str, dtype: str) -> None:
         """Move to the resolved device and dtype, then warm up. Call in the serving process."""
@@ -161,17 +173,7 @@ class SentenceTransformerEncoder:
         return [_pieces(text, e) for text, e in zip(texts, encodings, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
-        import torch
-
-        features = self._features(batch)
-        try:
-            with torch.inference_mode():
-                for module in self._modules:
-                    features = module(features)
-                out = features["sentence_embedding"].float()
-                return out.cpu().numpy()
-        except torch.OutOfMemoryError as exc:
-            raise DeviceOutOfMemory(str(exc)) from exc
+        return torch_forward(self._modules, self._features(batch), "sentence_embedding")
 
     @property
     def special_tokens(self) -> int:
@@ -193,18 +195,21 @@ class SentenceTransformerEncoder:
             "modality": "text",
         }
         if self._with_token_types:
-            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+            features["token_type_ids"] = self._token_types(batch, features["input_ids"])
         return features
+
+    def _token_types(self, batch: Sequence[Sequence[int]], input_ids: Any) -> Any:
+        """Segment ids: all 0 for single texts; a pair's second segment is 1 (scorer.py)."""
+        import torch
+
+        return torch.zeros_like(input_ids)
 
     def _describe(self) -> ModelInfo:
         params = sum(p.numel() for p in self._model.parameters())
         size = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        # sentence-transformers renamed the method in v5; older releases have only the old name
-        dimension_of = getattr(self._model, "get_embedding_dimension", None)
-        dim = dimension_of() if dimension_of else self._model.get_sentence_embedding_dimension()
         return ModelInfo(
             name=self._name,
-            dimension=int(dim),
+            dimension=self._dimension(),
             max_input_tokens=int(self._model.max_seq_length),
             vocab_size=int(self._tokenizer.get_vocab_size(with_added_tokens=True)),
             device=self._device,
@@ -212,11 +217,41 @@ class SentenceTransformerEncoder:
             parameters=int(params),
             size_bytes=int(size),
             prompts=dict(getattr(self._model, "prompts", None) or {}),
+            kind=self.kind,
+            labels=self._labels(),
         )
 
+    def _dimension(self) -> int:
+        """The width of the rows ``encode`` returns."""
+        # sentence-transformers renamed the method in v5; older releases have only the old name
+        dimension_of = getattr(self._model, "get_embedding_dimension", None)
+        dim = dimension_of() if dimension_of else self._model.get_sentence_embedding_dimension()
+        return int(dim)
 
-def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
+    def _labels(self) -> tuple[str, ...]:
+        return ()
+
+
+def torch_forward(modules: Sequence[Any], features: dict[str, Any], output: str) -> np.ndarray:
+    """Run sentence-transformers ``modules`` on ``features``; ``output`` as float32 rows."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            for module in modules:
+                features = module(features)
+            out = features[output].float()
+            return out.cpu().numpy()
+    except torch.OutOfMemoryError as exc:
+        raise DeviceOutOfMemory(str(exc)) from exc
+
+
+def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None,
+                     direction: str = "right") -> Any:
     """A private copy of the fast tokenizer: no padding, truncation fixed once here.
+
+    Truncation is ``longest_first`` to ``truncate_at`` tokens, special tokens included: what
+    the tokenizer's own call does with ``truncation=True``, for single texts and for pairs.
 
     ``encode_batch`` on it only reads shared state, so request threads can call it at once;
     the tokenizer's own call API changes truncation state per call and is not safe that way.
@@ -226,7 +261,7 @@ def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
     tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
     tok.no_padding()
     if truncate_at:
-        tok.enable_truncation(truncate_at)
+        tok.enable_truncation(truncate_at, direction=direction)
     else:
         tok.no_truncation()
     return tok

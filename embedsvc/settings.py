@@ -130,6 +130,11 @@ class Settings:
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+    kind: str = _setting(
+        "auto",
+        _choice("auto", "embedding", "reranker", "classifier", "sparse"),
+        "the model's kind; auto: read from its config files (see README, model kinds)",
+    )
 
     def __post_init__(self) -> None:
         # Keyword values pass through the same parsers as the environment's strings, so a
