@@ -168,12 +168,12 @@ class LazyApp:
         return app
 
     def _preload(self, settings: Settings) -> None:
-        from .encoder import SentenceTransformerEncoder
+        from .kinds import load_model
 
         configure_logging(settings.log_level, settings.log_format)
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
                  "to share; each worker places them on its device after the fork", os.getpid())
-        self._preloaded = SentenceTransformerEncoder.load(settings.model)
+        self._preloaded = load_model(settings.model, settings.kind)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread may have held the parent's at the fork

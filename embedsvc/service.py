@@ -22,6 +22,7 @@ from .batcher import Batcher, BatchLimits, ShutdownReport
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
 from .engine import Engine
 from .errors import Unavailable
+from .kinds import load_model
 from .metrics import Metrics
 from .settings import Settings
 
@@ -39,7 +40,7 @@ def load_encoder(
     settings: Settings, preloaded: SentenceTransformerEncoder | None = None
 ) -> Encoder:
     """Load (unless a pre-fork master already did) and place the model in this process."""
-    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
+    encoder = preloaded or load_model(settings.model, settings.kind)
     encoder.place(settings.device, settings.dtype)
     return encoder
 
@@ -150,14 +151,15 @@ class Service:
         self.metrics.admission_limit.set(self.settings.max_queue)
         self.metrics.model_info.info({
             "model": info.name, "device": info.device, "dtype": info.dtype,
-            "version": __version__, "dimension": str(info.dimension),
+            "version": __version__, "dimension": str(info.dimension), "kind": info.kind,
         })
         if info.device.startswith("cuda"):
             self.metrics.watch_device_memory(_cuda_memory)
         log.info(
-            "model ready: pid=%d device=%s dtype=%s model=%s dimension=%d parameters=%d "
+            "model ready: pid=%d device=%s dtype=%s model=%s kind=%s dimension=%d parameters=%d "
             "size=%.1fMiB load=%.1fs",
-            self.pid, info.device, info.dtype, info.name, info.dimension, info.parameters,
+            self.pid, info.device, info.dtype, info.name, info.kind, info.dimension,
+            info.parameters,
             info.size_bytes / 2**20, seconds,
         )
 

@@ -75,7 +75,7 @@ def batched():
 
     def start(encoder, **limits):
         recorder = Recorder(encoder.encode)
-        batcher = Batcher(recorder, BatchLimits(**limits))
+        batcher = Batcher(recorder, BatchLimits.from_settings(Settings(**limits)))
         batcher.start()
         started.append(batcher)
         return batcher, recorder
