@@ -38,6 +38,7 @@ def rerank(call: Call) -> Reply:
     if _cohere_body(call.body):
         return cohere_rerank(call)
     req = routes.parse(RerankRequest, call.body)
+    _check_query(req.query)
     if not req.texts:
         raise InvalidRequest("'texts' must not be empty", param="texts", code="empty_input")
     out = _score(call, [(req.query, text) for text in req.texts], raw=req.raw_scores,
@@ -53,6 +54,7 @@ def rerank(call: Call) -> Reply:
 def cohere_rerank(call: Call) -> Reply:
     """POST /v1/rerank, /v2/rerank: the Cohere (and Jina) shape."""
     req = routes.parse(CohereRerankRequest, call.body)
+    _check_query(req.query)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     if not docs:
         raise InvalidRequest("'documents' must not be empty", param="documents",
@@ -136,6 +138,11 @@ def main_route(call: Call) -> Reply:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _check_query(query: str) -> None:
+    if not query:
+        raise InvalidRequest("'query' must not be empty", param="query", code="empty_input")
 
 
 def _cohere_body(raw: bytes) -> bool:

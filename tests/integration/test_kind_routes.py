@@ -139,6 +139,11 @@ def test_rerank_refuses_empty_texts(servers):
     assert err["error"]["param"] == "texts"
     err = post(servers["reranker"], "/rerank", {"query": QUERY, "texts": ["a", ""]}, 400)
     assert err["error"]["code"] == "empty_input"
+    for path, body in (("/rerank", {"query": "", "texts": ["a"]}),
+                       ("/v1/rerank", {"query": "", "documents": ["a"]})):
+        assert post(servers["reranker"], path, body, 400)["error"]["param"] == "query"
+    err = post(servers["reranker"], "/v1/rerank", {"query": "q", "documents": []}, 400)
+    assert err["error"]["param"] == "documents"
 
 
 # -- /v1/rerank and the clients that call it --------------------------------------------------
