@@ -125,10 +125,3 @@ def test_a_forked_child_builds_its_own_service():
     assert os.read(read, 100).decode() == "True 200"
     assert app.service is parent and parent.ready().batcher.alive
     parent.drain(timeout=1)
-
-
-
-def test_heap_trim_works_on_this_linux():
-    from embedsvc import heap
-
-    assert heap.trim() is True
