@@ -355,3 +355,15 @@ def test_openapi_describes_every_new_route(servers):
     schemas = doc["components"]["schemas"]
     assert {"RerankRequest", "CohereRerankRequest", "PredictRequest", "EmbedSparseRequest",
             "SimilarityRequest"} <= set(schemas)
+
+
+def test_kind_setting_overrides_detection_in_a_server(kind_dirs, tmp_path, refs):
+    cmd = ["embedsvc", "serve", "--model", str(kind_dirs["reranker"]), "--port", "0"]
+    with running(cmd, tmp_path / "serve.log", env={"EMBEDSVC_KIND": "classifier"}) as server:
+        assert httpx.get(server.url + "/info", timeout=10).json()["kind"] == "classifier"
+        err = post(server, "/rerank", BODIES["/rerank"], 400)["error"]
+        assert err["code"] == "wrong_model_kind" and "classifier" in err["message"]
+        got = post(server, "/predict", {"inputs": list(PAIRS[0])})
+        assert got[0]["score"] == pytest.approx(float(refs["reranker"].predict([PAIRS[0]])[0]),
+                                                abs=TOL)
+        assert "kind=classifier" in server.output()
