@@ -111,7 +111,8 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
                 "--blocking-threads", "64", "--log-level", "warning",
                 "bench.sim_server:make_app"], "/v1/embeddings", {}
     if name in ("infinity", "infinity-debug"):
-        engine = "debugengine" if name == "infinity-debug" else "torch"
+        engine = "debugengine" if name == "infinity-debug" else \
+            os.environ.get("BENCH_INFINITY_ENGINE", "torch")  # bench/backends.py picks one
         return [str(INFINITY_VENV / "bin" / "infinity_emb"), "v2", "--model-id", model_path(),
                 "--served-model-name", "bench", "--engine", engine,
                 "--device", os.environ.get("EMBEDSVC_DEVICE", "cpu"),

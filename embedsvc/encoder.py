@@ -38,6 +38,7 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
     labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
+    backend: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class SentenceTransformerEncoder:
 
     Loading and placing are separate so that a pre-forking server can load the weights once
     in its master (CPU only, no device probing) and let each worker place them after fork.
+    ``use_forward`` swaps the first module (the transformer) for another runtime, such as an
+    ONNX Runtime session (see onnx_backend.py): tokenizing, special tokens, truncation and
+    the modules after it (pooling, dense layers) stay the model's own.
 
     Example (loads the bundled model)::
 
@@ -131,9 +135,10 @@ class SentenceTransformerEncoder:
 
     kind = "embedding"
 
-    def __init__(self, model: Any, name: str) -> None:
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
         self._model = model
         self._name = name
+        self.source = source  # the model's directory, when it was loaded from one
         tokenizer = model.tokenizer
         self._tokenizer = _plain_tokenizer(tokenizer)
         self._truncating = _plain_tokenizer(tokenizer, truncate_at=int(model.max_seq_length))
@@ -141,6 +146,9 @@ class SentenceTransformerEncoder:
         self._pad_id = tokenizer.pad_token_id or 0
         self._with_token_types = "token_type_ids" in tokenizer.model_input_names
         self._modules = _modules_without_normalize(model)
+        self._pipeline: list[Callable[[dict[str, Any]], dict[str, Any]]] = list(self._modules)
+        self._backend = "torch"
+        self._precision: str | None = None  # what a replaced forward computes in, if not dtype
         self._device = "cpu"
         self._dtype = "float32"
         self.info = self._describe()
@@ -151,7 +159,8 @@ class SentenceTransformerEncoder:
         path = model or bundled_model_path()
         st = cls._model_class()(path, device="cpu")
         st.eval()
-        return cls(st, model_name(model))
+        source = path if os.path.isdir(path) else None
+        return cls(st, model_name(model), source)
 
     @staticmethod
     def _model_class() -> Any:
@@ -184,13 +193,45 @@ class SentenceTransformerEncoder:
         return [_pieces(text, e) for text, e in zip(texts, encodings, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
-        return torch_forward(self._modules, self._features(batch), "sentence_embedding")
+        return self._run(self._pipeline, batch)
+
+    def encode_with(
+        self, forward: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        batch: Sequence[Sequence[int]],
+    ) -> np.ndarray:
+        """``encode`` with ``forward`` in place of the first module; None: the model's own."""
+        return self._run(self._modules if forward is None else [forward, *self._modules[1:]],
+                         batch)
+
+    @property
+    def input_module(self) -> Any:
+        """The first module: the transformer that a replacement forward stands in for."""
+        return self._modules[0] if self._modules else None
+
+    @property
+    def input_names(self) -> list[str]:
+        """The tensors the first module reads from a batch, in the order a graph takes them."""
+        return ["input_ids", "attention_mask", *(["token_type_ids"] * self._with_token_types)]
+
+    def use_forward(
+        self, forward: Callable[[dict[str, Any]], dict[str, Any]], backend: str, precision: str
+    ) -> None:
+        """Run ``forward`` in place of the first module; it reads and returns the batch's
+        features (``input_names`` in, the first module's output added) as that module does."""
+        self._pipeline = [forward, *self._modules[1:]]
+        self._backend, self._precision = backend, precision
+        self.info = self._describe()
+
+    def _run(self, modules: Sequence[Callable[[Any], Any]],
+             batch: Sequence[Sequence[int]]) -> np.ndarray:
+        return torch_forward(modules, self.features(batch), "sentence_embedding")
 
     @property
     def special_tokens(self) -> int:
         return len(self._prefix) + len(self._suffix)
 
-    def _features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
+    def features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """The padded tensors the first module reads for ``batch`` (wrapped ids)."""
         import torch
 
         width = max(len(ids) for ids in batch)
@@ -224,12 +265,13 @@ class SentenceTransformerEncoder:
             max_input_tokens=int(self._model.max_seq_length),
             vocab_size=int(self._tokenizer.get_vocab_size(with_added_tokens=True)),
             device=self._device,
-            dtype=self._dtype,
+            dtype=self._precision or self._dtype,
             parameters=int(params),
             size_bytes=int(size),
             prompts=dict(getattr(self._model, "prompts", None) or {}),
             kind=self.kind,
             labels=self._labels(),
+            backend=self._backend,
         )
 
     def _dimension(self) -> int:
@@ -244,7 +286,8 @@ class SentenceTransformerEncoder:
 
 
 def torch_forward(modules: Sequence[Any], features: dict[str, Any], output: str) -> np.ndarray:
-    """Run sentence-transformers ``modules`` on ``features``; ``output`` as float32 rows."""
+    """Run ``modules`` (sentence-transformers modules, or a forward that replaces the first)
+    on ``features``; their ``output`` as float32 rows."""
     import torch
 
     try:

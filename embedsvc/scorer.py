@@ -92,7 +92,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         return [_pair(e.ids, e.type_ids) for e in encodings]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
-        rows = torch_forward(self._modules, self._features(batch), "scores")
+        rows = torch_forward(self._modules, self.features(batch), "scores")
         return rows.reshape(len(batch), -1)
 
     def activate(self, rows: np.ndarray, raw: bool) -> np.ndarray:

@@ -43,7 +43,7 @@ class SparseEmbedder(SentenceTransformerEncoder):
         return SparseEncoder
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
-        return torch_forward(self._modules, self._features(batch), "sentence_embedding")
+        return torch_forward(self._modules, self.features(batch), "sentence_embedding")
 
     def _dimension(self) -> int:
         # SpladePooling learns its width on the first batch; the vocabulary is known now

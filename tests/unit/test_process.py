@@ -125,3 +125,18 @@ def test_a_forked_child_builds_its_own_service():
     assert os.read(read, 100).decode() == "True 200"
     assert app.service is parent and parent.ready().batcher.alive
     parent.drain(timeout=1)
+
+
+def test_the_open_files_limit_is_raised_to_fit_the_connections():
+    import resource
+
+    from embedsvc.process import ensure_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        want = 600 if hard == resource.RLIM_INFINITY else min(600, hard)
+        assert ensure_open_files(500, spare=100) == want
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
