@@ -53,10 +53,10 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
 
     kind = "reranker"
 
-    def __init__(self, model: Any, name: str) -> None:
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
         self.kind = "reranker" if int(model.num_labels) == 1 else "classifier"
         self._activation = model.activation_fn
-        super().__init__(model, name)
+        super().__init__(model, name, source)
         limit = int(model.max_seq_length)
         self._truncating_to = {
             side: _plain_tokenizer(model.tokenizer, truncate_at=limit, direction=side)

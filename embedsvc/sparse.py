@@ -31,8 +31,8 @@ class SparseEmbedder(SentenceTransformerEncoder):
 
     kind = "sparse"
 
-    def __init__(self, model: Any, name: str) -> None:
-        super().__init__(model, name)
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
+        super().__init__(model, name, source)
         # the model's own cap on non-zero dimensions (SparseEncoder.encode applies it too)
         self.max_active_dims: int | None = getattr(model, "max_active_dims", None)
 
