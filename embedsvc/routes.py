@@ -86,7 +86,7 @@ def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
     req = parse(TokenizeRequest, call.body)
     texts = as_list(req.inputs)
-    pieces = call.engine().pieces(texts)
+    pieces = call.engine().pieces(texts, deadline=call.deadline, disconnected=call.disconnected)
     reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)
     return reply
@@ -109,7 +109,7 @@ def info(call: Call) -> Reply:
         "max_batch_tokens": s.max_batch_tokens,
         "max_batch_size": s.max_batch_size,
         "max_wait_ms": s.max_wait_ms,
-        "max_queue": s.max_queue,
+        "max_queue": service.queue_limit,
         "max_client_batch_size": s.max_inputs_per_request,
         "auto_truncate": s.auto_truncate,
         "version": __version__,

@@ -64,19 +64,27 @@ def score(
     deadline = deadline or arrived + s.request_timeout_s
     check_sequences(inputs, max_inputs=s.max_inputs_per_request, max_chars=s.max_input_chars)
     truncate = s.auto_truncate if truncate is None else truncate
-    sequences = scorer.tokenize_sequences(inputs, direction if truncate else None)
-    limit = scorer.info.max_input_tokens
-    for i, ids in enumerate(sequences):
-        rules.fit(i, ids, limit, special=0, truncate=False, direction=direction)
-    tokenize_s = time.monotonic() - arrived
-    engine.metrics.tokenization.observe(tokenize_s)
-    job = engine.batcher.submit(sequences, deadline, disconnected)  # type: ignore[arg-type]
+    # admitted before tokenizing, as Engine.embed does; a pair is estimated as its two texts
+    joined = [item if isinstance(item, str) else item[0] + item[1] for item in inputs]
+    ticket = engine.batcher.admit(len(inputs), engine.estimate(joined), deadline, disconnected)
+    try:
+        tokenizing = time.monotonic()
+        sequences = scorer.tokenize_sequences(inputs, direction if truncate else None)
+        limit = scorer.info.max_input_tokens
+        for i, ids in enumerate(sequences):
+            rules.fit(i, ids, limit, special=0, truncate=False, direction=direction)
+        tokenize_s = time.monotonic() - tokenizing
+        engine.metrics.tokenization.observe(tokenize_s)
+        job = engine.batcher.submit(sequences, deadline, disconnected,  # type: ignore[arg-type]
+                                    ticket=ticket)
+    finally:
+        engine.batcher.admission.cancel(ticket)  # a no-op once the batcher took it over
     rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
     return Scored(
         scores=scorer.activate(rows, raw),
         tokens=sum(len(x) for x in sequences),
         tokenize_s=tokenize_s,
-        queue_s=job.queue_s,
+        queue_s=job.queue_s + tokenizing - arrived,
         inference_s=job.inference_s,
         total_s=time.monotonic() - arrived,
     )
