@@ -369,3 +369,16 @@ def test_kind_setting_overrides_detection_in_a_server(kind_dirs, tmp_path, refs)
         assert got[0]["score"] == pytest.approx(float(refs["reranker"].predict([PAIRS[0]])[0]),
                                                 abs=TOL)
         assert "kind=classifier" in server.output()
+
+
+def test_gunicorn_preload_serves_a_reranker(kind_dirs, tmp_path, refs):
+    from .test_launchers import GUNICORN
+
+    env = {"EMBEDSVC_MODEL": str(kind_dirs["reranker"])}
+    cmd = [*GUNICORN, "-w", "2", "--threads", "4", "--preload", "embedsvc:app"]
+    with running(cmd, tmp_path / "gunicorn.log", env=env, cwd=str(tmp_path)) as server:
+        assert "preloads the weights on the CPU" in server.output()
+        ranks = post(server, "/rerank", {"query": QUERY, "texts": DOCS[:3]})
+        want = refs["reranker"].predict([(QUERY, d) for d in DOCS[:3]])
+        for r in ranks:
+            assert abs(r["score"] - want[r["index"]]) <= TOL
