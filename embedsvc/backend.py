@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from .encoder import SentenceTransformerEncoder, resolve_device
+from .kinds import load_model
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -60,15 +61,16 @@ def _choose(kind: str, device: str, setting: str, dtype: str) -> Choice:
     return Choice("onnx", "BACKEND=auto runs ONNX Runtime on the CPU")
 
 
-def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | None = None,
-                 kind: str = "embedding") -> SentenceTransformerEncoder:
+def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | None = None
+                 ) -> SentenceTransformerEncoder:
     """Load (unless a pre-fork master already did), pick the backend and place the model.
 
     Call in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
     """
-    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
+    encoder = preloaded or load_model(settings.model, settings.kind)
     device = resolve_device(settings.device)
-    choice = choose_backend(kind, device, settings.backend, settings.dtype, settings.quantize)
+    choice = choose_backend(encoder.kind, device, settings.backend, settings.dtype,
+                            settings.quantize)
     if choice.backend == "onnx":
         _attach_onnx(encoder, settings, choice)
     else:

@@ -41,7 +41,8 @@ class ModelInfo:
     parameters: int = 0
     size_bytes: int = 0
     prompts: dict[str, str] = field(default_factory=dict)
-    kind: str = "embedding"  # embedding, reranker, classifier or sparse
+    kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
+    labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
     backend: str = "torch"
 
 
@@ -140,7 +141,12 @@ class SentenceTransformerEncoder:
 
         enc = SentenceTransformerEncoder.load("")
         enc.place("auto", "auto")
+
+    The other model kinds (scorer.py, sparse.py) subclass it for its tokenizer handling,
+    placing and description, and run their own forward pass.
     """
+
+    kind = "embedding"
 
     def __init__(self, model: Any, name: str, source: str | None = None) -> None:
         self._model = model
@@ -164,13 +170,18 @@ class SentenceTransformerEncoder:
     @classmethod
     def load(cls, model: str) -> SentenceTransformerEncoder:
         """Load the weights onto the CPU. Touches no accelerator, so it is safe before fork."""
-        from sentence_transformers import SentenceTransformer
-
         path = model or bundled_model_path()
-        st = SentenceTransformer(path, device="cpu")
+        st = cls._model_class()(path, device="cpu")
         st.eval()
         source = path if os.path.isdir(path) else None
         return cls(st, model_name(model), source)
+
+    @staticmethod
+    def _model_class() -> Any:
+        """The sentence-transformers class that loads this kind of model directory."""
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer
 
     def place(self, device: str, dtype: str) -> None:
         """Move to the resolved device and dtype, then warm up. Call in the serving process."""
@@ -235,17 +246,7 @@ class SentenceTransformerEncoder:
 
     def _run(self, modules: Sequence[Callable[[Any], Any]],
              batch: Sequence[Sequence[int]]) -> np.ndarray:
-        import torch
-
-        features = self.features(batch)
-        try:
-            with torch.inference_mode():
-                for module in modules:
-                    features = module(features)
-                out = features["sentence_embedding"].float()
-                return out.cpu().numpy()
-        except torch.OutOfMemoryError as exc:
-            raise DeviceOutOfMemory(str(exc)) from exc
+        return torch_forward(modules, self.features(batch), "sentence_embedding")
 
     @property
     def special_tokens(self) -> int:
@@ -271,18 +272,21 @@ class SentenceTransformerEncoder:
             "modality": "text",
         }
         if self._with_token_types:
-            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+            features["token_type_ids"] = self._token_types(batch, features["input_ids"])
         return features
+
+    def _token_types(self, batch: Sequence[Sequence[int]], input_ids: Any) -> Any:
+        """Segment ids: all 0 for single texts; a pair's second segment is 1 (scorer.py)."""
+        import torch
+
+        return torch.zeros_like(input_ids)
 
     def _describe(self) -> ModelInfo:
         params = sum(p.numel() for p in self._model.parameters())
         size = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        # sentence-transformers renamed the method in v5; older releases have only the old name
-        dimension_of = getattr(self._model, "get_embedding_dimension", None)
-        dim = dimension_of() if dimension_of else self._model.get_sentence_embedding_dimension()
         return ModelInfo(
             name=self._name,
-            dimension=int(dim),
+            dimension=self._dimension(),
             max_input_tokens=int(self._model.max_seq_length),
             vocab_size=int(self._tokenizer.get_vocab_size(with_added_tokens=True)),
             device=self._device,
@@ -290,12 +294,45 @@ class SentenceTransformerEncoder:
             parameters=int(params),
             size_bytes=int(size),
             prompts=dict(getattr(self._model, "prompts", None) or {}),
+            kind=self.kind,
+            labels=self._labels(),
             backend=self._backend,
         )
 
+    def _dimension(self) -> int:
+        """The width of the rows ``encode`` returns."""
+        # sentence-transformers renamed the method in v5; older releases have only the old name
+        dimension_of = getattr(self._model, "get_embedding_dimension", None)
+        dim = dimension_of() if dimension_of else self._model.get_sentence_embedding_dimension()
+        return int(dim)
 
-def _plain_tokenizer(hf_tokenizer: Any) -> Any:
-    """A private copy of the fast tokenizer: no padding, no truncation (``token_window`` cuts).
+    def _labels(self) -> tuple[str, ...]:
+        return ()
+
+
+def torch_forward(modules: Sequence[Any], features: dict[str, Any], output: str) -> np.ndarray:
+    """Run ``modules`` (sentence-transformers modules, or a forward that replaces the first)
+    on ``features``; their ``output`` as float32 rows."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            for module in modules:
+                features = module(features)
+            out = features[output].float()
+            return out.cpu().numpy()
+    except torch.OutOfMemoryError as exc:
+        raise DeviceOutOfMemory(str(exc)) from exc
+
+
+def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None,
+                     direction: str = "right") -> Any:
+    """A private copy of the fast tokenizer: no padding, and no truncation (``token_window``
+    cuts single texts) unless ``truncate_at`` is given.
+
+    With ``truncate_at``: ``longest_first`` to that many tokens from ``direction``, special
+    tokens included, which is what the tokenizer's own call does with ``truncation=True`` to
+    a pair of texts (scorer.py).
 
     ``encode_batch`` on it only reads shared state, so request threads can call it at once;
     the tokenizer's own call API changes truncation state per call and is not safe that way.
@@ -304,7 +341,10 @@ def _plain_tokenizer(hf_tokenizer: Any) -> Any:
 
     tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
     tok.no_padding()
-    tok.no_truncation()
+    if truncate_at:
+        tok.enable_truncation(truncate_at, direction=direction)
+    else:
+        tok.no_truncation()
     return tok
 
 

@@ -202,12 +202,12 @@ class LazyApp:
         return app
 
     def _preload(self, settings: Settings) -> None:
-        from .encoder import SentenceTransformerEncoder
+        from .kinds import load_model
 
         serving_process(settings)
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
                  "to share; each worker places them on its device after the fork", os.getpid())
-        self._preloaded = SentenceTransformerEncoder.load(settings.model)
+        self._preloaded = load_model(settings.model, settings.kind)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread may have held the parent's at the fork

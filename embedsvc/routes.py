@@ -26,9 +26,10 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from . import __version__, schemas
+from . import __version__, kind_routes, schemas
 from .engine import Embedded
 from .errors import InvalidRequest, Unavailable
+from .kinds import tei_model_type
 from .openapi import openapi_document
 from .schemas import EmbeddingsRequest, EmbedRequest, Request, TokenizeRequest
 from .web import Call, Reply, Route, json_reply
@@ -114,6 +115,9 @@ def info(call: Call) -> Reply:
         "version": __version__,
         "pid": service.pid,
         "state": service.state,
+        "kind": model.kind if model else None,
+        "labels": list(model.labels) if model else None,
+        "model_type": tei_model_type(model) if model else None,
     })
 
 
@@ -141,15 +145,44 @@ def openapi(call: Call) -> Reply:
 
 # -- the route table --------------------------------------------------------------------------
 
+_EMBEDDING = frozenset({"embedding"})
+_MAIN_ROUTE = ("The served model's main route, by its kind, as TEI's: /embed (embedding), "
+               "/rerank (reranker), /predict (classifier), /embed_sparse (sparse)")
+_RERANKER = frozenset({"reranker"})
+_COHERE = ("Cohere/Jina rerank: the best documents for a query, with relevance scores "
+           "(a reranker model)")
+
 _EMBEDDINGS = Route("/v1/embeddings", "POST", embeddings, "OpenAI-compatible embeddings",
-                    EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE)
+                    EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING)
 
 ROUTES: tuple[Route, ...] = (
     _EMBEDDINGS,
     Route("/embeddings", "POST", embeddings, _EMBEDDINGS.summary, EmbeddingsRequest,
-          schemas.EMBEDDINGS_RESPONSE),
+          schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING),
     Route("/embed", "POST", embed, "TEI-compatible embeddings, one vector per input",
-          EmbedRequest, schemas.VECTORS),
+          EmbedRequest, schemas.VECTORS, kinds=_EMBEDDING),
+    Route("/similarity", "POST", kind_routes.similarity, "TEI's sentence similarity: the "
+          "cosine of each sentence to the source sentence (an embedding model)",
+          schemas.SimilarityRequest, {"type": "array", "items": {"type": "number"}},
+          kinds=_EMBEDDING),
+    Route("/rerank", "POST", kind_routes.rerank, "TEI's rerank: texts scored against a query, "
+          "best first (a reranker model); a body with 'documents' instead of 'texts' is read "
+          "and answered in the Cohere/Jina shape of /v1/rerank", schemas.RerankRequest,
+          schemas.RANKS, kinds=_RERANKER),
+    Route("/v1/rerank", "POST", kind_routes.cohere_rerank, _COHERE,
+          schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),
+    Route("/v2/rerank", "POST", kind_routes.cohere_rerank, _COHERE + "; Cohere's v2 path",
+          schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),
+    Route("/predict", "POST", kind_routes.predict, "TEI's predict: every label's score for a "
+          "text, a pair or a list of them (a classifier or reranker model)",
+          schemas.PredictRequest, schemas.PREDICTIONS,
+          kinds=frozenset({"classifier", "reranker"})),
+    Route("/embed_sparse", "POST", kind_routes.embed_sparse, "TEI's sparse embeddings: the "
+          "non-zero vocabulary entries of each input (a sparse model such as SPLADE)",
+          schemas.EmbedSparseRequest, schemas.SPARSE_VECTORS, kinds=frozenset({"sparse"})),
+    Route("/", "POST", kind_routes.main_route, _MAIN_ROUTE, response=schemas.OBJECT),
+    Route("/invocations", "POST", kind_routes.main_route, _MAIN_ROUTE + " (SageMaker's path)",
+          response=schemas.OBJECT),
     Route("/tokenize", "POST", tokenize, "The tokens the model sees for each input",
           TokenizeRequest, schemas.TOKENS),
     Route("/info", "GET", info, "Model, device, limits, version and pid", response=schemas.OBJECT),

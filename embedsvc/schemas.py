@@ -31,22 +31,14 @@ class EmbeddingsRequest(Request):
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
 
 
-class EmbedRequest(Request):
-    """POST /embed, as text-embeddings-inference defines it."""
+class _Truncation(Request):
+    """The truncation fields TEI's routes share."""
 
-    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
-    normalize: StrictBool = Field(True, description="L2-normalise each vector.")
     truncate: StrictBool | None = Field(
         None, description="Truncate over-long inputs; null: the server's AUTO_TRUNCATE."
     )
     truncation_direction: Literal["right", "left"] = Field(
         "right", description="Which end of an over-long input is cut."
-    )
-    prompt_name: StrictStr | None = Field(
-        None, description="Name of a prompt of the model, put before each input."
-    )
-    dimensions: StrictInt | None = Field(
-        None, description="Keep the first N components (then normalise, if asked)."
     )
 
     @field_validator("truncation_direction", mode="before")
@@ -56,10 +48,103 @@ class EmbedRequest(Request):
         return value.lower() if isinstance(value, str) else value
 
 
+class EmbedRequest(_Truncation):
+    """POST /embed, as text-embeddings-inference defines it."""
+
+    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+    normalize: StrictBool = Field(True, description="L2-normalise each vector.")
+    prompt_name: StrictStr | None = Field(
+        None, description="Name of a prompt of the model, put before each input."
+    )
+    dimensions: StrictInt | None = Field(
+        None, description="Keep the first N components (then normalise, if asked)."
+    )
+
+
 class TokenizeRequest(Request):
     """POST /tokenize, as text-embeddings-inference defines it."""
 
     inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+
+
+# -- rerankers, classifiers, sparse encoders, similarity (kind_routes.py) ---------------------
+
+
+class RerankRequest(_Truncation):
+    """POST /rerank, as text-embeddings-inference defines it (a reranker model).
+
+    A body with ``documents`` instead of ``texts`` is read as a CohereRerankRequest and
+    answered in that shape."""
+
+    query: StrictStr = Field(description="The query every text is scored against.")
+    texts: list[StrictStr] = Field(description="The texts to rank.")
+    raw_scores: StrictBool = Field(
+        False, description="Raw logits instead of the model's activation (sigmoid)."
+    )
+    return_text: StrictBool = Field(False, description="Put each text in its result.")
+
+
+class DocumentText(Request):
+    text: StrictStr
+
+
+class CohereRerankRequest(Request):
+    """POST /v1/rerank, /v2/rerank: the Cohere and Jina rerank shape (a reranker model).
+
+    ``model``, ``rank_fields``, ``max_chunks_per_doc`` and ``max_tokens_per_doc`` are
+    accepted and ignored: documents are truncated to the model's own limit."""
+
+    query: StrictStr = Field(description="The query every document is scored against.")
+    documents: list[StrictStr | DocumentText] = Field(
+        description="The documents to rank: strings or {\"text\": ...} objects."
+    )
+    top_n: int | None = Field(
+        None, ge=1, strict=True, description="Return only the best N; null: all."
+    )
+    return_documents: StrictBool = Field(
+        False, description="Put each document, as {\"text\": ...}, in its result."
+    )
+    model: StrictStr | None = Field(
+        None, description="Accepted and ignored: the response names the served model."
+    )
+
+
+class PredictRequest(_Truncation):
+    """POST /predict, as text-embeddings-inference defines it (a classifier or reranker)."""
+
+    inputs: StrictStr | list[StrictStr] | list[list[StrictStr]] = Field(
+        description="A text; [text] or [text, text] (one pair); or a list of those."
+    )
+    raw_scores: StrictBool = Field(
+        False, description="Raw logits instead of softmax (sigmoid for one label)."
+    )
+
+
+class EmbedSparseRequest(_Truncation):
+    """POST /embed_sparse, as text-embeddings-inference defines it (a sparse model)."""
+
+    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+    prompt_name: StrictStr | None = Field(
+        None, description="Name of a prompt of the model, put before each input."
+    )
+
+
+class SimilarityInputs(Request):
+    source_sentence: StrictStr = Field(description="The text the others are compared with.")
+    sentences: list[StrictStr] = Field(description="The texts compared with it.")
+
+
+class SimilarityParameters(_Truncation):
+    prompt_name: StrictStr | None = Field(
+        None, description="Name of a prompt of the model, put before each text."
+    )
+
+
+class SimilarityRequest(Request):
+    """POST /similarity, TEI's sentence-similarity task (an embedding model)."""
+
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
 
 
 # -- response shapes, as JSON schema ----------------------------------------------------------
@@ -105,6 +190,59 @@ PIECE: dict[str, Any] = {
     },
 }
 TOKENS: dict[str, Any] = {"type": "array", "items": {"type": "array", "items": PIECE}}
+RANKS: dict[str, Any] = {
+    "type": "array",
+    "description": "Best first.",
+    "items": {
+        "type": "object",
+        "required": ["index", "score"],
+        "properties": {
+            "index": {"type": "integer", "description": "Position in 'texts'."},
+            "score": {"type": "number"},
+            "text": {"type": "string", "description": "Only with return_text."},
+        },
+    },
+}
+COHERE_RERANK_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "results": {
+            "type": "array",
+            "description": "Best first, at most top_n.",
+            "items": {
+                "type": "object",
+                "required": ["index", "relevance_score"],
+                "properties": {
+                    "index": {"type": "integer", "description": "Position in 'documents'."},
+                    "relevance_score": {"type": "number"},
+                    "document": {"type": "object", "properties": {"text": {"type": "string"}},
+                                 "description": "Only with return_documents."},
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": EMBEDDINGS_RESPONSE["properties"]["usage"],
+    },
+}
+_PREDICTIONS: dict[str, Any] = {
+    "type": "array",
+    "description": "Every label, best first.",
+    "items": {"type": "object", "properties": {"label": {"type": "string"},
+                                               "score": {"type": "number"}}},
+}
+PREDICTIONS: dict[str, Any] = {
+    "oneOf": [_PREDICTIONS, {"type": "array", "items": _PREDICTIONS}],
+    "description": "One list for one input, a list of lists for a list of inputs.",
+}
+SPARSE_VECTORS: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"index": {"type": "integer"}, "value": {"type": "number"}},
+    }},
+    "description": "The non-zero entries of each input's vector, indices ascending.",
+}
 ERROR: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
@@ -121,3 +259,4 @@ ERROR: dict[str, Any] = {
         }
     },
 }
+

@@ -157,14 +157,15 @@ class Service:
         self.metrics.model_load.set(seconds)
         self.metrics.model_info.info({
             "model": info.name, "device": info.device, "dtype": info.dtype,
-            "version": __version__, "dimension": str(info.dimension),
+            "version": __version__, "dimension": str(info.dimension), "kind": info.kind,
         })
         if info.device.startswith("cuda"):
             self.metrics.watch_device_memory(_cuda_memory)
         log.info(
-            "model ready: pid=%d device=%s dtype=%s model=%s dimension=%d parameters=%d "
+            "model ready: pid=%d device=%s dtype=%s model=%s kind=%s dimension=%d parameters=%d "
             "size=%.1fMiB load=%.1fs",
-            self.pid, info.device, info.dtype, info.name, info.dimension, info.parameters,
+            self.pid, info.device, info.dtype, info.name, info.kind, info.dimension,
+            info.parameters,
             info.size_bytes / 2**20, seconds,
         )
 

@@ -204,6 +204,11 @@ class Settings:
         "tokens admitted at once (the memory budget of work in progress); a larger request "
         "runs alone",
     )
+    kind: str = _setting(
+        "auto",
+        _choice("auto", "embedding", "reranker", "classifier", "sparse"),
+        "the model's kind; auto: read from its config files (see README, model kinds)",
+    )
 
     def __post_init__(self) -> None:
         # Keyword values pass through the same parsers as the environment's strings, so a

@@ -45,3 +45,16 @@ def served(tmp_path_factory):
 def cosine(a, b) -> np.ndarray:
     a, b = np.atleast_2d(a), np.atleast_2d(b)
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture(scope="session")
+def kind_dirs(tmp_path_factory):
+    """Directories of a tiny reranker, classifier and sparse encoder (tests/models.py)."""
+    from ..models import build_classifier, build_reranker, build_sparse
+
+    base = tmp_path_factory.mktemp("kinds")
+    return {
+        "reranker": build_reranker(base / "reranker"),
+        "classifier": build_classifier(base / "classifier"),
+        "sparse": build_sparse(base / "sparse"),
+    }

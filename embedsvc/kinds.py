@@ -1,0 +1,152 @@
+"""What a model directory holds, and the encoder that serves it: one kind per process.
+
+Kinds, as text-embeddings-inference serves them:
+
+- ``embedding``: a sentence-transformers embedding model (``/embed``, ``/v1/embeddings``)
+- ``reranker``: a cross-encoder with one output label (``/rerank``, ``/v1/rerank``)
+- ``classifier``: a cross-encoder or sequence classifier with labels (``/predict``)
+- ``sparse``: a sentence-transformers SparseEncoder such as SPLADE (``/embed_sparse``)
+
+Detection reads only the small config files sentence-transformers and transformers write:
+
+1. ``config_sentence_transformers.json`` ``model_type`` (written by sentence-transformers
+   since v5): ``SentenceTransformer``, ``SparseEncoder`` or ``CrossEncoder``;
+2. else ``modules.json`` (any sentence-transformers model): sparse when a module is one of
+   SPLADE's (``SpladePooling``, ``MLMTransformer``, ...), otherwise an embedding model;
+3. else ``config.json``: a ``...ForSequenceClassification`` architecture, or a
+   ``sentence_transformers`` section (older CrossEncoder saves) is a cross-encoder; a
+   ``...ForMaskedLM`` is read as SPLADE (the only reason to serve a bare masked LM);
+4. anything else is an embedding model (sentence-transformers adds mean pooling).
+
+A cross-encoder with one label is a reranker, with several a classifier. The ``KIND``
+setting overrides all of this.
+
+>>> KINDS
+('embedding', 'reranker', 'classifier', 'sparse')
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .encoder import ModelInfo, SentenceTransformerEncoder
+
+log = logging.getLogger(__name__)
+
+KINDS = ("embedding", "reranker", "classifier", "sparse")
+_SPARSE_MODULES = ("SpladePooling", "MLMTransformer", "SparseStaticEmbedding", "SparseAutoEncoder")
+_ST_TYPES = {"SentenceTransformer": "embedding", "SparseEncoder": "sparse"}
+
+ReadJson = Callable[[str], "dict[str, Any] | list[Any] | None"]
+
+
+@dataclass(frozen=True)
+class Detected:
+    """A model's kind and the file that told it (for the startup log)."""
+
+    kind: str
+    reason: str
+
+
+def detect(model: str, read: ReadJson | None = None) -> Detected:
+    """The kind of ``model`` (a directory or a hub id; empty: the bundled embedding model)."""
+    if not model:
+        return Detected("embedding", "the bundled model")
+    read = read or _reader(model)
+    st_config = read("config_sentence_transformers.json")
+    model_type = st_config.get("model_type") if isinstance(st_config, dict) else None
+    if model_type in _ST_TYPES:
+        return Detected(_ST_TYPES[model_type], f"config_sentence_transformers.json: {model_type}")
+    config = read("config.json")
+    config = config if isinstance(config, dict) else {}
+    if model_type == "CrossEncoder":
+        return Detected(_cross_kind(config), "config_sentence_transformers.json: CrossEncoder")
+    modules = read("modules.json")
+    if isinstance(modules, list):
+        types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+        if any(t.endswith(name) for t in types for name in _SPARSE_MODULES):
+            return Detected("sparse", "modules.json: a SPLADE module")
+        return Detected("embedding", "modules.json")
+    architecture = str((config.get("architectures") or [""])[0])
+    if architecture.endswith("ForSequenceClassification") or "sentence_transformers" in config:
+        return Detected(_cross_kind(config), f"config.json: {architecture or 'CrossEncoder'}")
+    if architecture.endswith("ForMaskedLM"):
+        return Detected("sparse", f"config.json: {architecture}")
+    return Detected("embedding", f"config.json: {architecture or 'no architecture'}")
+
+
+def resolve(setting: str, model: str, read: ReadJson | None = None) -> Detected:
+    """The kind to serve: the KIND setting, unless ``auto``, else what ``detect`` finds."""
+    if setting != "auto":
+        return Detected(setting, "the KIND setting")
+    return detect(model, read)
+
+
+def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
+    """Load ``model`` on the CPU as the encoder of its kind; safe before fork."""
+    from .scorer import CrossEncoderScorer
+    from .sparse import SparseEmbedder
+
+    found = resolve(kind, model)
+    cls = {"embedding": SentenceTransformerEncoder, "sparse": SparseEmbedder}.get(
+        found.kind, CrossEncoderScorer
+    )
+    try:
+        encoder = cls.load(model)
+    except Exception as exc:
+        raise RuntimeError(
+            f"cannot load {model or 'the bundled model'!r} as a {found.kind} model "
+            f"({found.reason}): {exc}; check MODEL, or set KIND to the model's kind"
+        ) from exc
+    if isinstance(encoder, CrossEncoderScorer):
+        encoder.serve_as(found.kind)
+    log.info("model kind: %s (%s)", found.kind, found.reason)
+    return encoder
+
+
+def tei_model_type(info: ModelInfo) -> dict[str, Any]:
+    """``model_type`` of TEI's /info, which clients read to tell the kind."""
+    if info.kind in ("reranker", "classifier"):
+        id2label = {str(i): name for i, name in enumerate(info.labels)}
+        return {info.kind: {"id2label": id2label,
+                            "label2id": {name: i for i, name in enumerate(info.labels)}}}
+    return {"embedding": {"pooling": "splade"} if info.kind == "sparse" else {}}
+
+
+def _cross_kind(config: dict[str, Any]) -> str:
+    labels = config.get("id2label")
+    count = len(labels) if isinstance(labels, dict) and labels else config.get("num_labels", 2)
+    return "reranker" if count == 1 else "classifier"
+
+
+def _reader(model: str) -> ReadJson:
+    """Reads a JSON file of a local directory, or of a hub repository through its cache."""
+
+    def read(name: str) -> dict[str, Any] | list[Any] | None:
+        if os.path.isdir(model):
+            path = os.path.join(model, name)
+            if not os.path.isfile(path):
+                return None
+        else:
+            path = _hub_file(model, name)
+            if path is None:
+                return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    return read
+
+
+def _hub_file(repo: str, name: str) -> str | None:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return hf_hub_download(repo, name)
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return None

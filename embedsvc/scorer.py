@@ -1,0 +1,137 @@
+"""Cross-encoders (rerankers and classifiers) behind the Encoder interface.
+
+A cross-encoder reads a text, or a pair of texts, and gives one raw logit per output label.
+Request threads tokenize (``tokenize_sequences``), the batcher thread runs ``encode`` on
+whatever mix of texts and pairs was queued, and each request turns its own rows into
+scores afterwards (``activate``), so that one batch can serve raw and activated requests.
+
+>>> pair = Pair([101, 7, 102, 9, 102], second=3)
+>>> len(pair), pair.second
+(5, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .encoder import SentenceTransformerEncoder, _plain_tokenizer, torch_forward
+
+Sequenced = str | tuple[str, str]  # one input of a cross-encoder: a text or a pair of texts
+
+
+class Pair(list):
+    """Token ids of a text pair, special tokens in; ids from ``second`` on are segment B.
+
+    It is a list of ids, as the batcher expects of any input (it only takes ``len``), so a
+    pair's tokens count against MAX_BATCH_TOKENS like any input's; ``encode`` reads
+    ``second`` to give segment B token type 1.
+    """
+
+    __slots__ = ("second",)
+
+    def __init__(self, ids: Sequence[int], second: int) -> None:
+        super().__init__(ids)
+        self.second = second
+
+
+class CrossEncoderScorer(SentenceTransformerEncoder):
+    """A sentence-transformers ``CrossEncoder``; rows are raw logits, one column per label.
+
+    ``kind`` is ``reranker`` (one label, scored with ``/rerank``) or ``classifier`` (any
+    number of labels, ``/predict``).
+
+    Example (``path`` is a CrossEncoder directory)::
+
+        scorer = CrossEncoderScorer.load(path)
+        scorer.place("cpu", "float32")
+        logits = scorer.encode(scorer.tokenize_sequences([("query", "document")], "right"))
+        scores = scorer.activate(logits, raw=False)
+    """
+
+    kind = "reranker"
+
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
+        self.kind = "reranker" if int(model.num_labels) == 1 else "classifier"
+        self._activation = model.activation_fn
+        super().__init__(model, name, source)
+        limit = int(model.max_seq_length)
+        self._truncating_to = {
+            side: _plain_tokenizer(model.tokenizer, truncate_at=limit, direction=side)
+            for side in ("right", "left")
+        }
+
+    @staticmethod
+    def _model_class() -> Any:
+        from sentence_transformers import CrossEncoder
+
+        return CrossEncoder
+
+    def serve_as(self, kind: str) -> None:
+        """Serve as ``reranker`` (one label only) or ``classifier``: the KIND setting."""
+        if kind == "reranker" and self._dimension() != 1:
+            raise ValueError(
+                f"KIND=reranker needs a model with one output label, and this one has "
+                f"{self._dimension()} ({', '.join(self._labels())}); set KIND=classifier or auto"
+            )
+        self.kind = kind
+        self.info = self._describe()
+
+    def tokenize_sequences(self, inputs: Sequence[Sequenced], direction: str | None
+                           ) -> list[Pair]:
+        """Ids with special tokens of each text or (text, text) pair, as the model reads them.
+
+        ``direction`` (``right`` or ``left``) truncates to the model's limit the way
+        CrossEncoder's tokenizer call does (``longest_first``: the longer text loses tokens
+        first); ``None`` leaves inputs whole, for the caller to refuse those over the limit.
+        """
+        tokenizer = self._tokenizer if direction is None else self._truncating_to[direction]
+        encodings = tokenizer.encode_batch(list(inputs), add_special_tokens=True)
+        return [_pair(e.ids, e.type_ids) for e in encodings]
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        rows = torch_forward(self._modules, self.features(batch), "scores")
+        return rows.reshape(len(batch), -1)
+
+    def activate(self, rows: np.ndarray, raw: bool) -> np.ndarray:
+        """Scores from logits as ``CrossEncoder.predict`` gives them.
+
+        ``raw``: the logits (``predict(activation_fn=Identity())``). Otherwise the model's
+        activation (sigmoid unless the model names another), then a softmax across labels when
+        there are several: ``predict(apply_softmax=True)``, probabilities for a classifier.
+        """
+        if raw:
+            return rows
+        import torch
+
+        with torch.inference_mode():
+            scores = self._activation(torch.from_numpy(np.ascontiguousarray(rows)))
+            if scores.shape[1] > 1:
+                scores = torch.nn.functional.softmax(scores, dim=1)
+            return scores.numpy()
+
+    def _token_types(self, batch: Sequence[Sequence[int]], input_ids: Any) -> Any:
+        import torch
+
+        types = np.zeros(tuple(input_ids.shape), dtype=np.int64)
+        for row, ids in enumerate(batch):
+            if isinstance(ids, Pair):
+                types[row, ids.second : len(ids)] = 1
+        return torch.from_numpy(types).to(input_ids.device)
+
+    def _dimension(self) -> int:
+        return int(self._model.num_labels)
+
+    def _labels(self) -> tuple[str, ...]:
+        id2label = getattr(self._model.config, "id2label", None) or {}
+        return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(self._dimension()))
+
+
+def _pair(ids: list[int], type_ids: list[int]) -> Pair:
+    second = next((i for i, t in enumerate(type_ids) if t), len(ids))
+    if any(t != (i >= second) for i, t in enumerate(type_ids)):
+        # every tokenizer template in use puts segment A, then B: 0...0 1...1
+        raise ValueError(f"unexpected token types {type_ids} for a pair of texts")
+    return Pair(ids, second)

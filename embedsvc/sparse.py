@@ -1,0 +1,69 @@
+"""Sparse encoders (SPLADE and kin) behind the Encoder interface.
+
+The batcher thread computes one vocabulary-wide row per input (``encode``); each request
+then keeps the active dimensions of its own rows as (index, value) pairs (``active``).
+
+>>> rows = np.array([[0.0, 1.5, 0.0, 0.25]], dtype=np.float32)
+>>> [(i.tolist(), v.tolist()) for i, v in active(rows)]
+[([1, 3], [1.5, 0.25])]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .encoder import SentenceTransformerEncoder, torch_forward
+
+
+class SparseEmbedder(SentenceTransformerEncoder):
+    """A sentence-transformers ``SparseEncoder``; rows are as wide as the vocabulary.
+
+    Example (``path`` is a SparseEncoder directory)::
+
+        sparse = SparseEmbedder.load(path)
+        sparse.place("cpu", "float32")
+        rows = sparse.encode([sparse.wrap(ids) for ids in sparse.tokenize(["a text"])])
+        [(indices, values)] = active(rows, sparse.max_active_dims)
+    """
+
+    kind = "sparse"
+
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
+        super().__init__(model, name, source)
+        # the model's own cap on non-zero dimensions (SparseEncoder.encode applies it too)
+        self.max_active_dims: int | None = getattr(model, "max_active_dims", None)
+
+    @staticmethod
+    def _model_class() -> Any:
+        from sentence_transformers import SparseEncoder
+
+        return SparseEncoder
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        return torch_forward(self._modules, self.features(batch), "sentence_embedding")
+
+    def _dimension(self) -> int:
+        # SpladePooling learns its width on the first batch; the vocabulary is known now
+        transformer = getattr(self._model, "transformers_model", None)
+        config = getattr(transformer, "config", None)
+        size = getattr(config, "vocab_size", None) or super()._dimension()
+        return int(size)
+
+
+def active(rows: np.ndarray, max_active_dims: int | None = None
+           ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The non-zero (index, value) pairs of each row, indices ascending, as
+    ``SparseEncoder.encode`` gives them: at most ``max_active_dims`` of the largest."""
+    if max_active_dims is not None:
+        import torch
+        from sentence_transformers.util import select_max_active_dims
+
+        rows = select_max_active_dims(torch.from_numpy(rows), max_active_dims).numpy()
+    out = []
+    for row in rows:
+        indices = np.flatnonzero(row)
+        out.append((indices, row[indices]))
+    return out

@@ -1,0 +1,88 @@
+"""Tiny models of every kind, built with random weights and saved as their libraries save them.
+
+No hub: the tokenizer is the bundled model's; the weights are a 2-layer BERT. They load
+through ``embedsvc.kinds.load_model`` like any user's model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LABELS = ("negative", "neutral", "positive")
+MAX_LENGTH = 128
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from embedsvc.encoder import bundled_model_path
+
+    return AutoTokenizer.from_pretrained(bundled_model_path())
+
+
+def _config(tokenizer, **extra):
+    from transformers import BertConfig
+
+    # a wide initialisation, so that different inputs get clearly different scores
+    return BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
+        initializer_range=0.3, **extra,
+    )
+
+
+def _save_hf(model, tokenizer, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_cross_encoder(path: Path, labels: tuple[str, ...] = ("score",), seed: int = 0) -> Path:
+    """A BERT sequence classifier saved as a sentence-transformers CrossEncoder."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer()
+    config = _config(tokenizer, num_labels=len(labels),
+                     id2label=dict(enumerate(labels)),
+                     label2id={name: i for i, name in enumerate(labels)})
+    raw = _save_hf(BertForSequenceClassification(config), tokenizer,
+                   path.with_name(path.name + "-hf"))
+    CrossEncoder(str(raw), device="cpu", max_length=MAX_LENGTH).save_pretrained(str(path))
+    return path
+
+
+def build_reranker(path: Path) -> Path:
+    """One output label: a reranker."""
+    return build_cross_encoder(path, ("score",))
+
+
+def build_classifier(path: Path) -> Path:
+    """Three named labels: a classifier."""
+    return build_cross_encoder(path, LABELS, seed=1)
+
+
+def build_sparse(path: Path, seed: int = 2) -> Path:
+    """A BERT masked LM with SPLADE max pooling, saved as a sentence-transformers SparseEncoder."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer()
+    mlm = BertForMaskedLM(_config(tokenizer))
+    with torch.no_grad():
+        # a negative output bias, so that a few hundred vocabulary entries stay active, as in
+        # a trained SPLADE, instead of half the vocabulary
+        mlm.cls.predictions.bias.fill_(-4.0)
+    raw = _save_hf(mlm, tokenizer, path.with_name(path.name + "-hf"))
+    transformer = Transformer(str(raw), transformer_task="fill-mask", max_seq_length=MAX_LENGTH)
+    SparseEncoder(modules=[transformer, SpladePooling("max")], device="cpu").save_pretrained(
+        str(path)
+    )
+    return path
