@@ -28,14 +28,15 @@ Chunk = list[tuple[Record, Position]]
 @dataclass(frozen=True)
 class Summary:
     inputs: int  # embedded by this run
-    tokens: int
+    tokens: int | None  # None where not counted (on Ray)
     seconds: float
     resumed: int = 0  # done by earlier runs of the same job
 
     def __str__(self) -> str:
         rate = self.inputs / self.seconds if self.seconds else 0.0
         earlier = f"; {self.resumed} done by an earlier run" if self.resumed else ""
-        return (f"{self.inputs} inputs, {self.tokens} tokens in {self.seconds:.1f}s "
+        tokens = "" if self.tokens is None else f", {self.tokens} tokens"
+        return (f"{self.inputs} inputs{tokens} in {self.seconds:.1f}s "
                 f"({rate:.1f} inputs/s){earlier}")
 
 

@@ -35,7 +35,7 @@ def vectors_table(ids: Sequence[Any], rows: np.ndarray) -> Any:
 
     values = pa.array(np.ascontiguousarray(rows, dtype=np.float32).ravel(), pa.float32())
     try:
-        id_column = pa.array(list(ids))
+        id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else pa.array(list(ids))
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise BulkError("the ids mix types, which one Parquet column cannot hold: choose an id "
                         "field of one type with --id-field, or write JSONL") from None
@@ -71,7 +71,7 @@ class PartWriter:
         if self._parquet is None:
             self._parquet = pq.ParquetWriter(self._tmp, table.schema)
         elif table.schema != self._parquet.schema:
-            table = _cast(table, self._parquet.schema)
+            table = cast_like(table, self._parquet.schema)
         self._parquet.write_table(table)
 
     def commit(self) -> None:
@@ -143,7 +143,7 @@ def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int) -> int:
             table = pq.read_table(part)  # one part at a time: at most --part-size rows
             if writer is None:
                 writer = pq.ParquetWriter(tmp, table.schema)
-            writer.write_table(_cast(table, writer.schema))
+            writer.write_table(cast_like(table, writer.schema))
             rows += table.num_rows
     finally:
         if writer is not None:
@@ -151,7 +151,8 @@ def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int) -> int:
     return rows
 
 
-def _cast(table: Any, schema: Any) -> Any:
+def cast_like(table: Any, schema: Any) -> Any:
+    """``table`` in ``schema`` (ids of one type along the file), or a ``BulkError``."""
     import pyarrow as pa
 
     if table.schema == schema:

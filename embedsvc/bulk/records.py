@@ -12,10 +12,10 @@ number and byte offset, so that a resumed job seeks instead of rereading.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import PurePath
+from typing import IO, Any
 
 import orjson
 
@@ -42,27 +42,34 @@ class Position:
     offset: int = 0  # bytes before it (line files)
 
 
-def input_kind(path: Path) -> str:
+Opener = Callable[[], IO[bytes]]  # opens the file: how a Ray task reads from any filesystem
+
+
+def input_kind(path: PurePath) -> str:
     return _KINDS.get(path.suffix.lower(), TEXT)
 
 
-def read_records(path: Path, text_field: str = "text", id_field: str | None = None,
-                 start: Position = Position()) -> Iterator[tuple[Record, Position]]:
+def read_records(path: PurePath, text_field: str = "text", id_field: str | None = None,
+                 start: Position = Position(), opener: Opener | None = None
+                 ) -> Iterator[tuple[Record, Position]]:
     """The inputs of ``path`` from ``start`` on, in order, each with the position after it.
 
     ``id_field=None`` means ``"id"`` where the row has one, else the line or row number.
+    ``opener`` opens the file where it is not a local path (Parquet and line files).
     """
     kind = input_kind(path)
+    opener = opener or (lambda: open(path, "rb"))  # noqa: SIM115 - the caller closes it
     if kind in TABLES:
-        return _table_records(path, kind, text_field, id_field, start)
-    return _line_records(path, kind == JSONL, text_field, id_field, start)
+        return _table_records(path, kind, text_field, id_field, start, opener)
+    return _line_records(path, kind == JSONL, text_field, id_field, start, opener)
 
 
-def _line_records(path: Path, jsonl: bool, text_field: str, id_field: str | None,
-                  start: Position) -> Iterator[tuple[Record, Position]]:
+def _line_records(path: PurePath, jsonl: bool, text_field: str, id_field: str | None,
+                  start: Position, opener: Opener) -> Iterator[tuple[Record, Position]]:
     records, line, offset = start.records, start.line, start.offset
-    with open(path, "rb") as f:
-        f.seek(offset)
+    with opener() as f:
+        if offset:
+            f.seek(offset)
         for raw in f:
             line, offset = line + 1, offset + len(raw)
             if not raw.strip():
@@ -72,7 +79,7 @@ def _line_records(path: Path, jsonl: bool, text_field: str, id_field: str | None
                 records, line, offset)
 
 
-def _parse_line(path: Path, line: int, raw: bytes, jsonl: bool, text_field: str,
+def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: str,
                 id_field: str | None) -> Record:
     if not jsonl:
         try:
@@ -90,11 +97,12 @@ def _parse_line(path: Path, line: int, raw: bytes, jsonl: bool, text_field: str,
     return Record(row.get(id_field or DEFAULT_ID_FIELD, line), text)
 
 
-def _table_records(path: Path, kind: str, text_field: str, id_field: str | None,
-                   start: Position) -> Iterator[tuple[Record, Position]]:
-    id_column = table_id_column(path, text_field, id_field)
+def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | None,
+                   start: Position, opener: Opener) -> Iterator[tuple[Record, Position]]:
+    id_column = table_id_column(path, text_field, id_field, opener)
     row = start.records
-    for first, batch in _batches(path, kind, [text_field, *filter(None, [id_column])], row):
+    columns = [text_field, *filter(None, [id_column])]
+    for first, batch in _batches(path, kind, columns, row, opener):
         texts = batch.column(text_field).to_pylist()
         ids = batch.column(id_column).to_pylist() if id_column else None
         for i in range(row - first, len(texts)):
@@ -105,12 +113,13 @@ def _table_records(path: Path, kind: str, text_field: str, id_field: str | None,
             yield Record(ids[i] if ids else row, text), Position(row)
 
 
-def _batches(path: Path, kind: str, columns: list[str], skip: int) -> Iterator[tuple[int, Any]]:
+def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: Opener
+             ) -> Iterator[tuple[int, Any]]:
     """Record batches holding rows ``skip`` on, each with the number of rows before it."""
     if kind == PARQUET:
         import pyarrow.parquet as pq
 
-        source = pq.ParquetFile(path)
+        source = pq.ParquetFile(opener())
         groups, before = [], 0
         for g in range(source.num_row_groups):
             rows = source.metadata.row_group(g).num_rows
@@ -131,7 +140,7 @@ def _batches(path: Path, kind: str, columns: list[str], skip: int) -> Iterator[t
         before += batch.num_rows
 
 
-def _open_arrow(path: Path) -> Any:
+def _open_arrow(path: PurePath) -> Any:
     import pyarrow as pa
 
     try:
@@ -141,18 +150,19 @@ def _open_arrow(path: Path) -> Any:
                          "pyarrow.ipc.new_file or feather.write_feather writes)") from None
 
 
-def table_schema(path: Path) -> Any:
+def table_schema(path: PurePath, opener: Opener | None = None) -> Any:
     """The schema of a Parquet or Arrow file, read without its rows."""
     if input_kind(path) == PARQUET:
         import pyarrow.parquet as pq
 
-        return pq.read_schema(path)
+        return pq.ParquetFile(opener() if opener else path).schema_arrow
     return _open_arrow(path).schema
 
 
-def table_id_column(path: Path, text_field: str, id_field: str | None) -> str | None:
+def table_id_column(path: PurePath, text_field: str, id_field: str | None,
+                    opener: Opener | None = None) -> str | None:
     """The id column to read, after checking that the columns named exist."""
-    names = table_schema(path).names
+    names = table_schema(path, opener).names
     if text_field not in names:
         raise UsageError(f"{path} has no column {text_field!r} (it has {', '.join(names)}): "
                          "name the text column with --text-field")
@@ -164,7 +174,7 @@ def table_id_column(path: Path, text_field: str, id_field: str | None) -> str | 
     return id_field
 
 
-def count_records(path: Path) -> int:
+def count_records(path: PurePath) -> int:
     """How many inputs ``path`` holds (for the progress bar); cheap for tables."""
     kind = input_kind(path)
     if kind == PARQUET:
