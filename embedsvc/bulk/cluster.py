@@ -357,6 +357,10 @@ class _ShardStream:
 
 def run_on_ray(args: Any, settings: Settings) -> Summary:
     """``embedsvc embed ... --ray [ADDRESS]`` with parsed arguments."""
+    try:
+        import ray.data  # noqa: F401 - only to say how to install it
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'embedsvc[ray]'") from None
     return embed_dataset(args.input, args.output, settings, address=args.ray or None,
                          actors=args.actors, actor_cpus=args.actor_cpus,
                          text_field=args.text_field, id_field=args.id_field,
