@@ -73,9 +73,11 @@ def check_same_job(where: Path, before: dict[str, Any], now: dict[str, Any]) -> 
 
 
 class Checkpoint:
-    """The parts directory of one output; ``open`` it, ``write`` rows, ``finish`` at the end.
+    """The parts directory of one output; ``open`` it, ``write`` rows, ``finish`` at the end::
 
-    >>> checkpoint = Checkpoint.open(target, identity, part_size=10_000)  # doctest: +SKIP
+        checkpoint = Checkpoint.open(target, ".npy", identity, part_size=10_000)
+        checkpoint.write(records, rows, end=position)  # commits a part every 10,000 rows
+        checkpoint.finish()  # joins the parts into target
     """
 
     def __init__(self, target: Path, kind: str, identity: dict[str, Any],

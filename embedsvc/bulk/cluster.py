@@ -209,7 +209,9 @@ def embed_dataset(
     Connects to ``address`` (or ``RAY_ADDRESS``, or starts a local Ray) unless this process
     is already connected.
 
-    >>> embed_dataset("s3://bucket/docs/*.parquet", "s3://bucket/vectors")  # doctest: +SKIP
+    Example::
+
+        embed_dataset("s3://bucket/docs/*.parquet", "s3://bucket/vectors", actors=4)
     """
     from .embedders import local_identity
 

@@ -14,7 +14,7 @@ from typing import Any
 from ..settings import Settings
 from .errors import BulkError, UsageError
 from .job import Summary, embed_file, open_checkpoint
-from .parts import output_kind
+from .parts import PARQUET, output_kind
 from .records import TABLES, count_records, input_kind, table_id_column
 
 # Settings that only shape the in-process model; with --url the server's own apply.
@@ -70,6 +70,9 @@ def check_options(args: Any, settings: Settings) -> None:
         check_limits(args.chunk_size, 1 if args.ray is not None else args.concurrency, settings)
     if args.ray is None:
         _check_files(Path(args.input), Path(args.output), args)
+    elif output_kind(Path(args.output)) not in (None, PARQUET):
+        raise UsageError("with --ray, --output is a directory of Parquet shards, not "
+                         f"{Path(args.output).name!r}")
 
 
 def check_limits(chunk_size: int, concurrency: int, settings: Settings) -> None:

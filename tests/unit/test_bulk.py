@@ -178,6 +178,7 @@ class NoModel:
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--url", "http://127.0.0.1:9", "--ray"],
      "--url and --ray exclude each other"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--actors", "2"], "--actors applies to --ray only"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--ray"], "--output is a directory of Parquet"),
     (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--text-field", "body"],
      "has no column 'body' (it has text, id): name the text column with --text-field"),
     (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--id-field", "key"], "has no column 'key'"),
