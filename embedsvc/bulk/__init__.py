@@ -3,7 +3,8 @@ running server, or on a Ray cluster.
 
 Modules: ``records`` (inputs, streamed), ``embedders`` (engine or server), ``parts`` (output
 written in committed pieces), ``checkpoint`` (the manifest and resume), ``job`` (one file's
-run), ``cluster`` (Ray Data), ``command`` (the command line's checks and wiring).
+run), ``dataset`` (files on any filesystem), ``shards`` (a Ray job's output), ``cluster``
+(Ray Data), ``command`` (the command line's checks and wiring).
 """
 
 from __future__ import annotations

@@ -215,3 +215,56 @@ def test_embed_help_shows_defaults_and_no_server_flags(capsys):
                  "--request-timeout-s"):
         assert flag not in out
     assert "--model" in out and "--max-queue" in out
+
+
+def test_a_dataset_is_its_sorted_files_of_one_kind(tmp_path):
+    from embedsvc.bulk.dataset import list_dataset
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("b.parquet", "a.parquet", "sub/c.parquet"):
+        pq.write_table(pa.table({"text": ["x"]}), tmp_path / "d" / name)
+    (tmp_path / "d" / "_SUCCESS").write_text("")
+    names = [f.path.rsplit("/", 1)[1] for f in list_dataset(str(tmp_path / "d")).files]
+    assert names == ["a.parquet", "b.parquet", "c.parquet"]
+    assert len(list_dataset(str(tmp_path / "d" / "*.parquet")).files) == 2
+    (tmp_path / "d" / "e.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(BulkError, match="mixes Parquet and JSONL"):
+        list_dataset(str(tmp_path / "d"))
+
+
+def test_a_ray_read_task_reads_like_the_in_process_reader(tmp_path):
+    from embedsvc.bulk.dataset import list_dataset, read_files
+
+    _, inputs = write_inputs(tmp_path, n=20)
+    for kind in ("jsonl", "parquet"):
+        dataset = list_dataset(str(inputs[kind]))
+        tables = list(read_files({"path": [dataset.files[0].path]}, dataset.filesystem,
+                                 "text", None, rows=6))
+        assert [t.num_rows for t in tables] == [6, 6, 6, 2]
+        ids = [i for t in tables for i in t.column("id").to_pylist()]
+        assert ids == [r.id for r, _ in read_records(inputs[kind])]
+
+
+def test_shards_are_written_per_input_file_and_listed_when_whole(tmp_path):
+    from embedsvc.bulk.parts import vectors_table
+    from embedsvc.bulk.shards import ShardDirectory, ShardStream
+
+    shards = ShardDirectory(str(tmp_path / "out"), {"job": 1}, restart=False)
+    stream = ShardStream(shards, {"/a": 0, "/b": 1, "/empty": 2})
+
+    def batch(paths, first_id):
+        table = vectors_table(list(range(first_id, first_id + len(paths))),
+                              np.ones((len(paths), 4), np.float32))
+        return table.append_column("path", pa.array(paths, pa.string()))
+
+    stream.write(batch(["/a", "/a", "/b"], 0))
+    assert list(shards.manifest["shards"]) == ["/a"]  # /b may still get rows
+    stream.write(batch(["/b"], 3))
+    assert stream.close() == 4
+    assert shards.manifest["shards"] == {"/a": {"file": "part-00000.parquet", "rows": 2},
+                                         "/b": {"file": "part-00001.parquet", "rows": 2},
+                                         "/empty": {"file": None, "rows": 0}}
+    assert pq.read_table(tmp_path / "out" / "part-00001.parquet").column("id").to_pylist() == [
+        2, 3]
+    with pytest.raises(JobChanged, match="different job"):
+        ShardDirectory(str(tmp_path / "out"), {"job": 2}, restart=False)
