@@ -12,6 +12,7 @@ process; peak RSS from ru_maxrss) and on a local Ray started here with N one-CPU
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import subprocess
@@ -76,12 +77,23 @@ class ActorMemory:
                 try:
                     if not (proc / "cmdline").read_bytes().startswith(b"ray::MapWorker"):
                         continue
+                    if not _descends_from(int(proc.name), os.getpid()):
+                        continue  # another Ray on the same machine
                     found = re.search(r"VmRSS:\s+(\d+)", (proc / "status").read_text())
                 except OSError:
                     continue
                 if found:
                     pid = int(proc.name)
                     self.peaks[pid] = max(self.peaks.get(pid, 0), int(found.group(1)) / 1024)
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        found = re.search(r"PPid:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+        pid = int(found.group(1)) if found else 0
+    return False
 
 
 def on_ray(source: Path, target: Path, actors: int) -> tuple[float, list[float]]:
