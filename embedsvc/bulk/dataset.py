@@ -29,10 +29,12 @@ class Dataset:
 
 
 def resolve(uri: str) -> tuple[Any, str]:
+    """The filesystem of a local path or URI, and the path on it (no trailing slash)."""
     from pyarrow import fs
 
     if "://" in uri:
-        return fs.FileSystem.from_uri(uri)
+        filesystem, path = fs.FileSystem.from_uri(uri)
+        return filesystem, path.rstrip("/") or path
     return fs.LocalFileSystem(), os.path.abspath(uri)
 
 
