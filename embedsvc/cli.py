@@ -33,21 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every flag also reads from EMBEDSVC_<NAME>; a flag wins over the variable.",
     )
     Settings.add_arguments(serve)
-    embed = commands.add_parser(
-        "embed",
-        help="embed a text or JSONL file into .npy or JSONL, in this process or via --url",
-        description="Embeds every non-blank line of INPUT (a text file, or .jsonl/.ndjson). "
-        "Settings flags apply to the in-process model.",
-    )
-    embed.add_argument("input", help="text file (one input per line) or .jsonl/.ndjson")
-    embed.add_argument("--output", "-o", required=True, help=".npy or .jsonl file to write")
-    embed.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    embed.add_argument("--id-field", default="id",
-                       help="JSONL field copied to the output's id (default: the line number)")
-    embed.add_argument("--url", help="send to a running server at this URL instead")
-    embed.add_argument("--chunk-size", type=int, default=256, help="inputs per request")
-    embed.add_argument("--concurrency", type=int, default=4, help="chunks in flight")
-    Settings.add_arguments(embed)
+    _add_embed(commands)
     export = commands.add_parser(
         "export",
         help="export the model to ONNX (and int8 with --quantize int8) into CACHE_DIR, ahead "
@@ -56,8 +42,56 @@ def build_parser() -> argparse.ArgumentParser:
         "as a start does. Point --cache-dir (EMBEDSVC_CACHE_DIR) at the directory the "
         "servers will read.",
     )
-    Settings.add_arguments(export)
+    Settings.add_arguments(export, serving=False)
     return parser
+
+
+def _add_embed(commands: argparse._SubParsersAction) -> None:
+    embed = commands.add_parser(
+        "embed",
+        help="embed a file (text, JSONL, Parquet, Arrow) in this process, via --url or on Ray",
+        description="Embeds every input of INPUT into --output, in committed parts: rerun the "
+        "same command after a crash to continue, or add --restart. The settings flags "
+        "shape the in-process model (also read from EMBEDSVC_<NAME>); --api-key is sent "
+        "to --url.",
+    )
+    embed.add_argument("input", help="a text file (one input per line), .jsonl/.ndjson, "
+                       ".parquet or .arrow/.feather; with --ray a Parquet or JSONL file, "
+                       "directory or glob on any filesystem pyarrow reads")
+    embed.add_argument("--output", "-o", required=True,
+                       help=".npy, .jsonl or .parquet file; with --ray a directory of Parquet "
+                       "shards")
+    embed.add_argument("--text-field", default="text",
+                       help="JSONL field or table column holding the text (default: %(default)s)")
+    embed.add_argument("--id-field", default=None,
+                       help="JSONL field or column copied to the output's id (default: 'id' "
+                       "where present, else the line or row number)")
+    embed.add_argument("--url", help="send to a running server at this URL instead")
+    embed.add_argument("--chunk-size", type=_positive_int, default=256,
+                       help="inputs per call to the model or server (default: %(default)s)")
+    embed.add_argument("--concurrency", type=_positive_int, default=4,
+                       help="chunks in flight (default: %(default)s)")
+    embed.add_argument("--part-size", type=_positive_int, default=10_000,
+                       help="rows per committed part; a crash loses at most one part's work "
+                       "(default: %(default)s)")
+    embed.add_argument("--restart", action="store_true",
+                       help="discard an unfinished run of this output and start over")
+    embed.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="run on Ray Data: a local Ray, or RAY_ADDRESS, or the cluster at "
+                       "ADDRESS (put --ray after INPUT, or write --ray=ADDRESS)")
+    embed.add_argument("--actors", type=_positive_int, default=None,
+                       help="with --ray: model replicas (default: one per GPU in the "
+                       "cluster, else 1)")
+    embed.add_argument("--actor-cpus", type=float, default=None,
+                       help="with --ray: CPUs for each replica without a GPU (default: 1)")
+    Settings.add_arguments(embed, serving=False)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"embedsvc: {exc}", file=sys.stderr)
         return 2
     if args.command == "embed":
-        from .bulk import run
+        from .bulk.command import run
 
         return run(args, settings)
     if args.command == "export":

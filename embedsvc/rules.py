@@ -99,12 +99,3 @@ def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, dire
         )
     return ids[:room] if direction == "right" else ids[len(ids) - room:]
 
-
-def check_chunk_size(chunk_size: int, max_inputs: int) -> None:
-    """``embedsvc embed``: a chunk is one request, so it must fit the request limit."""
-    if chunk_size > max_inputs:
-        raise InvalidRequest(
-            f"--chunk-size {chunk_size} is more than MAX_INPUTS_PER_REQUEST ({max_inputs}); "
-            "lower --chunk-size or raise --max-inputs-per-request",
-            param="chunk_size", code="too_many_inputs",
-        )

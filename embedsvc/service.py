@@ -136,10 +136,11 @@ class Service:
         except Exception as exc:
             # Mostly the user's to fix (a path, a hub id offline, a device): one line that
             # says what went wrong; the traceback only at LOG_LEVEL=debug.
-            self.failure = f"the model failed to load: {_reason(exc)}"
+            failure = f"the model failed to load: {_reason(exc)}"
             log.debug("the model failed to load", exc_info=True)
             if background:  # a foreground start raises it to its caller, which reports it
-                log.error("%s", self.failure)
+                log.error("%s", failure)
+            self.failure = failure  # only now: waiting requests answer as soon as it is set
             self._loaded.set()
             return
         batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),

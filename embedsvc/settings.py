@@ -112,8 +112,12 @@ def _optional_port(text: str) -> int | None:
     return _port(value)
 
 
-def _setting(default: Any, parse: Callable[[str], Any], help: str) -> Any:
-    return field(default=default, metadata={"parse": parse, "help": help})
+def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: bool = False
+             ) -> Any:
+    # serve_only: a setting of the HTTP server, which `embedsvc embed` does not offer.
+    return field(default=default, metadata={"parse": parse, "help": help,
+                                            "serve_only": serve_only})
+
 
 
 @dataclass(frozen=True)
@@ -141,12 +145,14 @@ class Settings:
         "least MAX_INPUTS_PER_REQUEST and at most 16 times it",
     )
     request_timeout_s: float = _setting(
-        30.0, _positive(float), "deadline from arrival to reaching the model, else 504"
+        30.0, _positive(float), "deadline from arrival to reaching the model, else 504",
+        serve_only=True,
     )
     max_inputs_per_request: int = _setting(
         None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if set lower"
     )
-    max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body")
+    max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body",
+                                   serve_only=True)
     max_input_chars: int = _setting(
         200_000, _positive(int), "characters in one input string, checked before tokenizing"
     )
@@ -154,11 +160,14 @@ class Settings:
     api_key: str | None = _setting(
         None, _optional_text, "when set, 'Authorization: Bearer <key>' is required"
     )
-    host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'")
-    port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)")
-    threads: int = _setting(16, _positive(int), "request threads for 'embedsvc serve'")
+    host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'", serve_only=True)
+    port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)",
+                         serve_only=True)
+    threads: int = _setting(16, _positive(int), "request threads for 'embedsvc serve'",
+                            serve_only=True)
     drain_timeout_s: float = _setting(
-        30.0, _non_negative(float), "on SIGTERM, how long admitted requests may take to finish"
+        30.0, _non_negative(float), "on SIGTERM, how long admitted requests may take to finish",
+        serve_only=True,
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
@@ -166,21 +175,26 @@ class Settings:
         10.0, _positive(float),
         "a connection's request head must arrive in full within this long (from accept, or "
         "from its first byte on a kept-alive connection), else the connection is closed",
+        serve_only=True,
     )
     body_timeout_s: float = _setting(
         60.0, _positive(float),
         "a request body must arrive in full within this long after its head, else 408",
+        serve_only=True,
     )
     idle_timeout_s: float = _setting(
-        30.0, _positive(float), "a kept-alive connection with no request is closed after this"
+        30.0, _positive(float), "a kept-alive connection with no request is closed after this",
+        serve_only=True,
     )
     max_connections: int = _setting(
-        1000, _positive(int), "open client connections before the server stops accepting"
+        1000, _positive(int), "open client connections before the server stops accepting",
+        serve_only=True,
     )
     health_port: int | None = _setting(
         None, _optional_port,
         "serve /health, /metrics and /info also on this port, with their own threads "
         "(off: not at all; 0: any free port)",
+        serve_only=True,
     )
     backend: str = _setting(
         "auto", _choice("auto", "torch", "onnx"),
@@ -246,9 +260,14 @@ class Settings:
         return cls.from_env(env, **{k: v for k, v in vars(args).items() if k in names})
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one ``--<name>`` flag per setting; unset flags leave the environment's value."""
+    def add_arguments(cls, parser: argparse.ArgumentParser, serving: bool = True) -> None:
+        """Add one ``--<name>`` flag per setting; unset flags leave the environment's value.
+
+        ``serving=False`` leaves out the HTTP server's own settings (``serve_only``).
+        """
         for f in dataclasses.fields(cls):
+            if f.metadata["serve_only"] and not serving:
+                continue
             flag = "--" + f.name.replace("_", "-")
             parser.add_argument(
                 flag,

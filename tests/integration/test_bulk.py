@@ -1,12 +1,15 @@
 """`embedsvc embed`: a whole file in this process, or through a running server."""
 
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from embedsvc.cli import main
 
@@ -23,18 +26,34 @@ def corpus(path: Path, lines: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def test_ten_thousand_lines_to_npy_equal_the_models_vectors(tmp_path, reference):
+def test_a_thousand_lines_to_npy_equal_the_models_vectors(tmp_path, reference):
     source, target = tmp_path / "corpus.txt", tmp_path / "vectors.npy"
-    texts = corpus(source, 10_000)
+    texts = corpus(source, 1_000)
     exe = Path(sys.executable).with_name("embedsvc")
     result = subprocess.run([str(exe), "embed", str(source), "--output", str(target)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "10000 inputs" in result.stderr and "inputs/s" in result.stderr
+    assert "1000 inputs" in result.stderr and "inputs/s" in result.stderr
     vectors = np.load(target)
-    assert vectors.shape == (10_000, 384) and vectors.dtype == np.float32
-    sample = random.Random(1).sample(range(10_000), 64)
+    assert vectors.shape == (1_000, 384) and vectors.dtype == np.float32
+    sample = random.Random(1).sample(range(1_000), 64)
     assert (cosine(vectors[sample], reference.encode([texts[i] for i in sample])) > 0.9999).all()
+
+
+def test_parquet_in_and_out_keeps_ids_and_order(tmp_path, reference):
+    source, target = tmp_path / "docs.parquet", tmp_path / "out.parquet"
+    texts = [f"document {i} about {WORDS[i % len(WORDS)]}" for i in range(40)]
+    ids = [f"doc-{i}" for i in range(40)]
+    pq.write_table(pa.table({"key": ids, "body": texts}), source, row_group_size=16)
+    code = main(["embed", str(source), "-o", str(target), "--text-field", "body",
+                 "--id-field", "key", "--chunk-size", "8", "--part-size", "16",
+                 "--device", "cpu"])
+    assert code == 0
+    table = pq.read_table(target)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    assert table.column("id").to_pylist() == ids
+    got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    assert (cosine(got, reference.encode(texts)) > 0.9999).all()
 
 
 def test_jsonl_in_and_out_keeps_ids_and_skips_blank_lines(tmp_path, reference):
@@ -67,3 +86,18 @@ def test_bad_jsonl_names_the_line(tmp_path, served, capsys):
     code = main(["embed", str(source), "-o", str(tmp_path / "o.jsonl"), "--url", served.url])
     assert code == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_an_unreachable_server_is_one_line_and_exit_1(tmp_path, capsys):
+    source = tmp_path / "corpus.txt"
+    corpus(source, 5)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["embed", str(source), "-o", str(tmp_path / "o.npy"),
+                 "--url", f"http://127.0.0.1:{port}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith(f"embedsvc: cannot reach http://127.0.0.1:{port} (")
+    assert err[-1].endswith("start the server (embedsvc serve) or fix --url")
+    assert not any("Traceback" in line for line in err)

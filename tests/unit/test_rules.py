@@ -58,8 +58,3 @@ def test_fit_cuts_from_either_end_or_refuses():
     assert err.code == "input_too_long"
     assert "12 tokens" in err.message and "limit of 6" in err.message
 
-
-def test_a_chunk_must_fit_the_request_limit():
-    rules.check_chunk_size(8, 8)
-    err = refused(rules.check_chunk_size, 32, 8)
-    assert "--chunk-size 32" in err.message and "--max-inputs-per-request" in err.message

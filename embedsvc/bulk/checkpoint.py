@@ -1,0 +1,151 @@
+"""Where a bulk job stands: committed parts beside the output, and a manifest that lists them.
+
+For ``--output vectors.npy`` the parts live in ``vectors.npy.parts/`` until the last one is
+written, then they are joined into ``vectors.npy`` and the directory is removed. The manifest
+(``manifest.json``, replaced whole through a temporary file and ``os.replace``) records the
+job's identity, the input range each part covers and the position to continue from. A part
+that the manifest does not list (a kill between its rename and the manifest's) is written
+again under the same name.
+
+The identity is what the output depends on: the input file (its absolute path, size,
+modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
+any write to the file changes its size or mtime), the output format, the fields read, and
+the model (name, device, dtype) or the server's URL. Chunk size, concurrency and part size
+change only how the work is cut, so they may change between runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from .errors import JobChanged
+from .parts import PART_SUFFIX, PartWriter, assemble
+from .records import Position, Record
+
+MANIFEST = "manifest.json"
+_VERSION = 1
+_HEAD_BYTES = 64 * 1024
+
+
+def parts_dir(target: Path) -> Path:
+    return target.with_name(target.name + ".parts")
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    """Size, mtime and a hash of the head: what tells a changed input from the same one."""
+    stat = path.stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Replace ``path`` whole: a reader sees the old content or the new, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_same_job(where: Path, before: dict[str, Any], now: dict[str, Any]) -> None:
+    """Raise ``JobChanged`` naming the first difference, and how to go on."""
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            what = "; ".join(f"{k} {old.get(k)!r} then, {new.get(k)!r} now" for k in changed)
+        else:
+            what = f"{old!r} then, {new!r} now"
+        raise JobChanged(f"{where} holds an unfinished job with a different {key} ({what}): "
+                         "rerun with --restart to start over, or as before to continue")
+
+
+class Checkpoint:
+    """The parts directory of one output; ``open`` it, ``write`` rows, ``finish`` at the end::
+
+        checkpoint = Checkpoint.open(target, ".npy", identity, part_size=10_000)
+        checkpoint.write(records, rows, end=position)  # commits a part every 10,000 rows
+        checkpoint.finish()  # joins the parts into target
+    """
+
+    def __init__(self, target: Path, kind: str, identity: dict[str, Any],
+                 manifest: dict[str, Any], part_size: int) -> None:
+        self.target, self.kind, self.part_size = target, kind, part_size
+        self.dir = parts_dir(target)
+        self.identity = identity
+        self._manifest = manifest
+        self._part: PartWriter | None = None
+        self._end = self.done
+
+    @classmethod
+    def open(cls, target: Path, kind: str, identity: dict[str, Any], *, part_size: int,
+             restart: bool = False) -> Checkpoint:
+        """Continue the job in ``target``'s parts directory, or start one; refuse another job."""
+        directory = parts_dir(target)
+        manifest_path = directory / MANIFEST
+        if restart and directory.exists():
+            shutil.rmtree(directory)
+        manifest = orjson.loads(manifest_path.read_bytes()) if manifest_path.exists() else None
+        if manifest and manifest["parts"]:
+            check_same_job(directory, manifest["job"], identity)
+        else:  # nothing committed yet, so nothing to mix up: start (again) as this run says
+            directory.mkdir(parents=True, exist_ok=True)
+            manifest = {"version": _VERSION, "job": identity, "done": asdict(Position()),
+                        "dimension": None, "parts": []}
+            write_json_atomic(manifest_path, manifest)
+        for stray in directory.glob("*.tmp"):
+            stray.unlink()  # a part or manifest cut short by a kill
+        return cls(target, kind, identity, manifest, part_size)
+
+    @property
+    def done(self) -> Position:
+        return Position(**self._manifest["done"])
+
+    def write(self, records: list[Record], rows: np.ndarray, end: Position) -> None:
+        """Add rows in input order; commit a part once it holds ``part_size`` rows."""
+        if self._part is None:
+            name = f"part-{len(self._manifest['parts']):06d}{PART_SUFFIX[self.kind]}"
+            self._part = PartWriter(self.dir / name, self.kind)
+        self._part.write(records, rows)
+        self._end = end
+        self._manifest["dimension"] = int(rows.shape[1])
+        if self._part.rows >= self.part_size:
+            self.commit()
+
+    def commit(self) -> None:
+        """Make the open part final, then record it (and where to continue) in the manifest."""
+        part, self._part = self._part, None
+        if part is None:
+            return
+        part.commit()
+        start = self._manifest["done"]["records"]
+        self._manifest["parts"].append(
+            {"file": part.path.name, "start": start, "end": self._end.records})
+        self._manifest["done"] = asdict(self._end)
+        write_json_atomic(self.dir / MANIFEST, self._manifest)
+
+    def abort(self) -> None:
+        """Drop the open part (rows after the last commit); the committed ones stay."""
+        if self._part is not None:
+            self._part.abort()
+            self._part = None
+
+    def finish(self) -> int:
+        """Commit the last part, join all parts into the output, remove the directory."""
+        self.commit()
+        parts = [self.dir / p["file"] for p in self._manifest["parts"]]
+        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0)
+        shutil.rmtree(self.dir)
+        return rows

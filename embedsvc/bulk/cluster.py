@@ -1,0 +1,171 @@
+"""Ray Data: the same engine as a pool of actors over a Parquet or JSONL dataset.
+
+``embed_dataset`` (and ``embedsvc embed INPUT -o DIR --ray [ADDRESS]``) lists the dataset's
+files (a file, a directory or a glob, on any filesystem pyarrow reads), reads those without
+a finished shard with Ray Data, embeds them with ``map_batches`` on an actor pool (one
+``LocalEmbedder`` per actor: one per GPU, or ``actor_cpus`` CPUs each) and writes one
+Parquet shard per input file (``part-00000.parquet``, in the sorted order of the files;
+columns ``id`` and ``embedding``). Each shard is written aside and moved into place, then
+listed in ``DIR/manifest.json``: a rerun skips the files whose shard is listed, and refuses
+a dataset, model or option that changed since (``--restart`` starts over).
+
+Ray keeps the rows in order (``preserve_order``), so the driver sees each file's rows
+together and in order; it writes the shards as they arrive (shards.py), and its memory holds
+a batch. Listing and reading the files: dataset.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import PurePosixPath
+from typing import Any
+
+from ..settings import Settings
+from .dataset import Dataset, list_dataset, read_files
+from .errors import BulkError, UsageError
+from .job import Summary
+from .records import PARQUET, table_id_column
+from .shards import ShardDirectory, ShardStream
+
+_READ_CPUS = 0.25  # reading is light next to the model; see _embed_files
+
+
+class EmbedActor:
+    """One model replica: a table of ``path``, ``id``, ``text`` in; ``id``, ``embedding``,
+    ``path`` out."""
+
+    def __init__(self, settings: Settings) -> None:
+        from .embedders import LocalEmbedder
+
+        self.embedder = LocalEmbedder(settings)
+
+    def __call__(self, batch: Any) -> Any:
+        from .parts import vectors_table
+
+        rows, _ = self.embedder(batch.column("text").to_pylist())
+        table = vectors_table(batch.column("id"), rows)
+        return table.append_column("path", batch.column("path"))
+
+
+def embed_dataset(
+    source: str,
+    target: str,
+    settings: Settings | None = None,
+    *,
+    address: str | None = None,
+    actors: int | None = None,
+    actor_cpus: float | None = None,
+    text_field: str = "text",
+    id_field: str | None = None,
+    chunk_size: int = 256,
+    restart: bool = False,
+) -> Summary:
+    """Embed a dataset into a directory of Parquet shards on Ray; continue an unfinished run.
+
+    Connects to ``address`` (or ``RAY_ADDRESS``, or starts a local Ray) unless this process
+    is already connected.
+
+    Example::
+
+        embed_dataset("s3://bucket/docs/*.parquet", "s3://bucket/vectors", actors=4)
+    """
+    from .embedders import local_identity
+
+    settings = settings or Settings()
+    dataset = list_dataset(source)
+    identity = {
+        "inputs": {i.path: f"{i.size} bytes, mtime_ns {i.mtime_ns}" for i in dataset.files},
+        "model": local_identity(settings),
+        "fields": {"text": text_field, "id": id_field},
+    }
+    if dataset.kind == PARQUET:  # the columns named exist, checked before Ray starts
+        first = dataset.files[0].path
+        table_id_column(PurePosixPath(first), text_field, id_field,
+                        lambda: dataset.filesystem.open_input_file(first))
+    shards = ShardDirectory(target, identity, restart)
+    resumed = sum(s["rows"] for s in shards.manifest["shards"].values())
+    pending = [(n, i) for n, i in enumerate(dataset.files) if not shards.done(i.path)]
+    started, rows = time.monotonic(), 0
+    if pending:
+        import ray
+
+        owned = not ray.is_initialized()
+        if owned:
+            local = not (address or os.environ.get("RAY_ADDRESS"))
+            ray.init(address=address or None, logging_level="warning",
+                     **({"include_dashboard": False} if local else {}))
+        try:
+            rows = _embed_files(dataset, pending, shards, settings, actors, actor_cpus,
+                                text_field, id_field, chunk_size)
+        finally:
+            if owned:
+                ray.shutdown()
+    return Summary(rows, None, time.monotonic() - started, resumed)
+
+
+def _embed_files(dataset: Dataset, pending: list[tuple[int, Any]], shards: ShardDirectory,
+                 settings: Settings, actors: int | None, actor_cpus: float | None,
+                 text_field: str, id_field: str | None, chunk_size: int) -> int:
+    import ray
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    resources, actors = _actor_resources(settings, actors, actor_cpus)
+    # One block per file, read by a light task (a fraction of a CPU: actors holding every CPU
+    # must not starve the reads that feed them); the pool spreads the files over its actors.
+    files = ray.data.from_items([{"path": i.path} for _, i in pending],
+                                override_num_blocks=len(pending))
+    ds = files.map_batches(
+        read_files, batch_size=1, num_cpus=_READ_CPUS,
+        fn_kwargs={"filesystem": dataset.filesystem, "text_field": text_field,
+                   "id_field": id_field, "rows": chunk_size})
+    ds = ds.map_batches(EmbedActor, fn_constructor_kwargs={"settings": settings},
+                        batch_size=chunk_size, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=actors), **resources)
+    stream = ShardStream(shards, {info.path: n for n, info in pending})
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            stream.write(batch)
+    except ray.exceptions.RayError as exc:
+        raise BulkError(_cause(exc)) from None
+    return stream.close()
+
+
+def _actor_resources(settings: Settings, actors: int | None, actor_cpus: float | None
+                     ) -> tuple[dict[str, float], int]:
+    """One actor per GPU, or ``actors`` of ``actor_cpus`` CPUs, leaving a CPU for reading."""
+    import ray
+
+    cluster = ray.cluster_resources()
+    gpus = int(cluster.get("GPU", 0)) if settings.device != "cpu" else 0
+    if gpus:
+        return {"num_gpus": 1, "num_cpus": actor_cpus or 1.0}, actors or gpus
+    actors, cpus = actors or 1, actor_cpus or 1.0
+    total = cluster.get("CPU", 0)
+    if actors * cpus > total - _READ_CPUS:  # else the reads that feed them never start
+        raise UsageError(f"{actors} actors of {cpus:g} CPUs leave no CPU for reading on a "
+                         f"cluster of {total:g} CPUs: lower --actors or --actor-cpus")
+    return {"num_cpus": cpus}, actors
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the error an actor raised, without Ray's wrapping."""
+    seen = exc
+    while getattr(seen, "cause", None) is not None or seen.__cause__ is not None:
+        seen = getattr(seen, "cause", None) or seen.__cause__
+        if isinstance(seen, BulkError):
+            return str(seen)
+    return str(exc).strip().splitlines()[-1]
+
+
+def run_on_ray(args: Any, settings: Settings) -> Summary:
+    """``embedsvc embed ... --ray [ADDRESS]`` with parsed arguments."""
+    try:
+        import ray.data  # noqa: F401 - only to say how to install it
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'embedsvc[ray]'") from None
+    return embed_dataset(args.input, args.output, settings, address=args.ray or None,
+                         actors=args.actors, actor_cpus=args.actor_cpus,
+                         text_field=args.text_field, id_field=args.id_field,
+                         chunk_size=args.chunk_size, restart=args.restart)

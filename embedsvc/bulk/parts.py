@@ -1,0 +1,165 @@
+"""Output in pieces: each part is written to a temporary name, then renamed into place whole,
+so a part that exists is complete; ``assemble`` joins the parts into the final file.
+
+Formats, by the output's suffix: ``.npy`` (float32 rows in input order; a part holds raw
+little-endian float32 rows), JSONL (``{"id", "embedding"}`` per line) and Parquet (an ``id``
+column and an ``embedding`` column of ``fixed_size_list<float32>``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from .errors import BulkError
+from .records import Record
+
+NPY, JSONL, PARQUET = ".npy", ".jsonl", ".parquet"
+OUTPUTS = {".npy": NPY, ".jsonl": JSONL, ".ndjson": JSONL, ".parquet": PARQUET}
+PART_SUFFIX = {NPY: ".f32", JSONL: ".jsonl", PARQUET: ".parquet"}
+
+
+def output_kind(path: Path) -> str | None:
+    return OUTPUTS.get(path.suffix.lower())
+
+
+def vectors_table(ids: Sequence[Any], rows: np.ndarray) -> Any:
+    """An Arrow table of ``id`` and ``embedding`` (fixed_size_list<float32>)."""
+    import pyarrow as pa
+
+    values = pa.array(np.ascontiguousarray(rows, dtype=np.float32).ravel(), pa.float32())
+    try:
+        id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else pa.array(list(ids))
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise BulkError("the ids mix types, which one Parquet column cannot hold: choose an id "
+                        "field of one type with --id-field, or write JSONL") from None
+    embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
+    return pa.table({"id": id_column, "embedding": embedding})
+
+
+class PartWriter:
+    """One part, streamed to ``<path>.tmp`` and renamed to ``path`` by ``commit``."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        self.path, self.kind, self.rows = path, kind, 0
+        self._tmp = path.with_name(path.name + ".tmp")
+        self._parquet: Any = None  # a ParquetWriter on the temporary file, from the first rows
+        self._file: IO[bytes] | None = None
+        if kind != PARQUET:
+            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+
+    def write(self, records: list[Record], rows: np.ndarray) -> None:
+        if self._file is None:
+            self._write_parquet(vectors_table([r.id for r in records], rows))
+        elif self.kind == NPY:
+            self._file.write(np.ascontiguousarray(rows, dtype="<f4").tobytes())
+        elif self.kind == JSONL:
+            for record, row in zip(records, rows, strict=True):
+                line = {"id": record.id, "embedding": row}
+                self._file.write(orjson.dumps(line, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self.rows += len(records)
+
+    def _write_parquet(self, table: Any) -> None:
+        import pyarrow.parquet as pq
+
+        if self._parquet is None:
+            self._parquet = pq.ParquetWriter(self._tmp, table.schema)
+        elif table.schema != self._parquet.schema:
+            table = cast_like(table, self._parquet.schema)
+        self._parquet.write_table(table)
+
+    def commit(self) -> None:
+        """Flush to disk and rename into place: from here on the part is never rewritten."""
+        self._close()
+        fd = os.open(self._tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a part that exists must survive a power loss too, not only a kill
+        finally:
+            os.close(fd)
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._close()
+        self._tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._parquet is not None:
+            self._parquet.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def assemble(kind: str, parts: list[Path], target: Path, dimension: int) -> int:
+    """Join ``parts`` in order into ``target`` (written aside, then renamed); the row count."""
+    tmp = target.with_name(target.name + ".tmp")
+    if kind == NPY:
+        rows = _assemble_npy(parts, tmp, dimension)
+    elif kind == JSONL:
+        rows = _assemble_jsonl(parts, tmp)
+    else:
+        rows = _assemble_parquet(parts, tmp, dimension)
+    os.replace(tmp, target)
+    return rows
+
+
+def _assemble_npy(parts: list[Path], tmp: Path, dimension: int) -> int:
+    row_bytes = 4 * dimension
+    rows = sum(p.stat().st_size // row_bytes for p in parts)
+    with open(tmp, "wb") as out:
+        header = {"descr": "<f4", "fortran_order": False, "shape": (rows, dimension)}
+        np.lib.format.write_array_header_1_0(out, header)
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    return rows
+
+
+def _assemble_jsonl(parts: list[Path], tmp: Path) -> int:
+    rows = 0
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                for line in f:
+                    out.write(line)
+                    rows += 1
+    return rows
+
+
+def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int) -> int:
+    import pyarrow.parquet as pq
+
+    if not parts:  # an input without rows still gives a file with the columns
+        pq.write_table(vectors_table([], np.zeros((0, dimension), np.float32)), tmp)
+        return 0
+    rows, writer = 0, None
+    try:
+        for part in parts:
+            table = pq.read_table(part)  # one part at a time: at most --part-size rows
+            if writer is None:
+                writer = pq.ParquetWriter(tmp, table.schema)
+            writer.write_table(cast_like(table, writer.schema))
+            rows += table.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
+
+
+def cast_like(table: Any, schema: Any) -> Any:
+    """``table`` in ``schema`` (ids of one type along the file), or a ``BulkError``."""
+    import pyarrow as pa
+
+    if table.schema == schema:
+        return table
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        raise BulkError(f"the ids change type along the input ({schema.field('id').type} "
+                        f"first, then {table.schema.field('id').type}): choose an id field of "
+                        "one type with --id-field, or write JSONL") from None

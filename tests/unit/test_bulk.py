@@ -1,0 +1,267 @@
+"""The bulk package through its injectable parts: a fake embedder, real files, no model."""
+
+import os
+import zlib
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedsvc.bulk import BulkError, JobChanged, embed_file
+from embedsvc.bulk.checkpoint import parts_dir
+from embedsvc.bulk.records import Position, read_records
+from embedsvc.cli import main
+
+
+class HashEmbedder:
+    """Deterministic unit vectors from the text; fails on call ``fail_at`` (a crash mid-job)."""
+
+    identity = {"model": "hash"}
+
+    def __init__(self, fail_at=None):
+        self.calls, self.fail_at = 0, fail_at
+
+    def __call__(self, texts):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise BulkError("the device fell over")
+        rows = np.stack([np.random.default_rng(zlib.crc32(t.encode())).standard_normal(8)
+                         for t in texts]).astype(np.float32)
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True), len(texts)
+
+
+def write_inputs(tmp_path, n=50):
+    texts = [f"line {i} with some words" for i in range(n)]
+    text = tmp_path / "in.txt"
+    text.write_text("\n".join(texts[:10]) + "\n\n" + "\n".join(texts[10:]) + "\n")
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_bytes(b"".join(orjson.dumps({"id": f"d{i}", "text": t}) + b"\n"
+                               for i, t in enumerate(texts)))
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": texts, "id": [f"d{i}" for i in range(n)]}), table,
+                   row_group_size=7)
+    return texts, {"txt": text, "jsonl": jsonl, "parquet": table}
+
+
+def read_output(path):
+    if path.suffix == ".npy":
+        return None, np.load(path)
+    if path.suffix == ".jsonl":
+        rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+        return [r["id"] for r in rows], np.array([r["embedding"] for r in rows], np.float32)
+    table = pq.read_table(path)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 8)
+    return table.column("id").to_pylist(), np.stack(table.column("embedding").to_numpy(
+        zero_copy_only=False))
+
+
+@pytest.mark.parametrize("source", ["txt", "jsonl", "parquet"])
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl", ".parquet"])
+def test_a_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, source, suffix):
+    _, inputs = write_inputs(tmp_path)
+    whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
+    embed_file(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
+    with pytest.raises(BulkError, match="fell over"):
+        embed_file(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
+    manifest = orjson.loads((parts_dir(resumed) / "manifest.json").read_bytes())
+    assert manifest["done"]["records"] == 24  # 8 chunks of 3 done, in 4 committed parts of 6
+    assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
+    embedder = HashEmbedder()
+    summary = embed_file(inputs[source], resumed, embedder, chunk_size=4, part_size=5)
+    assert (summary.inputs, summary.resumed, embedder.calls) == (26, 24, 7)
+    assert not parts_dir(resumed).exists()
+    ids, rows = read_output(resumed)
+    want_ids, want = read_output(whole)
+    assert ids == want_ids and np.array_equal(rows, want)
+
+
+def test_ids_are_line_numbers_row_numbers_or_the_id_field(tmp_path):
+    _, inputs = write_inputs(tmp_path, n=12)
+    text_ids = [r.id for r, _ in read_records(inputs["txt"])]
+    assert text_ids == [*range(1, 11), *range(12, 14)]  # line 11 is blank
+    assert [r.id for r, _ in read_records(inputs["jsonl"])][:2] == ["d0", "d1"]
+    assert [r.id for r, _ in read_records(inputs["jsonl"], id_field="nope")][:2] == [1, 2]
+    assert [r.id for r, _ in read_records(inputs["parquet"], id_field=None)][:2] == ["d0", "d1"]
+
+
+@pytest.mark.parametrize("source", ["txt", "jsonl", "parquet"])
+def test_reading_from_a_position_continues_exactly_after_it(tmp_path, source):
+    _, inputs = write_inputs(tmp_path)
+    everything = list(read_records(inputs[source]))
+    for cut in (0, 1, 9, 10, 21, 49, 50):
+        start = everything[cut - 1][1] if cut else Position()
+        rest = [r for r, _ in read_records(inputs[source], start=start)]
+        assert rest == [r for r, _ in everything[cut:]]
+
+
+def test_a_changed_input_is_refused_until_restart(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    source, target = inputs["txt"], tmp_path / "out.npy"
+    with pytest.raises(BulkError):
+        embed_file(source, target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+    with open(source, "a") as f:
+        f.write("one more line\n")
+    with pytest.raises(JobChanged, match=r"different input \(.*size .*--restart"):
+        embed_file(source, target, HashEmbedder(), chunk_size=4)
+    embed_file(source, target, HashEmbedder(), chunk_size=4, restart=True)
+    assert np.load(target).shape == (51, 8)
+
+
+def test_a_changed_model_or_field_is_refused(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.jsonl"
+    with pytest.raises(BulkError):
+        embed_file(inputs["jsonl"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+    other = HashEmbedder()
+    other.identity = {"model": "another"}
+    with pytest.raises(JobChanged, match="different model"):
+        embed_file(inputs["jsonl"], target, other)
+    with pytest.raises(JobChanged, match="different fields"):
+        embed_file(inputs["jsonl"], target, HashEmbedder(), id_field="text")
+
+
+def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
+    # mtime is part of the fingerprint: cheap on huge files, and safe (refusing, never mixing)
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.npy"
+    with pytest.raises(BulkError):
+        embed_file(inputs["txt"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+    stat = inputs["txt"].stat()
+    os.utime(inputs["txt"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    with pytest.raises(JobChanged, match="mtime_ns"):
+        embed_file(inputs["txt"], target, HashEmbedder())
+
+
+def test_a_kill_between_a_part_and_the_manifest_rewrites_that_part(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.parquet"
+    with pytest.raises(BulkError):
+        embed_file(inputs["txt"], target, HashEmbedder(fail_at=5), chunk_size=4, part_size=8)
+    directory = parts_dir(target)
+    (directory / "part-000002.parquet").write_bytes(b"not listed in the manifest")
+    (directory / "part-000002.parquet.tmp").write_bytes(b"cut short")
+    embed_file(inputs["txt"], target, HashEmbedder(), chunk_size=4, part_size=8)
+    whole = tmp_path / "whole.parquet"
+    embed_file(inputs["txt"], whole, HashEmbedder(), chunk_size=50)
+    assert pq.read_table(target).equals(pq.read_table(whole))
+
+
+def test_mixed_id_types_cannot_go_into_parquet(tmp_path):
+    source = tmp_path / "mixed.jsonl"
+    source.write_text('{"id": 1, "text": "a"}\n{"id": "two", "text": "b"}\n')
+    with pytest.raises(BulkError, match="ids mix types"):
+        embed_file(source, tmp_path / "out.parquet", HashEmbedder())
+
+
+class NoModel:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("the model was loaded before the command was checked")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["embed", "{tmp}/missing.txt", "-o", "{tmp}/o.npy"],
+     "input file '{tmp}/missing.txt' not found"),
+    (["embed", "{tmp}", "-o", "{tmp}/o.npy"], "is a directory (a directory needs --ray)"),
+    (["embed", "{txt}", "-o", "{tmp}/o.csv"], "--output must end in .npy, .jsonl or .parquet"),
+    (["embed", "{txt}", "-o", "{tmp}/nowhere/o.npy"], "does not exist"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "32",
+      "--max-inputs-per-request", "8", "--max-queue", "16"],
+     "--chunk-size (32) is larger than MAX_INPUTS_PER_REQUEST (8)"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--url", "http://127.0.0.1:9", "--model", "x"],
+     "--model shapes the in-process model"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--api-key", "k"], "--api-key is sent to the server"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--url", "http://127.0.0.1:9", "--ray"],
+     "--url and --ray exclude each other"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--actors", "2"], "--actors applies to --ray only"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--ray"], "--output is a directory of Parquet"),
+    (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--text-field", "body"],
+     "has no column 'body' (it has text, id): name the text column with --text-field"),
+    (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--id-field", "key"], "has no column 'key'"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "0"],
+     "argument --chunk-size: must be greater than 0 (see 'embedsvc embed --help')"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--port", "80"], "unrecognized arguments: --port"),
+])
+def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatch, capsys,
+                                                           argv, message):
+    monkeypatch.setattr("embedsvc.bulk.embedders.LocalEmbedder.__init__", NoModel.__init__)
+    _, inputs = write_inputs(tmp_path, n=3)
+    names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"]}
+    argv = [a.format(**names) for a in argv]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("embedsvc: ") and err.count("\n") == 1, err
+    assert message.format(**names) in err
+
+
+def exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+
+
+def test_embed_help_shows_defaults_and_no_server_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["embed", "--help"])
+    out = capsys.readouterr().out
+    assert "inputs per call to the model or server (default: 256)" in out
+    assert "chunks in flight (default: 4)" in out
+    for flag in ("--host", "--port", "--threads", "--drain-timeout-s", "--max-body-bytes",
+                 "--request-timeout-s"):
+        assert flag not in out
+    assert "--model" in out and "--max-queue" in out
+
+
+def test_a_dataset_is_its_sorted_files_of_one_kind(tmp_path):
+    from embedsvc.bulk.dataset import list_dataset
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("b.parquet", "a.parquet", "sub/c.parquet"):
+        pq.write_table(pa.table({"text": ["x"]}), tmp_path / "d" / name)
+    (tmp_path / "d" / "_SUCCESS").write_text("")
+    names = [f.path.rsplit("/", 1)[1] for f in list_dataset(str(tmp_path / "d")).files]
+    assert names == ["a.parquet", "b.parquet", "c.parquet"]
+    assert len(list_dataset(str(tmp_path / "d" / "*.parquet")).files) == 2
+    (tmp_path / "d" / "e.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(BulkError, match="mixes Parquet and JSONL"):
+        list_dataset(str(tmp_path / "d"))
+
+
+def test_a_ray_read_task_reads_like_the_in_process_reader(tmp_path):
+    from embedsvc.bulk.dataset import list_dataset, read_files
+
+    _, inputs = write_inputs(tmp_path, n=20)
+    for kind in ("jsonl", "parquet"):
+        dataset = list_dataset(str(inputs[kind]))
+        tables = list(read_files({"path": [dataset.files[0].path]}, dataset.filesystem,
+                                 "text", None, rows=6))
+        assert [t.num_rows for t in tables] == [6, 6, 6, 2]
+        ids = [i for t in tables for i in t.column("id").to_pylist()]
+        assert ids == [r.id for r, _ in read_records(inputs[kind])]
+
+
+def test_shards_are_written_per_input_file_and_listed_when_whole(tmp_path):
+    from embedsvc.bulk.parts import vectors_table
+    from embedsvc.bulk.shards import ShardDirectory, ShardStream
+
+    shards = ShardDirectory(str(tmp_path / "out"), {"job": 1}, restart=False)
+    stream = ShardStream(shards, {"/a": 0, "/b": 1, "/empty": 2})
+
+    def batch(paths, first_id):
+        table = vectors_table(list(range(first_id, first_id + len(paths))),
+                              np.ones((len(paths), 4), np.float32))
+        return table.append_column("path", pa.array(paths, pa.string()))
+
+    stream.write(batch(["/a", "/a", "/b"], 0))
+    assert list(shards.manifest["shards"]) == ["/a"]  # /b may still get rows
+    stream.write(batch(["/b"], 3))
+    assert stream.close() == 4
+    assert shards.manifest["shards"] == {"/a": {"file": "part-00000.parquet", "rows": 2},
+                                         "/b": {"file": "part-00001.parquet", "rows": 2},
+                                         "/empty": {"file": None, "rows": 0}}
+    assert pq.read_table(tmp_path / "out" / "part-00001.parquet").column("id").to_pylist() == [
+        2, 3]
+    with pytest.raises(JobChanged, match="different job"):
+        ShardDirectory(str(tmp_path / "out"), {"job": 2}, restart=False)
