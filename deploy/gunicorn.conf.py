@@ -47,6 +47,9 @@ keepalive = max(1, round(_settings.idle_timeout_s))
 limit_request_line = 4094
 limit_request_fields = 100
 limit_request_field_size = 8190
+# gunicorn's runtime control socket defaults to one path per user, so a second gunicorn on
+# the machine takes over the first one's; embedsvc does not use it.
+control_socket_disable = True
 # A preloaded app loads the weights in the master (on the CPU only) for workers to share.
 # With one worker there is nothing to share, so the model loads in the worker.
 preload_app = False

@@ -20,6 +20,16 @@ from .errors import InvalidRequest
 Inputs = Sequence[str] | Sequence[Sequence[int]]
 
 
+class InputRefused(InvalidRequest):
+    """A rule refused input ``index``: the message is ``input <index> <detail>``, so that a
+    caller that knows more about where the input came from (a file's line) can say so."""
+
+    def __init__(self, index: int, detail: str, code: str) -> None:
+        super().__init__(f"input {index} {detail}", param="input", code=code)
+        self.index = index
+        self.detail = detail
+
+
 def check_inputs(inputs: Inputs, *, max_inputs: int, max_chars: int) -> None:
     """Count, type and size of one request's inputs (texts or token-id lists)."""
     check_count(len(inputs), max_inputs)
@@ -27,15 +37,13 @@ def check_inputs(inputs: Inputs, *, max_inputs: int, max_chars: int) -> None:
     kind = "string" if texts else "token list"
     for i, item in enumerate(inputs):
         if isinstance(item, str) is not texts:
-            raise InvalidRequest(
-                f"input {i} is not a {kind} like input 0; send all texts or all token lists",
-                param="input", code="invalid_input",
-            )
+            raise InputRefused(
+                i, f"is not a {kind} like input 0; send all texts or all token lists",
+                "invalid_input")
         if not item:
-            raise InvalidRequest(
-                f"input {i} is an empty {kind}; every input needs at least one character or id",
-                param="input", code="empty_input",
-            )
+            raise InputRefused(
+                i, f"is an empty {kind}; every input needs at least one character or id",
+                "empty_input")
     if texts:
         check_chars(inputs, max_chars)  # type: ignore[arg-type]
 
@@ -54,21 +62,18 @@ def check_count(count: int, limit: int) -> None:
 def check_chars(texts: Sequence[str], limit: int) -> None:
     for i, text in enumerate(texts):
         if len(text) > limit:
-            raise InvalidRequest(
-                f"input {i} has {len(text)} characters, more than MAX_INPUT_CHARS ({limit}); "
-                "split it",
-                param="input", code="input_too_long",
-            )
+            raise InputRefused(
+                i, f"has {len(text)} characters, more than MAX_INPUT_CHARS ({limit}); split it",
+                "input_too_long")
 
 
 def check_token_ids(i: int, ids: Sequence[Any], vocab_size: int) -> list[int]:
     for token in ids:
         if not 0 <= token < vocab_size:
-            raise InvalidRequest(
-                f"input {i} holds token id {token}, outside this model's vocabulary "
+            raise InputRefused(
+                i, f"holds token id {token}, outside this model's vocabulary "
                 f"(0 to {vocab_size - 1}); send text, or ids from this model's tokenizer",
-                param="input", code="invalid_token_id",
-            )
+                "invalid_token_id")
     return list(ids)
 
 
@@ -92,10 +97,8 @@ def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, dire
         return ids
     if not truncate:
         count = f"{len(ids) + special} tokens, more" if exact else "more tokens"
-        raise InvalidRequest(
-            f"input {i} has {count} than this model's limit of {room + special}; "
-            "shorten it or ask for truncation",
-            param="input", code="input_too_long",
-        )
+        raise InputRefused(
+            i, f"has {count} than this model's limit of {room + special}; "
+            "shorten it or ask for truncation", "input_too_long")
     return ids[:room] if direction == "right" else ids[len(ids) - room:]
 

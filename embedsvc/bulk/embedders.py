@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ApiError
+from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
 from .errors import BulkError
@@ -58,6 +59,8 @@ class LocalEmbedder:
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
         try:
             out = self.engine.embed(texts, deadline=time.monotonic() + _BULK_DEADLINE_S)
+        except InputRefused:
+            raise  # the job names the file and record it came from
         except ApiError as exc:
             raise BulkError(exc.message) from None
         return out.vectors, out.tokens

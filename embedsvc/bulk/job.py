@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..rules import InputRefused
 from .checkpoint import Checkpoint, fingerprint
 from .embedders import Embedder
 from .errors import BulkError, UsageError
@@ -87,7 +88,7 @@ def embed_file(
     records = read_records(source, text_field, id_field, start)
     try:
         for chunk, (rows, used) in _embedded(_chunks(records, chunk_size), embedder,
-                                             concurrency):
+                                             concurrency, source):
             checkpoint.write([r for r, _ in chunk], rows, chunk[-1][1])
             inputs, tokens = inputs + len(chunk), tokens + used
             if progress:
@@ -101,7 +102,7 @@ def embed_file(
     return Summary(inputs, tokens, time.monotonic() - started, start.records)
 
 
-def _embedded(chunks: Iterator[Chunk], embedder: Embedder, concurrency: int
+def _embedded(chunks: Iterator[Chunk], embedder: Embedder, concurrency: int, source: Path
               ) -> Iterator[tuple[Chunk, Any]]:
     """Each chunk with its (rows, tokens), in order; at most ``concurrency`` in flight."""
     pending: deque[tuple[Chunk, Future]] = deque()
@@ -111,13 +112,21 @@ def _embedded(chunks: Iterator[Chunk], embedder: Embedder, concurrency: int
                 pending.append((chunk, pool.submit(embedder, [r.text for r, _ in chunk])))
                 if len(pending) >= concurrency:
                     chunk, future = pending.popleft()
-                    yield chunk, future.result()
+                    yield chunk, _result(chunk, future, source)
             while pending:
                 chunk, future = pending.popleft()
-                yield chunk, future.result()
+                yield chunk, _result(chunk, future, source)
         finally:
             for _, future in pending:
                 future.cancel()  # a failed chunk stops the job without waiting for the rest
+
+
+def _result(chunk: Chunk, future: Future, source: Path) -> Any:
+    try:
+        return future.result()
+    except InputRefused as exc:  # the engine's rule, told with the record it refused
+        record = chunk[exc.index][0]
+        raise BulkError(f"{source}: record {record.id}: the input {exc.detail}") from None
 
 
 def _chunks(records: Iterator[tuple[Record, Position]], size: int) -> Iterator[Chunk]:

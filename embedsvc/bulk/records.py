@@ -92,8 +92,8 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
     except (orjson.JSONDecodeError, KeyError, TypeError):
         raise BulkError(f"{path}:{line}: not a JSON object with a string {text_field!r} field; "
                         "name the text field with --text-field") from None
-    if not isinstance(text, str) or not text.strip():
-        raise BulkError(f"{path}:{line}: {text_field!r} must be a non-empty string")
+    if not isinstance(text, str):  # an empty one is the engine's to refuse, as over HTTP
+        raise BulkError(f"{path}:{line}: {text_field!r} must be a string")
     return Record(row.get(id_field or DEFAULT_ID_FIELD, line), text)
 
 
@@ -108,8 +108,8 @@ def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | N
         for i in range(row - first, len(texts)):
             row += 1
             text = texts[i]
-            if not isinstance(text, str) or not text.strip():
-                raise BulkError(f"{path}: row {row}: {text_field!r} must be a non-empty string")
+            if not isinstance(text, str):
+                raise BulkError(f"{path}: row {row}: {text_field!r} must be a string")
             yield Record(ids[i] if ids else row, text), Position(row)
 
 
