@@ -3,6 +3,8 @@
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +153,16 @@ def test_gunicorn_preload_two_workers_each_build_their_own_session(reference, tm
         for pid in workers:
             assert "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
     assert len(graphs(tmp_path / "cache")) == 1
+
+
+def test_embedsvc_export_builds_ahead_what_a_start_then_reads(tmp_path, caplog):
+    exe = Path(sys.executable).parent / "embedsvc"
+    out = subprocess.run([str(exe), "export", "--cache-dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [graph] = graphs(tmp_path)
+    assert f"graph {graph}" in out.stdout and "exporting all-MiniLM-L6-v2" in out.stderr
+    caplog.set_level("INFO")
+    engine = started(backend="onnx", cache_dir=str(tmp_path))
+    vectors(engine, TEXTS[:1])
+    assert "exporting" not in caplog.text and f"graph {graph}" in caplog.text
