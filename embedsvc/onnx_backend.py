@@ -306,11 +306,13 @@ def quantize_graph(source: Path, path: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     log.info("quantizing %s to int8, once: later starts read it from the cache", source.name)
-    logging.disable(logging.WARNING)  # it advises pre-processing on the root logger
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # it advises pre-processing through the root logger
     try:
         quantize_dynamic(source, path, per_channel=True, weight_type=QuantType.QInt8)
     finally:
-        logging.disable(logging.NOTSET)
+        root.setLevel(level)
 
 
 def _graph_module(module: Any, names: list[str], key: str) -> Any:
