@@ -62,6 +62,19 @@ def test_a_truncated_cached_graph_is_rebuilt_and_serves_right_vectors(exported, 
     assert "does not load" in caplog.text and "rebuilding" in caplog.text
 
 
+def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(exported,
+                                                                              reference):
+    from embedsvc.onnx_backend import RUN_TOKENS
+
+    texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
+    engine = started(backend="onnx")
+    batch = engine.prepare(texts)
+    assert len(batch) * max(map(len, batch)) > 2 * RUN_TOKENS  # three runs or more
+    rows = engine.encoder.encode(batch)
+    engine.drain(timeout=5)
+    assert (cosine(rows, reference.encode(texts)) > 0.9999).all()
+
+
 def test_a_graph_the_model_directory_ships_is_used_as_it_is(exported, tmp_path, reference,
                                                               caplog):
     model = tmp_path / "model"
