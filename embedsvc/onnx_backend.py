@@ -39,6 +39,11 @@ EXPORTER = "torchscript"
 OPSET = 17
 FORMAT = 1
 PARITY = 0.9999  # minimum cosine to PyTorch on the probe batch for a float32 graph
+# Padded tokens per session run: a larger batch from the batcher runs in slices. ONNX
+# Runtime on the CPU peaked near 2,000-4,000 padded tokens and lost about half its rate at
+# 16,384 (MAX_BATCH_TOKENS' default), for short and long inputs; bulk runs of the same file
+# were faster with 4,096 (bench/RESULTS.md, measured under load).
+RUN_TOKENS = 4096
 _BROKEN = 0.5  # mean cosine to float32 under which an int8 file is damaged, not just lossy
 _SHIPPED = ("onnx/model.onnx", "model.onnx")
 _OUTPUTS = ("token_embeddings", "last_hidden_state")
@@ -104,7 +109,12 @@ class OnnxForward:
         import torch
 
         feeds = {name: features[name].numpy() for name in self.inputs}
-        features[self.output_key] = torch.from_numpy(self.session.run([self._output], feeds)[0])
+        rows, width = feeds["input_ids"].shape
+        step = max(1, RUN_TOKENS // width)
+        parts = [self.session.run([self._output], {k: v[i:i + step] for k, v in feeds.items()})[0]
+                 for i in range(0, rows, step)]
+        features[self.output_key] = torch.from_numpy(np.concatenate(parts) if len(parts) > 1
+                                                     else parts[0])
         return features
 
 
@@ -306,11 +316,13 @@ def quantize_graph(source: Path, path: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     log.info("quantizing %s to int8, once: later starts read it from the cache", source.name)
-    logging.disable(logging.WARNING)  # it advises pre-processing on the root logger
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # it advises pre-processing through the root logger
     try:
         quantize_dynamic(source, path, per_channel=True, weight_type=QuantType.QInt8)
     finally:
-        logging.disable(logging.NOTSET)
+        root.setLevel(level)
 
 
 def _graph_module(module: Any, names: list[str], key: str) -> Any:

@@ -3,6 +3,8 @@
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +60,19 @@ def test_a_truncated_cached_graph_is_rebuilt_and_serves_right_vectors(exported, 
     assert (cosine(vectors(again, TEXTS), reference.encode(TEXTS)) > 0.9999).all()
     assert graphs(tmp_path) == [graph] and graph.stat().st_size == whole
     assert "does not load" in caplog.text and "rebuilding" in caplog.text
+
+
+def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(exported,
+                                                                              reference):
+    from embedsvc.onnx_backend import RUN_TOKENS
+
+    texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
+    engine = started(backend="onnx")
+    batch = engine.prepare(texts)
+    assert len(batch) * max(map(len, batch)) > 2 * RUN_TOKENS  # three runs or more
+    rows = engine.encoder.encode(batch)
+    engine.drain(timeout=5)
+    assert (cosine(rows, reference.encode(texts)) > 0.9999).all()
 
 
 def test_a_graph_the_model_directory_ships_is_used_as_it_is(exported, tmp_path, reference,
@@ -151,3 +166,16 @@ def test_gunicorn_preload_two_workers_each_build_their_own_session(reference, tm
         for pid in workers:
             assert "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
     assert len(graphs(tmp_path / "cache")) == 1
+
+
+def test_embedsvc_export_builds_ahead_what_a_start_then_reads(tmp_path, caplog):
+    exe = Path(sys.executable).parent / "embedsvc"
+    out = subprocess.run([str(exe), "export", "--cache-dir", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [graph] = graphs(tmp_path)
+    assert f"graph {graph}" in out.stdout and "exporting all-MiniLM-L6-v2" in out.stderr
+    caplog.set_level("INFO")
+    engine = started(backend="onnx", cache_dir=str(tmp_path))
+    vectors(engine, TEXTS[:1])
+    assert "exporting" not in caplog.text and f"graph {graph}" in caplog.text
