@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..logs import quiet_model_libraries
 from ..settings import Settings
 from .errors import BulkError, UsageError
 from .job import Summary, embed_file, open_checkpoint
@@ -28,6 +29,8 @@ def run(args: Any, settings: Settings) -> int:
     """Run ``embedsvc embed`` with parsed arguments; the exit code."""
     try:
         check_options(args, settings)
+        if settings.log_level != "debug":
+            quiet_model_libraries()  # no weight-loading bars and warnings between our lines
         if args.ray is not None:
             from .cluster import run_on_ray
 
