@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from .engine import Embedded, Engine
 from .errors import ApiError, InvalidRequest, PayloadTooLarge, Unauthorized
+from .openai_tokens import decode_ids
 from .schemas import EmbeddingsRequest, EmbedRequest, Request, TokenizeRequest
 from .settings import Settings
 
@@ -58,6 +59,8 @@ def embeddings(engine: Engine, raw: bytes, disconnected: Disconnected = None) ->
     inputs = _as_list(req.input)
     if isinstance(inputs[0], list):
         _check_nonempty(inputs, "token list")
+        if engine.settings.token_ids == "openai":
+            inputs = decode_ids(inputs, req.model)  # OpenAI clients send tiktoken ids
     out = _embed(engine, inputs, disconnected, normalize=True, dimensions=req.dimensions)
     rows = out.vectors
     if req.encoding_format == "base64":

@@ -17,10 +17,13 @@ class EmbeddingsRequest(Request):
 
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="Text, texts, token ids of one text, or token ids of several texts. Token "
-        "ids are this model's vocabulary ids without special tokens."
+        "ids are ids of the OpenAI tokenizer of 'model' (cl100k_base for text-embedding-* and "
+        "unknown names, o200k_base where tiktoken maps the name to it), decoded to text; with "
+        "the server setting TOKEN_IDS=model, ids of the served model without special tokens."
     )
     model: StrictStr | None = Field(
-        None, description="Accepted and ignored: the response names the served model."
+        None, description="Any name; it picks the OpenAI tokenizer of token-id input. The "
+        "response names the served model."
     )
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="'base64': the little-endian float32 bytes of each vector."

@@ -130,6 +130,12 @@ class Settings:
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+    token_ids: str = _setting(
+        "openai",
+        _choice("openai", "model"),
+        "token-id input on /v1/embeddings: openai (ids of the OpenAI tokenizer of the requested "
+        "model, decoded to text) or model (ids of the served model's own vocabulary)",
+    )
 
     def __post_init__(self) -> None:
         # Keyword values pass through the same parsers as the environment's strings, so a

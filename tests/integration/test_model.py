@@ -3,6 +3,12 @@
 import base64
 
 import numpy as np
+from prometheus_client import CollectorRegistry
+
+from embedsvc.api import create_app
+from embedsvc.engine import Engine
+from embedsvc.metrics import Metrics
+from embedsvc.settings import Settings
 
 from .conftest import cosine
 
@@ -44,12 +50,29 @@ def test_base64_decodes_to_the_same_vectors(real_app, reference):
     assert (cosine(got, reference.encode(TEXTS)) > 0.9999).all()
 
 
-def test_token_ids_give_the_vector_of_their_text(real_app, reference):
-    ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
-    body = post(real_app, "/v1/embeddings", {"input": ids})
+def test_openai_token_ids_give_the_vector_of_their_text(real_app, reference, tiktoken_cache):
+    import tiktoken
+
+    enc = tiktoken.get_encoding("cl100k_base")
+    ids = [enc.encode_ordinary(t) for t in TEXTS]
+    body = post(real_app, "/v1/embeddings", {"input": ids, "model": "text-embedding-3-small"})
     assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
-    single = post(real_app, "/v1/embeddings", {"input": ids[1]})
-    assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
+    expected = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert body["usage"]["prompt_tokens"] == expected  # the served model's tokens
+
+
+def test_model_token_ids_with_token_ids_model(reference):
+    engine = Engine(Settings(device="cpu", token_ids="model"), metrics=Metrics(CollectorRegistry()))
+    engine.start(background=False)
+    app = create_app(engine.settings, engine=engine)
+    try:
+        ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+        body = post(app, "/v1/embeddings", {"input": ids})
+        assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
+        single = post(app, "/v1/embeddings", {"input": ids[1]})
+        assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
+    finally:
+        engine.drain(timeout=5)
 
 
 def test_embed_route(real_app, reference):
