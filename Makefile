@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# A second, small environment for the TEI clients that need huggingface_hub 1.x
+# (langchain-huggingface pins it below 2); tests/integration/test_clients.py runs them in it.
+HUB1_VENV ?= .venv-hub1
 # torch is installed first and pinned, so that the rest of the install keeps it. On this
 # project's machines pip finds the CPU build of 2.13.0 on local disk; elsewhere, a CPU-only
 # box gets the CPU build with TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
@@ -11,12 +14,17 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup tools serve test lint clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(HUB1_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+$(HUB1_VENV)/.installed: tests/clients/requirements-hub1.txt
+	$(PYTHON) -m venv $(HUB1_VENV)
+	$(HUB1_VENV)/bin/python -m pip install -q -r tests/clients/requirements-hub1.txt
 	touch $@
 
 serve: setup
@@ -36,8 +44,8 @@ tools:
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
 
-test: lint tools
+test: lint tools $(HUB1_VENV)/.installed
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache

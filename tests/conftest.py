@@ -7,6 +7,8 @@ from .tiktoken_files import write_cache
 # Never reach a model hub: the bundled model loads from site-packages.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Client libraries under test must not phone home: haystack sends telemetry unless told not to.
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
 
 
 @pytest.fixture(scope="session")
