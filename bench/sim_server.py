@@ -13,20 +13,21 @@ import argparse
 
 from flask import Flask
 
-from embedsvc.api import create_app
 from embedsvc.encoder import FakeEncoder
-from embedsvc.engine import Engine
 from embedsvc.logs import configure_logging
 from embedsvc.server import Server
+from embedsvc.service import Service
 from embedsvc.settings import Settings
+from embedsvc.wsgi import create_app
 
 
-def build_engine(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0) -> Engine:
+def build_service(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0
+                  ) -> Service:
     encoder = FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
                           per_token_s=per_token_us / 1e6, record=False)
-    engine = Engine(settings, encoder=encoder)
-    engine.start(background=False)
-    return engine
+    service = Service(settings, encoder=encoder)
+    service.start(background=False)
+    return service
 
 
 def make_app() -> Flask:
@@ -34,7 +35,7 @@ def make_app() -> Flask:
     bench.sim_server:make_app`` (zero-cost device)."""
     settings = Settings(log_level="warning")
     configure_logging(settings.log_level, settings.log_format)
-    return create_app(settings, engine=build_engine(settings))
+    return create_app(settings, service=build_service(settings))
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings(port=args.port, threads=args.threads, log_level="warning")
     configure_logging(settings.log_level, settings.log_format)
-    Server(settings, build_engine(settings, args.fixed_ms, args.per_token_us)).run()
+    Server(settings, build_service(settings, args.fixed_ms, args.per_token_us)).run()
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "app", "create_app"]
 
 if TYPE_CHECKING:
-    from .api import create_app
     from .process import LazyApp
+    from .wsgi import create_app
 
     app: LazyApp
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
             _app = LazyApp()
         return _app
     if name == "create_app":
-        from .api import create_app
+        from .wsgi import create_app
 
         return create_app
     raise AttributeError(f"module 'embedsvc' has no attribute {name!r}")

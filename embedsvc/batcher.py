@@ -5,7 +5,7 @@ wait on the returned ``Job``; the thread forms each device batch from what is qu
 the device frees up, runs it under the device lock and writes each row back to its job.
 
 >>> from embedsvc.encoder import FakeEncoder
->>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits())
+>>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048))
 >>> b.start()
 >>> job = b.submit([[1, 7, 2], [1, 9, 9, 2]], deadline=time.monotonic() + 5)
 >>> job.result().shape
@@ -22,9 +22,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from . import heap
 from .encoder import DeviceOutOfMemory
 from .errors import (
     ApiError,
@@ -45,14 +47,23 @@ _MIN_PADDING_EFFICIENCY = 0.8
 _FREE_PADDING = 256
 _DEEP_QUEUE_SHARE = 0.8
 _DEEP_QUEUE_LOG_EVERY_S = 10.0
+# Freed heap pages go back to the OS right after a batch, at most this often, and after
+# this long without a batch (see heap.py for why).
+_TRIM_AFTER_BATCH_S = 0.5
+_TRIM_IDLE_S = 5.0
 
 
 @dataclass(frozen=True)
 class BatchLimits:
-    max_batch_size: int = 256
-    max_batch_tokens: int = 16384
-    max_wait_s: float = 0.0
-    max_queue: int = 2048
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+    max_queue: int
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BatchLimits:
+        s = settings
+        return cls(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue)
 
 
 class Job:
@@ -62,7 +73,7 @@ class Job:
                  disconnected: Callable[[], bool] | None = None) -> None:
         self.inputs = inputs
         self.deadline = deadline
-        self.disconnected = disconnected  # True once the client has gone (see Batcher.reap)
+        self.disconnected = disconnected  # True once the client has gone (Batcher.cancel_due)
         self.submitted = time.monotonic()
         self.finished_at = 0.0
         self.inference_s = 0.0
@@ -193,7 +204,7 @@ class Batcher:
         """Queue one request's wrapped token ids; raises 413, 429 or 503 instead of queueing.
 
         Until its inputs reach the model, the job fails with 504 at ``deadline`` and is
-        dropped once ``disconnected()`` is true; ``reap`` checks both.
+        cancelled once ``disconnected()`` is true; ``cancel_due`` checks both.
         """
         n = len(inputs)
         limit = self.limits.max_queue
@@ -223,29 +234,24 @@ class Batcher:
             self._cond.notify()
         return job
 
-    def expire(self, job: Job, error: ApiError) -> bool:
-        """Fail ``job`` with ``error`` if none of it has reached the model; True if it did so."""
-        with self._cond:
-            if job.done or job.started:
-                return False
-            self._drop(job, error)
-            return True
+    def cancel_due(self) -> int:
+        """Cancel queued jobs that are past their deadline or whose client left; how many.
 
-    def reap(self) -> int:
-        """Fail queued jobs that are past their deadline or whose client left; how many.
-
-        Called periodically (the engine's watchdog), so that a waiting request thread needs
+        Called periodically (the service's watchdog), so that a waiting request thread needs
         no timeout of its own: a timed wait costs measurably more CPU than a plain one.
         """
         with self._cond:
-            failed = self._expire_due(time.monotonic())
+            cancelled = self._cancel_late(time.monotonic())
             watched = list({id(it.job): it.job for it in self._pending
                             if it.job.disconnected is not None}.values())
         for job in watched:
             if job.disconnected():  # type: ignore[misc]
                 gone = ClientDisconnected("the client disconnected", code="client_disconnected")
-                failed += self.expire(job, gone)
-        return failed
+                with self._cond:
+                    if not (job.done or job.started):
+                        self._cancel(job, gone)
+                        cancelled += 1
+        return cancelled
 
     @property
     def alive(self) -> bool:
@@ -287,8 +293,8 @@ class Batcher:
             leftover = list({id(it.job): it.job for it in self._pending}.values())
             failed = sum(len(job.inputs) for job in leftover)
             for job in leftover:
-                self._drop(job, Unavailable("the server shut down before this request ran",
-                                            code="draining"))
+                self._cancel(job, Unavailable("the server shut down before this request ran",
+                                              code="draining"))
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
@@ -303,41 +309,51 @@ class Batcher:
     # -- the batcher thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        last_trim = time.monotonic()
         try:
             while True:
                 batch = self._next_batch()
                 if batch is None:
                     return
-                self._compute(batch)
-                with self._cond:
-                    self._current = []
-                    self._in_flight = 0
+                if batch:
+                    self._compute(batch)
+                    with self._cond:
+                        self._current = []
+                        self._in_flight = 0
+                # Activations just freed would otherwise stay resident: varying batch shapes
+                # fragment the heap, and a bulk run's memory grew with its length.
+                gap = _TRIM_AFTER_BATCH_S if batch else _TRIM_IDLE_S
+                if time.monotonic() - last_trim >= gap:
+                    last_trim = time.monotonic()
+                    heap.trim()
         except BaseException:  # noqa: BLE001 - the thread must not vanish silently
             log.exception("the batcher thread died; failing the batch it was computing")
             with self._cond:
                 for job in {id(it.job): it.job for it in self._current}.values():
                     if not job.done:
-                        self._drop(job, BatchFailed("the batcher stopped while computing this "
-                                                    "request; retry it", code="batcher_died"))
+                        self._cancel(job, BatchFailed("the batcher stopped while computing this "
+                                                      "request; retry it", code="batcher_died"))
                 self._admitted -= len(self._current) - self._current_released
                 self._current = []
                 self._in_flight = 0
             self.metrics.batcher_alive.set(0)
 
     def _next_batch(self) -> list[_Item] | None:
+        """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""
         with self._cond:
             while True:
                 if self._stopping:
                     return None
                 if not self._pending:
-                    self._cond.wait()
+                    if not self._cond.wait(_TRIM_IDLE_S):
+                        return []
                     continue
                 now = time.monotonic()
                 wait = self._partial_wait(now)
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-                self._expire_due(now)
+                self._cancel_late(now)
                 if not self._pending:
                     continue
                 return self._take()
@@ -420,12 +436,12 @@ class Batcher:
         with self._cond:
             for job in {id(it.job): it.job for it in batch}.values():
                 if not job.done:
-                    self._drop(job, BatchFailed(message, code="batch_failed"))
+                    self._cancel(job, BatchFailed(message, code="batch_failed"))
             self._release(len(batch))
 
     # -- bookkeeping, under self._cond --------------------------------------------------------
 
-    def _drop(self, job: Job, error: ApiError) -> None:
+    def _cancel(self, job: Job, error: ApiError) -> None:
         """Fail ``job`` and take its queued inputs out of the queue."""
         before = len(self._pending)
         self._pending = [it for it in self._pending if it.job is not job]
@@ -441,14 +457,14 @@ class Batcher:
         self._current_released += n
         self._cond.notify_all()
 
-    def _expire_due(self, now: float) -> int:
-        """Fail queued jobs past their deadline; how many."""
+    def _cancel_late(self, now: float) -> int:
+        """Cancel queued jobs past their deadline; how many."""
         if now < self._earliest_deadline:  # nothing queued can be due: skip the scan
             return 0
         due = {id(it.job): it.job for it in self._pending
                if it.job.deadline <= now and not it.job.started}
         for job in due.values():
-            self._drop(job, deadline_error())
+            self._cancel(job, deadline_error())
         self._earliest_deadline = min((it.job.deadline for it in self._pending), default=math.inf)
         return len(due)
 

@@ -26,7 +26,7 @@ from typing import IO, Any, Protocol
 import numpy as np
 import orjson
 
-from .engine import Engine
+from .service import Service
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -82,15 +82,16 @@ class LocalEmbedder:
     """The same engine as ``embedsvc serve``, in this process."""
 
     def __init__(self, settings: Settings) -> None:
-        self.engine = Engine(settings)
-        self.engine.start(background=False)
+        self.service = Service(settings)
+        self.service.start(background=False)
+        self.engine = self.service.ready()
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
         out = self.engine.embed(texts, deadline=time.monotonic() + _BULK_DEADLINE_S)
         return out.vectors, out.tokens
 
     def close(self) -> None:
-        self.engine.drain(timeout=5)
+        self.service.drain(timeout=5)
 
 
 class RemoteEmbedder:

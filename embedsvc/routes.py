@@ -1,168 +1,184 @@
-"""The POST routes, free of any web framework: the raw body in, a ``Reply`` out.
+"""The route handlers and the route table: a ``Call`` in, a ``Reply`` out.
 
-They are served by ``wsgi.Front`` in front of Flask: on the hot path Flask's request
-context, proxies and response objects cost more CPU per request than everything else the
-server does outside the model (bench/RESULTS.md has the profile).
+The request pipeline (``app.Pipeline``) does everything every route shares: API key,
+method, body limit, errors, metrics and the access log. A handler parses its body,
+asks the engine and shapes the answer.
 
 >>> from embedsvc.encoder import FakeEncoder
->>> engine = Engine(Settings(), encoder=FakeEncoder(dimension=4))
->>> engine.start(background=False)
->>> reply = embed(engine, b'{"inputs": "hi"}')
+>>> from embedsvc.service import Service
+>>> import time
+>>> from embedsvc.settings import Settings
+>>> service = Service(Settings(), encoder=FakeEncoder(dimension=4))
+>>> service.start(background=False)
+>>> reply = embed(Call(service, b'{"inputs": "hi"}', time.monotonic()))
 >>> reply.status, reply.inputs
 (200, 1)
+>>> service.drain(timeout=1.0).failed
+0
 """
 
 from __future__ import annotations
 
 import base64
-import hmac
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from .engine import Embedded, Engine
-from .errors import ApiError, InvalidRequest, PayloadTooLarge, Unauthorized
+from . import __version__, rules, schemas
+from .engine import Embedded
+from .errors import InvalidRequest, Unavailable
 from .openai_tokens import decode_ids
+from .openapi import openapi_document
 from .schemas import EmbeddingsRequest, EmbedRequest, Request, TokenizeRequest
-from .settings import Settings
+from .web import Call, Reply, Route, json_reply
 
-access_log = logging.getLogger("embedsvc.access")
-
-OPEN_ROUTES = frozenset({"/health", "/metrics"})
 _INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+_openapi_body: bytes | None = None
+_HEALTH_REASONS = {
+    "loading": "the model is loading",
+    "draining": "the server is shutting down",
+    "unhealthy": "the model failed to load or the batcher is not running; see the log",
+}
 
 
-@dataclass(slots=True)
-class Reply:
-    """A response: status, JSON body, extra headers, and what the access log reports."""
-
-    status: int
-    body: bytes
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    inputs: int = 0
-    tokens: int = 0
+# -- embedding routes -------------------------------------------------------------------------
 
 
-Disconnected = Callable[[], bool] | None
-
-
-# -- routes -----------------------------------------------------------------------------------
-
-
-def embeddings(engine: Engine, raw: bytes, disconnected: Disconnected = None) -> Reply:
+def embeddings(call: Call) -> Reply:
     """POST /v1/embeddings and /embeddings: the OpenAI shape."""
-    req = parse(EmbeddingsRequest, raw)
-    inputs = _as_list(req.input)
-    if isinstance(inputs[0], list):
-        _check_nonempty(inputs, "token list")
-        if engine.settings.token_ids == "openai":
-            inputs = decode_ids(inputs, req.model)  # OpenAI clients send tiktoken ids
-    out = _embed(engine, inputs, disconnected, normalize=True, dimensions=req.dimensions)
-    rows = out.vectors
+    req = parse(EmbeddingsRequest, call.body)
+    inputs = as_list(req.input)
+    engine = call.engine()
+    if inputs and isinstance(inputs[0], list) and engine.settings.token_ids == "openai":
+        # OpenAI clients send ids of the tiktoken encoding of the model they name. The
+        # rules run on the ids as sent (count, empty lists) before they become texts.
+        s = engine.settings
+        rules.check_inputs(inputs, max_inputs=s.max_inputs_per_request,
+                           max_chars=s.max_input_chars)
+        inputs = decode_ids(inputs, req.model)
+    out = engine.embed(inputs, normalize=True, dimensions=req.dimensions,
+                       deadline=call.deadline, disconnected=call.disconnected)
     if req.encoding_format == "base64":
-        encoded: list[Any] = [base64.b64encode(r.astype("<f4").tobytes()).decode() for r in rows]
+        encoded: list[Any] = [base64.b64encode(r.astype("<f4").tobytes()).decode()
+                              for r in out.vectors]
     else:
-        encoded = list(rows)
+        encoded = list(out.vectors)
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e}
                  for i, e in enumerate(encoded)],
-        "model": engine.encoder.info.name,  # type: ignore[union-attr]
+        "model": engine.info.name,
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
-    return _embedded_reply(body, out, len(inputs))
+    return embedded_reply(body, out, len(inputs))
 
 
-def embed(engine: Engine, raw: bytes, disconnected: Disconnected = None) -> Reply:
+def embed(call: Call) -> Reply:
     """POST /embed: the TEI shape, one vector per input."""
-    req = parse(EmbedRequest, raw)
-    texts = _as_list(req.inputs)
+    req = parse(EmbedRequest, call.body)
+    texts = as_list(req.inputs)
+    engine = call.engine()
     if req.prompt_name is not None:
-        prefix = _prompt(engine, req.prompt_name)
+        prefix = prompt(engine.info.prompts, req.prompt_name)
         texts = [prefix + t for t in texts]
-    out = _embed(
-        engine, texts, disconnected,
-        normalize=req.normalize,
-        dimensions=req.dimensions,
-        truncate=req.truncate,
-        direction=req.truncation_direction,
-    )
-    return _embedded_reply(out.vectors, out, len(texts))
+    out = engine.embed(texts, normalize=req.normalize, dimensions=req.dimensions,
+                       truncate=req.truncate, direction=req.truncation_direction,
+                       deadline=call.deadline, disconnected=call.disconnected)
+    return embedded_reply(out.vectors, out, len(texts))
 
 
-def tokenize(engine: Engine, raw: bytes, disconnected: Disconnected = None) -> Reply:
+def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
-    req = parse(TokenizeRequest, raw)
-    texts = _as_list(req.inputs)
-    _check_count(engine.settings, texts)
-    _check_nonempty(texts, "string")
-    encoder = engine.wait_ready(engine.deadline())
-    engine.check_chars(texts)
-    reply = json_reply([[vars(p) for p in pieces] for pieces in encoder.pieces(texts)])
+    req = parse(TokenizeRequest, call.body)
+    texts = as_list(req.inputs)
+    pieces = call.engine().pieces(texts)
+    reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)
     return reply
 
 
-POST_ROUTES: dict[str, Callable[[Engine, bytes, Disconnected], Reply]] = {
-    "/v1/embeddings": embeddings,
-    "/embeddings": embeddings,
-    "/embed": embed,
-    "/tokenize": tokenize,
-}
+# -- service routes ---------------------------------------------------------------------------
 
 
-# -- shared by the WSGI front and the Flask app -----------------------------------------------
+def info(call: Call) -> Reply:
+    """GET /info: the model, the limits and this process."""
+    service = call.service
+    s, model = service.settings, service.model
+    return json_reply({
+        "model_id": model.name if model else None,
+        "dimension": model.dimension if model else None,
+        "max_input_length": model.max_input_tokens if model else None,
+        "device": model.device if model else None,
+        "dtype": model.dtype if model else None,
+        "parameters": model.parameters if model else None,
+        "max_batch_tokens": s.max_batch_tokens,
+        "max_batch_size": s.max_batch_size,
+        "max_wait_ms": s.max_wait_ms,
+        "max_queue": s.max_queue,
+        "max_client_batch_size": s.max_inputs_per_request,
+        "auto_truncate": s.auto_truncate,
+        "version": __version__,
+        "pid": service.pid,
+        "state": service.state,
+    })
 
 
-def json_reply(body: Any, status: int = 200, headers: list[tuple[str, str]] | None = None
-               ) -> Reply:
-    return Reply(status, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers or [])
+def health(call: Call) -> Reply:
+    """GET /health: 200 once the model is loaded and the batcher runs, else 503 and why."""
+    state = call.service.state
+    if state != "ready":
+        raise Unavailable(_HEALTH_REASONS.get(state, state), code=state)
+    return json_reply({"status": "ok"})
 
 
-def error_reply(engine: Engine, exc: ApiError) -> Reply:
-    engine.metrics.count_rejection(exc.reason)
-    return json_reply(exc.body(), exc.status, list(exc.headers.items()))
+def metrics(call: Call) -> Reply:
+    """GET /metrics: the Prometheus text exposition."""
+    return Reply(200, generate_latest(call.service.metrics.registry),
+                 content_type=CONTENT_TYPE_LATEST)
 
 
-def check_api_key(settings: Settings, path: str, authorization: str | None) -> None:
-    """401 unless the route is open or ``Authorization: Bearer <API_KEY>`` matches."""
-    key = settings.api_key
-    if not key or path in OPEN_ROUTES:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized(
-            "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
-        )
+def openapi(call: Call) -> Reply:
+    """GET /openapi.json: this table, as OpenAPI 3.1."""
+    global _openapi_body
+    if _openapi_body is None:
+        _openapi_body = orjson.dumps(openapi_document(ROUTES))
+    return Reply(200, _openapi_body)
 
 
-def record(engine: Engine, method: str, route: str, reply_status: int, seconds: float,
-           inputs: int = 0, tokens: int = 0) -> None:
-    """Count one answered request and write its access-log line."""
-    engine.metrics.count_request(route, reply_status, seconds)
-    if access_log.isEnabledFor(logging.INFO):
-        access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f", method, route, reply_status,
-                        inputs, tokens, seconds * 1000)
+# -- the route table --------------------------------------------------------------------------
+
+_EMBEDDINGS = Route("/v1/embeddings", "POST", embeddings, "OpenAI-compatible embeddings",
+                    EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE)
+
+ROUTES: tuple[Route, ...] = (
+    _EMBEDDINGS,
+    Route("/embeddings", "POST", embeddings, _EMBEDDINGS.summary, EmbeddingsRequest,
+          schemas.EMBEDDINGS_RESPONSE),
+    Route("/embed", "POST", embed, "TEI-compatible embeddings, one vector per input",
+          EmbedRequest, schemas.VECTORS),
+    Route("/tokenize", "POST", tokenize, "The tokens the model sees for each input",
+          TokenizeRequest, schemas.TOKENS),
+    Route("/info", "GET", info, "Model, device, limits, version and pid", response=schemas.OBJECT),
+    Route("/health", "GET", health, "200 once the model is loaded and the batcher runs; 503 "
+          "with code loading, unhealthy or draining", response=schemas.OBJECT, open=True),
+    Route("/metrics", "GET", metrics, "Prometheus text exposition", open=True),
+    Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
+)
 
 
-def too_large(size: int, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"the body has {size} bytes, more than MAX_BODY_BYTES ({limit}); split the request",
-        code="body_too_large",
-    )
+# -- helpers ----------------------------------------------------------------------------------
 
 
 def parse(model: type[Request], raw: bytes) -> Any:
     """The validated request, or a 400 that names the field and what it must be."""
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+    except orjson.JSONDecodeError:
         raise InvalidRequest(
-            f"the body is not valid JSON ({exc}); send a JSON object", code="invalid_json"
+            "the body is not valid JSON; send a JSON object such as {\"input\": \"some text\"}",
+            code="invalid_json",
         ) from None
     if not isinstance(body, dict):
         raise InvalidRequest(
@@ -174,7 +190,36 @@ def parse(model: type[Request], raw: bytes) -> Any:
         raise _invalid(exc) from None
 
 
-# -- helpers ----------------------------------------------------------------------------------
+def as_list(value: Any) -> list[Any]:
+    """One input or a list of them, as a list (a flat list of ids is one input)."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [value]
+    return value
+
+
+def prompt(prompts: dict[str, str], name: str) -> str:
+    if name not in prompts:
+        known = ", ".join(sorted(prompts)) or "none"
+        raise InvalidRequest(
+            f"'prompt_name' {name!r} is not one of this model's prompts ({known})",
+            param="prompt_name", code="invalid_prompt_name",
+        )
+    return prompts[name]
+
+
+def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
+    reply = json_reply(body, headers=[
+        ("x-queue-time", f"{out.queue_s * 1000:.3f}"),
+        ("x-tokenization-time", f"{out.tokenize_s * 1000:.3f}"),
+        ("x-inference-time", f"{out.inference_s * 1000:.3f}"),
+        ("x-total-time", f"{out.total_s * 1000:.3f}"),
+        ("x-compute-tokens", str(out.tokens)),
+    ])
+    reply.inputs = inputs
+    reply.tokens = out.tokens
+    return reply
 
 
 def _invalid(exc: ValidationError) -> InvalidRequest:
@@ -189,65 +234,3 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     else:
         message = f"'{param}': {first['msg']}"
     return InvalidRequest(message, param=param, code="invalid_" + (param or "body"))
-
-
-def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, str):
-        value = [value]
-    elif value and isinstance(value[0], int):
-        value = [value]  # one list of token ids
-    if not value:
-        raise InvalidRequest("'input' must not be empty", param="input", code="empty_input")
-    return value
-
-
-def _check_nonempty(items: list[Any], kind: str) -> None:
-    if all(items):
-        return
-    i = next(i for i, item in enumerate(items) if not item)
-    raise InvalidRequest(
-        f"input {i} is an empty {kind}; every input needs at least one character or id",
-        param="input", code="empty_input",
-    )
-
-
-def _check_count(settings: Settings, inputs: list[Any]) -> None:
-    limit = settings.max_inputs_per_request
-    if len(inputs) > limit:
-        raise InvalidRequest(
-            f"the request has {len(inputs)} inputs, more than MAX_INPUTS_PER_REQUEST ({limit}); "
-            "split it into several requests",
-            param="input", code="too_many_inputs",
-        )
-
-
-def _embed(engine: Engine, inputs: list[Any], disconnected: Disconnected, **options: Any
-           ) -> Embedded:
-    _check_count(engine.settings, inputs)
-    if isinstance(inputs[0], str):
-        _check_nonempty(inputs, "string")
-    return engine.embed(inputs, disconnected=disconnected, **options)
-
-
-def _prompt(engine: Engine, name: str) -> str:
-    prompts = engine.wait_ready(engine.deadline()).info.prompts
-    if name not in prompts:
-        known = ", ".join(sorted(prompts)) or "none"
-        raise InvalidRequest(
-            f"'prompt_name' {name!r} is not one of this model's prompts ({known})",
-            param="prompt_name", code="invalid_prompt_name",
-        )
-    return prompts[name]
-
-
-def _embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
-    reply = json_reply(body, headers=[
-        ("x-queue-time", f"{out.queue_s * 1000:.3f}"),
-        ("x-tokenization-time", f"{out.tokenize_s * 1000:.3f}"),
-        ("x-inference-time", f"{out.inference_s * 1000:.3f}"),
-        ("x-total-time", f"{out.total_s * 1000:.3f}"),
-        ("x-compute-tokens", str(out.tokens)),
-    ])
-    reply.inputs = inputs
-    reply.tokens = out.tokens
-    return reply

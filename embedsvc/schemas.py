@@ -1,4 +1,4 @@
-"""The request bodies of the POST routes, validated by pydantic; the source of /openapi.json."""
+"""The request bodies (validated by pydantic) and response shapes; the source of /openapi.json."""
 
 from __future__ import annotations
 
@@ -63,3 +63,64 @@ class TokenizeRequest(Request):
     """POST /tokenize, as text-embeddings-inference defines it."""
 
     inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+
+
+# -- response shapes, as JSON schema ----------------------------------------------------------
+
+OBJECT: dict[str, Any] = {"type": "object"}
+VECTOR: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
+VECTORS: dict[str, Any] = {"type": "array", "items": VECTOR}
+EMBEDDINGS_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "description": "Position in 'input'."},
+                    "embedding": {
+                        "oneOf": [VECTOR, {"type": "string", "contentEncoding": "base64"}]
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": {
+            "type": "object",
+            "properties": {
+                "prompt_tokens": {"type": "integer"},
+                "total_tokens": {"type": "integer"},
+            },
+        },
+    },
+}
+PIECE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "text": {"type": "string"},
+        "special": {"type": "boolean"},
+        "start": {"type": ["integer", "null"], "description": "Character offset."},
+        "stop": {"type": ["integer", "null"]},
+    },
+}
+TOKENS: dict[str, Any] = {"type": "array", "items": {"type": "array", "items": PIECE}}
+ERROR: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string", "description": "What was wrong and how to fix it."},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}

@@ -18,10 +18,10 @@ from waitress import create_server
 from waitress.channel import HTTPChannel
 from waitress.wasyncore import close_all, dispatcher
 
-from .api import create_app
-from .engine import Engine
 from .logs import configure_logging
+from .service import Service
 from .settings import Settings
+from .wsgi import create_app
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
@@ -39,14 +39,14 @@ class Server:
 
     Example::
 
-        server = Server(Settings(port=0), engine)
+        server = Server(Settings(port=0), service)
         threading.Thread(target=server.run, args=(False,)).start()
     """
 
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(self, settings: Settings, service: Service) -> None:
         self.settings = settings
-        self.engine = engine
-        self.app = create_app(settings, engine=engine)
+        self.service = service
+        self.app = create_app(settings, service=service)
         self.waitress: Any = create_server(
             self.app,
             host=settings.host,
@@ -90,7 +90,7 @@ class Server:
     def _drain(self) -> None:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         self.waitress.trigger.pull_trigger(self._stop_listening)
-        report = self.engine.drain(self.settings.drain_timeout_s)
+        report = self.service.drain(self.settings.drain_timeout_s)
         quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
         while time.monotonic() < deadline:
             if self._responses_pending():
@@ -121,11 +121,11 @@ class Server:
 def serve(settings: Settings) -> int:
     """Load the model, then serve until a signal; the exit code."""
     configure_logging(settings.log_level, settings.log_format)
-    engine = Engine(settings)
+    service = Service(settings)
     try:
-        engine.start(background=False)
+        service.start(background=False)
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
-    Server(settings, engine).run()
+    Server(settings, service).run()
     return 0

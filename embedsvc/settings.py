@@ -113,7 +113,9 @@ class Settings:
     request_timeout_s: float = _setting(
         30.0, _positive(float), "deadline from arrival to reaching the model, else 504"
     )
-    max_inputs_per_request: int = _setting(2048, _positive(int), "inputs in one request")
+    max_inputs_per_request: int = _setting(
+        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if lower"
+    )
     max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body")
     max_input_chars: int = _setting(
         200_000, _positive(int), "characters in one input string, checked before tokenizing"
@@ -145,7 +147,9 @@ class Settings:
             if value is not None:
                 text = str(value).lower() if isinstance(value, bool) else str(value)
                 object.__setattr__(self, f.name, _parse(f, text))
-        if self.max_inputs_per_request > self.max_queue:
+        if self.max_inputs_per_request is None:
+            object.__setattr__(self, "max_inputs_per_request", min(2048, self.max_queue))
+        elif self.max_inputs_per_request > self.max_queue:
             raise SettingsError(
                 f"MAX_INPUTS_PER_REQUEST ({self.max_inputs_per_request}) is larger than "
                 f"MAX_QUEUE ({self.max_queue}), so the largest requests could never be "
@@ -184,12 +188,6 @@ class Settings:
                 help=f"{f.metadata['help']} "
                 f"[env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}]",
             )
-
-    def public(self) -> dict[str, Any]:
-        """The settings with secrets hidden, for /info and logs."""
-        values = dataclasses.asdict(self)
-        values["api_key"] = "set" if self.api_key else None
-        return values
 
 
 def _describe(f: dataclasses.Field, value: Any, exc: Exception) -> str:

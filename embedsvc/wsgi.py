@@ -1,72 +1,164 @@
-"""The WSGI front: the POST routes served straight from the WSGI call, the rest by Flask.
+"""The WSGI application: one route table, one request pipeline; Flask hosts it.
 
->>> from embedsvc.api import create_app
+Every embedsvc route (``routes.ROUTES``) goes through ``Pipeline`` in this order: API key,
+route and method (404, 405 with ``Allow``), body limit (413), the model-kind check, the
+handler, error mapping, metrics and the access log, the response. Paths the table does not
+hold go to Flask with the same key, body limit, metrics and log, so that users can add their
+own Flask routes; Flask's errors come back in the same JSON shape.
+
+Why not Flask for everything: on the hot path its request context, proxies and response
+objects cost more CPU per request than the rest of the server outside the model
+(bench/RESULTS.md).
+
 >>> from embedsvc.encoder import FakeEncoder
 >>> app = create_app(Settings(), encoder=FakeEncoder(dimension=4))
->>> isinstance(app.wsgi_app, Front)
-True
+>>> app.extensions["embedsvc"].start(background=False)
+>>> app.test_client().post("/embed", json={"inputs": "hi"}).status_code
+200
+>>> app.extensions["embedsvc"].drain(timeout=1.0).failed
+0
 """
 
 from __future__ import annotations
 
+import hmac
+import io
 import logging
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any
 
-from .engine import Engine
-from .errors import ApiError, InvalidRequest, MethodNotAllowed, internal_error
-from .routes import POST_ROUTES, Reply, check_api_key, error_reply, record, too_large
+from flask import Flask, Response, request
+from prometheus_client import CollectorRegistry
+from werkzeug.exceptions import HTTPException
+
+from .encoder import Encoder
+from .errors import (
+    ApiError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    internal_error,
+)
+from .metrics import Metrics
+from .routes import ROUTES
+from .service import Service
 from .settings import Settings
+from .web import Call, Reply, Route, json_reply
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("embedsvc.access")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 _STATUS_LINES = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus}
 _STATUS_LINES[499] = "499 Client Closed Request"
+OTHER_ROUTE = "other"  # the metrics label of paths outside the table (Flask's)
 
 
-class Front:
-    """Serves ``routes.POST_ROUTES`` itself and passes every other path to ``fallback``.
+class Pipeline:
+    """The one request pipeline, in front of ``fallback`` (Flask) for paths not in the table."""
 
-    The same checks as the Flask routes (API key, body limit, one JSON error shape, metrics
-    and the access log), without a request context.
-    """
-
-    def __init__(self, engine: Engine, fallback: WSGIApp) -> None:
-        self.engine = engine
+    def __init__(self, service: Service, fallback: WSGIApp,
+                 routes: Iterable[Route] = ROUTES) -> None:
+        self.service = service
         self.fallback = fallback
+        self.table: dict[str, dict[str, Route]] = {}
+        for route in routes:
+            self.table.setdefault(route.path, {})[route.method] = route
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
                  ) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        route = POST_ROUTES.get(path)
-        if route is None:
-            return self.fallback(environ, start_response)
         started = time.monotonic()
-        method = environ.get("REQUEST_METHOD", "")
-        engine = self.engine
+        path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "")
+        methods = self.table.get(path)
+        label = path if methods is not None else OTHER_ROUTE
         try:
-            if method != "POST":
-                raise MethodNotAllowed(f"{method} is not allowed on {path}; use POST",
-                                       code="method_not_allowed", headers={"Allow": "POST"})
-            check_api_key(engine.settings, path, environ.get("HTTP_AUTHORIZATION"))
-            raw = read_body(environ, engine.settings)
-            reply = route(engine, raw, environ.get("waitress.client_disconnected"))
+            route = self._route(environ, path, method, methods)
+            body = read_body(environ, self.service.settings.max_body_bytes)
+            if route is None:
+                environ["wsgi.input"] = io.BytesIO(body)
+                return self._to_flask(environ, start_response, started)
+            call = Call(self.service, body, started, environ.get("waitress.client_disconnected"))
+            if route.kinds is not None:
+                check_kind(route, call)
+            reply = route.handler(call)
         except ApiError as exc:
-            reply = error_reply(engine, exc)
+            reply = self.error(exc)
         except Exception:
             log.exception("unexpected error on %s %s", method, path)
-            reply = error_reply(engine, internal_error())
-        record(engine, method, path, reply.status, time.monotonic() - started,
-               reply.inputs, reply.tokens)
+            reply = self.error(internal_error())
+        self.record(method, label, reply.status, started, reply.inputs, reply.tokens)
         return respond(start_response, reply)
 
+    def _route(self, environ: dict[str, Any], path: str, method: str,
+               methods: dict[str, Route] | None) -> Route | None:
+        """The table's route for this request (None: Flask's), after the key and method."""
+        is_open = methods is not None and all(r.open for r in methods.values())
+        if not is_open:
+            check_api_key(self.service.settings.api_key, environ.get("HTTP_AUTHORIZATION"))
+        if methods is None:
+            return None
+        route = methods.get("GET" if method == "HEAD" else method)
+        if route is None:
+            allow = ", ".join(sorted(methods))
+            raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allow}",
+                                   code="method_not_allowed", headers={"Allow": allow})
+        return route
 
-def read_body(environ: dict[str, Any], settings: Settings) -> bytes:
-    """The request body, refused with 413 past MAX_BODY_BYTES before it is read when possible."""
-    limit = settings.max_body_bytes
+    def _to_flask(self, environ: dict[str, Any], start_response: Callable[..., Any],
+                  started: float) -> Iterable[bytes]:
+        status: list[int] = []
+
+        def capture(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            status.append(int(line.split(" ", 1)[0]))
+            return start_response(line, headers, exc_info)
+
+        out = self.fallback(environ, capture)
+        self.record(environ.get("REQUEST_METHOD", ""), OTHER_ROUTE,
+                    status[0] if status else 500, started)
+        return out
+
+    def error(self, exc: ApiError) -> Reply:
+        self.service.metrics.count_rejection(exc.reason)
+        return error_reply(exc)
+
+    def record(self, method: str, route: str, status: int, started: float,
+               inputs: int = 0, tokens: int = 0) -> None:
+        """Count one answered request and write its access-log line."""
+        seconds = time.monotonic() - started
+        self.service.metrics.count_request(route, status, seconds)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f", method, route, status,
+                            inputs, tokens, seconds * 1000)
+
+
+def check_api_key(key: str | None, authorization: str | None) -> None:
+    """401 unless no key is set or ``Authorization: Bearer <API_KEY>`` matches."""
+    if not key:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        raise Unauthorized(
+            "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+
+
+def check_kind(route: Route, call: Call) -> None:
+    kind = call.engine().info.kind
+    if route.kinds is not None and kind not in route.kinds:
+        wanted = " or ".join(sorted(route.kinds))
+        raise InvalidRequest(
+            f"{route.path} needs a {wanted} model, but this server serves a {kind} model; "
+            "see /info and /openapi.json for its routes",
+            code="wrong_model_kind",
+        )
+
+
+def read_body(environ: dict[str, Any], limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` before it is read when possible."""
     stream = environ["wsgi.input"]
     length = environ.get("CONTENT_LENGTH")
     if length:
@@ -76,16 +168,73 @@ def read_body(environ: dict[str, Any], settings: Settings) -> bytes:
                                  code="invalid_content_length")
         if size > limit:
             raise too_large(size, limit)
-        return stream.read(size)
+        return stream.read(size) if size else b""
     raw = stream.read(limit + 1)  # chunked: the server ends the stream with the body
     if len(raw) > limit:
         raise too_large(len(raw), limit)
     return raw
 
 
+def too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the body has {size} bytes, more than MAX_BODY_BYTES ({limit}); split the request",
+        code="body_too_large",
+    )
+
+
+def error_reply(exc: ApiError) -> Reply:
+    return json_reply(exc.body(), exc.status, list(exc.headers.items()))
+
+
 def respond(start_response: Callable[..., Any], reply: Reply) -> list[bytes]:
     status = _STATUS_LINES.get(reply.status) or f"{reply.status} Unknown"
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(reply.body)))]
+    headers = [("Content-Type", reply.content_type), ("Content-Length", str(len(reply.body)))]
     headers.extend(reply.headers)
     start_response(status, headers)
     return [reply.body]
+
+
+def _flask_error(exc: Exception) -> Response:
+    """Errors of Flask-served (user-added) routes, in the same JSON shape."""
+    if isinstance(exc, HTTPException) and exc.code == 404:
+        err: ApiError = NotFound(f"no route {request.path}; see /openapi.json",
+                                 code="not_found")
+    elif isinstance(exc, HTTPException) and exc.code == 405:
+        allow = ", ".join(sorted(getattr(exc, "valid_methods", None) or []))
+        err = MethodNotAllowed("method not allowed on this route", code="method_not_allowed",
+                               headers={"Allow": allow} if allow else None)
+    elif isinstance(exc, HTTPException) and (exc.code or 500) < 500:
+        err = InvalidRequest(exc.description or exc.name,
+                             code=exc.name.lower().replace(" ", "_"))
+    else:
+        if not isinstance(exc, HTTPException):
+            log.exception("unexpected error in a Flask route", exc_info=exc)
+        err = internal_error()
+    reply = error_reply(err)
+    return Response(reply.body, status=reply.status, headers=reply.headers,
+                    content_type=reply.content_type)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    service: Service | None = None,
+    encoder: Encoder | None = None,
+    registry: CollectorRegistry | None = None,
+) -> Flask:
+    """The Flask app around a service; the caller starts it (``service.start()``).
+
+    Add your own routes with Flask as usual; they get the API key and body checks, metrics
+    and the access log of the pipeline::
+
+        app = create_app(Settings(max_batch_size=64))
+        app.extensions["embedsvc"].start()
+    """
+    settings = settings or Settings()
+    if service is None:
+        service = Service(settings, encoder=encoder, metrics=Metrics(registry))
+    app = Flask("embedsvc")
+    app.extensions["embedsvc"] = service
+    app.register_error_handler(Exception, _flask_error)
+    app.wsgi_app = Pipeline(service, app.wsgi_app)  # type: ignore[method-assign]
+    return app

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from embedsvc.api import create_app
-from embedsvc.engine import Engine
 from embedsvc.metrics import Metrics
+from embedsvc.service import Service
 from embedsvc.settings import Settings
+from embedsvc.wsgi import create_app
 
 from .servers import running
 
@@ -24,11 +24,11 @@ def reference():
 def real_app():
     """The Flask app on the real model, in this process."""
     registry = CollectorRegistry()
-    engine = Engine(Settings(device="cpu"), metrics=Metrics(registry))
-    engine.start(background=False)
-    app = create_app(engine.settings, engine=engine)
+    service = Service(Settings(device="cpu"), metrics=Metrics(registry))
+    service.start(background=False)
+    app = create_app(service.settings, service=service)
     yield app
-    engine.drain(timeout=5)
+    service.drain(timeout=5)
 
 
 @pytest.fixture(scope="session")

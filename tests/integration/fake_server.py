@@ -10,9 +10,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from embedsvc.encoder import Encoder
-from embedsvc.engine import Engine
 from embedsvc.metrics import Metrics
 from embedsvc.server import Server
+from embedsvc.service import Service
 from embedsvc.settings import Settings
 
 
@@ -20,9 +20,9 @@ from embedsvc.settings import Settings
 def fake_server(encoder: Encoder, **settings) -> Iterator[Server]:
     s = Settings(port=0, **settings)
     registry = CollectorRegistry()
-    engine = Engine(s, encoder=encoder, metrics=Metrics(registry))
-    engine.start(background=False)
-    server = Server(s, engine)
+    service = Service(s, encoder=encoder, metrics=Metrics(registry))
+    service.start(background=False)
+    server = Server(s, service)
     server.url = f"http://127.0.0.1:{server.port}"  # type: ignore[attr-defined]
     server.registry = registry  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.run, args=(False,), name="test-waitress")

@@ -9,7 +9,7 @@ import numpy as np
 
 from embedsvc.encoder import FakeEncoder
 
-from ..unit.conftest import GatedEncoder
+from ..fakes import GatedEncoder
 from .fake_server import fake_server, healthy_answer
 from .servers import running, stop
 
@@ -137,7 +137,7 @@ def test_a_client_that_hangs_up_while_queued_is_never_computed():
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        batcher = server.engine.batcher
+        batcher = server.service.ready().batcher
         deadline = time.monotonic() + 5
         while batcher.depth == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -165,9 +165,9 @@ def kills_on_marker(batch):
 
 
 def test_a_dead_batcher_reports_unhealthy_and_is_restarted(monkeypatch):
-    from embedsvc import engine as engine_module
+    from embedsvc import service as service_module
 
-    monkeypatch.setattr(engine_module, "_WATCH_S", 0.05)
+    monkeypatch.setattr(service_module, "_WATCH_S", 0.05)
     fake = FakeEncoder(fail=kills_on_marker)
     with fake_server(fake) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         resp = c.post("/embed", json={"inputs": "one two three four"})
@@ -181,16 +181,16 @@ def test_a_dead_batcher_reports_unhealthy_and_is_restarted(monkeypatch):
 
 
 def test_health_says_unhealthy_while_the_batcher_is_down(monkeypatch):
-    from embedsvc import engine as engine_module
+    from embedsvc import service as service_module
 
-    monkeypatch.setattr(engine_module, "_WATCH_S", 3600)  # no restart during this test
+    monkeypatch.setattr(service_module, "_WATCH_S", 3600)  # no restart during this test
     fake = FakeEncoder(fail=kills_on_marker)
     with fake_server(fake) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         assert c.post("/embed", json={"inputs": "one two three four"}).status_code == 500
         resp = c.get("/health")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unhealthy"
         assert server.registry.get_sample_value("embedsvc_batcher_alive") == 0
-        assert server.engine.batcher.restart()
+        assert server.service._engine.batcher.restart()
         healthy_answer(server, fake)
 
 

@@ -8,9 +8,10 @@ import orjson
 import pytest
 
 from embedsvc.encoder import FakeEncoder
-from embedsvc.engine import Engine
 from embedsvc.metrics import Metrics
+from embedsvc.service import Service
 from embedsvc.settings import Settings
+from embedsvc.wsgi import create_app
 
 from .conftest import make_app
 
@@ -285,11 +286,9 @@ def test_requests_wait_for_the_model_to_load_then_succeed(registry):
         release.wait(5)
         return fake
 
-    engine = Engine(Settings(), loader=slow_loader, metrics=Metrics(registry))
-    from embedsvc.api import create_app
-
-    app = create_app(engine.settings, engine=engine)
-    engine.start(background=True)
+    service = Service(Settings(), loader=slow_loader, metrics=Metrics(registry))
+    app = create_app(service.settings, service=service)
+    service.start(background=True)
     client = app.test_client()
     err = assert_error(client.get("/health"), 503, "service_unavailable")
     assert err["code"] == "loading"
@@ -303,17 +302,16 @@ def test_requests_wait_for_the_model_to_load_then_succeed(registry):
     assert result[0].status_code == 200
     np.testing.assert_allclose(result[0].get_json()[0], fake.expected("early"), rtol=1e-6)
     assert client.get("/health").status_code == 200
+    service.drain(timeout=1)
 
 
 def test_a_model_that_never_loads_gives_503(registry):
     def broken():
         raise OSError("no such model")
 
-    engine = Engine(Settings(request_timeout_s=1), loader=broken, metrics=Metrics(registry))
-    from embedsvc.api import create_app
-
-    app = create_app(engine.settings, engine=engine)
-    engine.start(background=True)
+    service = Service(Settings(request_timeout_s=1), loader=broken, metrics=Metrics(registry))
+    app = create_app(service.settings, service=service)
+    service.start(background=True)
     client = app.test_client()
     err = assert_error(client.post("/embed", json={"inputs": "x"}), 503, "service_unavailable")
     assert "failed to load" in err["message"]
@@ -328,21 +326,77 @@ def test_timing_headers_add_up(client):
     assert int(resp.headers["x-compute-tokens"]) == resp.get_json()["usage"]["prompt_tokens"]
 
 
-def test_openapi_describes_every_route(client):
+def test_openapi_describes_every_route_of_the_table(client):
+    from embedsvc.routes import ROUTES
+
     doc = client.get("/openapi.json").get_json()
-    routes = {r.rule for r in client.application.url_map.iter_rules() if r.endpoint != "static"}
-    assert routes <= set(doc["paths"])
+    described = {(path, method.upper()) for path, ops in doc["paths"].items() for method in ops}
+    assert described == {(r.path, r.method) for r in ROUTES}
+    for route in ROUTES:
+        op = doc["paths"][route.path][route.method.lower()]
+        assert op["summary"] == route.summary and "200" in op["responses"]
+        if route.request is not None:
+            assert route.request.__name__ in doc["components"]["schemas"]
     fields = doc["components"]["schemas"]["EmbeddingsRequest"]["properties"]
     assert set(fields) == {"input", "model", "encoding_format", "dimensions", "user"}
     assert orjson.loads(orjson.dumps(doc)) == doc
 
 
-def test_the_wsgi_front_refuses_other_methods_on_post_routes(client, fake):
-    for method in ("PUT", "DELETE", "PATCH"):
-        resp = client.open("/v1/embeddings", method=method, json={"input": "x"})
-        assert_error(resp, 405, "invalid_request_error")
-        assert resp.headers["Allow"] == "POST"
+def test_every_route_answers_other_methods_with_405_and_allow(client, fake):
+    from embedsvc.routes import ROUTES
+
+    allowed: dict[str, set[str]] = {}
+    for route in ROUTES:
+        allowed.setdefault(route.path, set()).add(route.method)
+    for path, methods in allowed.items():
+        for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - methods - {"HEAD"}:
+            resp = client.open(path, method=method, json={"input": "x"})
+            assert_error(resp, 405, "invalid_request_error")
+            assert set(resp.headers["Allow"].split(", ")) == methods, path
     assert_still_serving(client, fake)
+
+
+def test_every_route_refuses_a_body_over_the_limit_with_413(fake, registry):
+    from embedsvc.routes import ROUTES
+
+    client = make_app(fake, registry, max_body_bytes=64).test_client()
+    for route in ROUTES:
+        resp = client.open(route.path, method=route.method, data=b"x" * 65)
+        assert assert_error(resp, 413, "invalid_request_error")["code"] == "body_too_large"
+    assert client.get("/health").status_code == 200
+    client.application.extensions["embedsvc"].drain(timeout=1)
+
+
+def test_the_api_key_is_checked_before_the_route_and_method(fake, registry):
+    client = make_app(fake, registry, api_key="k").test_client()
+    for method, path in [("GET", "/v1/embeddings"), ("POST", "/info"), ("GET", "/nowhere"),
+                         ("POST", "/embed")]:
+        assert_error(client.open(path, method=method), 401, "authentication_error")
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    assert_error(client.get("/nowhere", headers={"Authorization": "Bearer k"}), 404,
+                 "invalid_request_error")
+    client.application.extensions["embedsvc"].drain(timeout=1)
+
+
+def test_user_routes_added_to_the_flask_app_share_the_pipeline(fake, registry):
+    app = make_app(fake, registry, api_key="k")
+
+    @app.get("/mine")
+    def mine():
+        return {"mine": True}
+
+    @app.get("/broken")
+    def broken():
+        raise RuntimeError("a bug in user code")
+
+    client, key = app.test_client(), {"Authorization": "Bearer k"}
+    assert client.get("/mine", headers=key).get_json() == {"mine": True}
+    assert_error(client.get("/mine"), 401, "authentication_error")
+    assert_error(client.post("/mine", headers=key), 405, "invalid_request_error")
+    assert_error(client.get("/broken", headers=key), 500, "server_error")
+    assert registry.get_sample_value("embedsvc_requests_total",
+                                     {"route": "other", "status": "200"}) == 1
+    app.extensions["embedsvc"].drain(timeout=1)
 
 
 def test_the_wsgi_front_reads_a_body_without_content_length(fake, registry):
@@ -369,7 +423,7 @@ def test_the_wsgi_front_reads_a_body_without_content_length(fake, registry):
 
 def test_a_waiting_client_that_hangs_up_is_dropped_before_compute(fake, registry):
     app = make_app(fake, registry)
-    engine = app.extensions["embedsvc"]
+    engine = app.extensions["embedsvc"].ready()
     fake.hold()
     first = threading.Thread(target=lambda: app.test_client().post("/embed",
                                                                    json={"inputs": "first"}))

@@ -16,7 +16,7 @@ from embedsvc.errors import (
 )
 from embedsvc.metrics import Metrics
 
-from .conftest import GatedEncoder
+from ..fakes import GatedEncoder
 
 
 def ids(*words: int) -> list[int]:
@@ -33,7 +33,9 @@ def metrics(registry):
 
 
 def start(encoder, metrics, **limits) -> Batcher:
-    b = Batcher(encoder.encode, BatchLimits(**limits), metrics=metrics)
+    values = {"max_batch_size": 256, "max_batch_tokens": 16384, "max_wait_s": 0.0,
+              "max_queue": 2048, **limits}
+    b = Batcher(encoder.encode, BatchLimits(**values), metrics=metrics)
     b.start()
     return b
 
@@ -184,13 +186,15 @@ def test_a_request_queued_past_its_deadline_is_504_and_never_computed(metrics):
     b.shutdown(1)
 
 
-def test_expire_fails_a_queued_job_but_not_one_on_the_device(metrics):
+def test_a_late_queued_job_is_cancelled_but_not_one_on_the_device(metrics):
     enc = GatedEncoder()
     b = start(enc, metrics)
     running = occupy(b, enc)
     queued = b.submit([ids(4)], later())
-    assert b.expire(queued, DeadlineExceeded("late")) is True
-    assert b.expire(running, DeadlineExceeded("late")) is False
+    assert b.cancel_due() == 0
+    queued.deadline = running.deadline = 0  # both late now; only the queued one can be failed
+    b._earliest_deadline = 0
+    assert b.cancel_due() == 1
     enc.gate.set()
     running.result(5)
     with pytest.raises(DeadlineExceeded):
@@ -254,7 +258,7 @@ def test_metrics_count_batches_inputs_and_tokens(metrics, registry):
     assert get("embedsvc_queue_depth") == 0
 
 
-def test_reap_fails_queued_jobs_past_their_deadline_or_orphaned_but_not_running_ones(metrics):
+def test_cancel_due_fails_queued_jobs_past_their_deadline_or_orphaned_but_not_running_ones(metrics):
     enc = GatedEncoder()
     b = start(enc, metrics)
     running = occupy(b, enc)
@@ -263,10 +267,10 @@ def test_reap_fails_queued_jobs_past_their_deadline_or_orphaned_but_not_running_
     orphan = b.submit([ids(6)], later(), disconnected=gone.is_set)
     patient = b.submit([ids(7)], later(), disconnected=gone.is_set)
     time.sleep(0.02)
-    assert b.reap() == 1  # only the late one; nobody has left yet
+    assert b.cancel_due() == 1  # only the late one; nobody has left yet
     gone.set()
     patient.disconnected = None  # this client is still there
-    assert b.reap() == 1
+    assert b.cancel_due() == 1
     with pytest.raises(DeadlineExceeded):
         late.result(1)
     with pytest.raises(ClientDisconnected):

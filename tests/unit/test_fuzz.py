@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from embedsvc.encoder import FakeEncoder
 
-from .conftest import make_app
+from .conftest import build_app
 
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(
     allow_nan=False, allow_infinity=False) | st.text(max_size=40)
@@ -48,7 +48,7 @@ def app():
     from prometheus_client import CollectorRegistry
 
     fake = FakeEncoder(max_input_tokens=16)
-    application = make_app(fake, CollectorRegistry(), max_inputs_per_request=8, max_queue=64)
+    application = build_app(fake, CollectorRegistry(), max_inputs_per_request=8, max_queue=64)
     yield application
     application.extensions["embedsvc"].drain(timeout=1)
 

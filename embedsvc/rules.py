@@ -1,0 +1,105 @@
+"""The rules every input obeys, in one place below HTTP.
+
+The engine applies them to every request, whoever sends it (an HTTP route, ``embedsvc
+embed`` or a library caller), so all three refuse the same inputs with the same message.
+
+>>> try:
+...     check_inputs(["hello", ""], max_inputs=8, max_chars=100)
+... except InvalidRequest as exc:
+...     print(exc.code, exc.message)
+empty_input input 1 is an empty string; every input needs at least one character or id
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import InvalidRequest
+
+Inputs = Sequence[str] | Sequence[Sequence[int]]
+
+
+def check_inputs(inputs: Inputs, *, max_inputs: int, max_chars: int) -> None:
+    """Count, type and size of one request's inputs (texts or token-id lists)."""
+    check_count(len(inputs), max_inputs)
+    texts = isinstance(inputs[0], str)
+    kind = "string" if texts else "token list"
+    for i, item in enumerate(inputs):
+        if isinstance(item, str) is not texts:
+            raise InvalidRequest(
+                f"input {i} is not a {kind} like input 0; send all texts or all token lists",
+                param="input", code="invalid_input",
+            )
+        if not item:
+            raise InvalidRequest(
+                f"input {i} is an empty {kind}; every input needs at least one character or id",
+                param="input", code="empty_input",
+            )
+    if texts:
+        check_chars(inputs, max_chars)  # type: ignore[arg-type]
+
+
+def check_count(count: int, limit: int) -> None:
+    if count == 0:
+        raise InvalidRequest("'input' must not be empty", param="input", code="empty_input")
+    if count > limit:
+        raise InvalidRequest(
+            f"the request has {count} inputs, more than MAX_INPUTS_PER_REQUEST ({limit}); "
+            "send at most that many at once",
+            param="input", code="too_many_inputs",
+        )
+
+
+def check_chars(texts: Sequence[str], limit: int) -> None:
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            raise InvalidRequest(
+                f"input {i} has {len(text)} characters, more than MAX_INPUT_CHARS ({limit}); "
+                "split it",
+                param="input", code="input_too_long",
+            )
+
+
+def check_token_ids(i: int, ids: Sequence[Any], vocab_size: int) -> list[int]:
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                f"input {i} holds token id {token}, outside this model's vocabulary "
+                f"(0 to {vocab_size - 1}); send text, or ids from this model's tokenizer",
+                param="input", code="invalid_token_id",
+            )
+    return list(ids)
+
+
+def check_dimensions(dimensions: int | None, model_dimension: int) -> None:
+    if dimensions is not None and not 1 <= dimensions <= model_dimension:
+        raise InvalidRequest(
+            f"'dimensions' must be between 1 and {model_dimension} for this model, "
+            f"not {dimensions}",
+            param="dimensions", code="invalid_dimensions",
+        )
+
+
+def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, direction: str
+        ) -> list[int]:
+    """``ids`` cut to ``room`` tokens from the right or the left, or a 400 if not truncating."""
+    if len(ids) <= room:
+        return ids
+    if not truncate:
+        raise InvalidRequest(
+            f"input {i} has {len(ids) + special} tokens, more than this model's limit of "
+            f"{room + special}; shorten it or ask for truncation",
+            param="input", code="input_too_long",
+        )
+    return ids[:room] if direction == "right" else ids[len(ids) - room:]
+
+
+def check_chunk_size(chunk_size: int, max_inputs: int) -> None:
+    """``embedsvc embed``: a chunk is one request, so it must fit the request limit."""
+    if chunk_size > max_inputs:
+        raise InvalidRequest(
+            f"--chunk-size {chunk_size} is more than MAX_INPUTS_PER_REQUEST ({max_inputs}); "
+            "lower --chunk-size or raise --max-inputs-per-request",
+            param="chunk_size", code="too_many_inputs",
+        )

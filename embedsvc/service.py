@@ -1,0 +1,183 @@
+"""The life of one process's model: load, watch, drain; and the state ``/health`` reports.
+
+>>> from embedsvc.encoder import FakeEncoder
+>>> service = Service(Settings(), encoder=FakeEncoder(dimension=4))
+>>> service.start(background=False)
+>>> service.ready().embed(["hello world"]).vectors.shape
+(1, 4)
+>>> service.drain(timeout=1.0).failed
+0
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from . import __version__
+from .batcher import Batcher, BatchLimits, ShutdownReport
+from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
+from .engine import Engine
+from .errors import Unavailable
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+_SWEEP_S = 0.1  # how often queued requests past their deadline or orphaned are cancelled
+_WATCH_S = 0.5  # how often the batcher thread is checked
+_UNAVAILABLE = {
+    "loading": "the model is still loading; retry in a few seconds",
+    "draining": "the server is shutting down; retry on another replica",
+}
+
+
+def load_encoder(
+    settings: Settings, preloaded: SentenceTransformerEncoder | None = None
+) -> Encoder:
+    """Load (unless a pre-fork master already did) and place the model in this process."""
+    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
+    encoder.place(settings.device, settings.dtype)
+    return encoder
+
+
+class Service:
+    """Loads the model, then runs its batcher and a watchdog until drained.
+
+    States: ``loading`` -> ``ready`` -> ``draining``; ``unhealthy`` when loading failed or the
+    batcher thread is not running. ``ready()`` hands out the ``Engine`` once there is one.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        encoder: Encoder | None = None,
+        loader: Callable[[], Encoder] | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.pid = os.getpid()
+        self.failure: str | None = None
+        self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
+        self._engine: Engine | None = None
+        self._given = encoder
+        self._loader = loader or (lambda: load_encoder(settings))
+        self._loaded = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    def start(self, background: bool = True) -> None:
+        """Load the model and start the batcher, once; ``background`` returns at once."""
+        with self._start_lock:
+            if self._started:
+                return
+            self._started = True
+        if background:
+            threading.Thread(target=self._load, name="embedsvc-loader", daemon=True).start()
+        else:
+            self._load()
+            if self.failure:
+                raise RuntimeError(self.failure)
+
+    @property
+    def state(self) -> str:
+        if self._draining:
+            return "draining"
+        engine = self._engine
+        if self.failure or (engine is not None and not engine.batcher.alive):
+            return "unhealthy"
+        return "ready" if engine is not None else "loading"
+
+    @property
+    def model(self) -> ModelInfo | None:
+        """The loaded model's description, or None while loading."""
+        engine = self._engine
+        return engine.info if engine is not None else None
+
+    def deadline(self) -> float:
+        """The deadline of a request arriving now (REQUEST_TIMEOUT_S)."""
+        return time.monotonic() + self.settings.request_timeout_s
+
+    def ready(self, timeout: float | None = None) -> Engine:
+        """The engine, waiting up to ``timeout`` for the model; 503 if it is not there."""
+        if self._engine is None and not self.failure:
+            self._loaded.wait(timeout)
+        state, engine = self.state, self._engine
+        if state != "ready" or engine is None:
+            message = _UNAVAILABLE.get(state) or (
+                "the model failed to load; the server log says why" if self.failure
+                else "the service is unhealthy; see its log")
+            raise Unavailable(message, code=state, headers={"Retry-After": "1"})
+        return engine
+
+    def drain(self, timeout: float) -> ShutdownReport:
+        """Refuse new work, finish what was admitted within ``timeout``."""
+        self._draining = True
+        self._stop.set()
+        if self._engine is None:
+            return ShutdownReport(0, 0, True)
+        return self._engine.batcher.shutdown(timeout)
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            encoder = self._given or self._loader()
+        except Exception as exc:
+            log.exception("the model failed to load")
+            self.failure = f"the model failed to load: {type(exc).__name__}"
+            self._loaded.set()
+            return
+        batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),
+                          metrics=self.metrics)
+        batcher.start()
+        self._engine = Engine(self.settings, encoder, batcher, self.metrics)
+        threading.Thread(target=self._watch, args=(batcher,), name="embedsvc-watchdog",
+                         daemon=True).start()
+        self._announce(encoder.info, time.monotonic() - started)
+        self._loaded.set()
+        for callback in self.on_ready:
+            callback(encoder.info)
+
+    def _announce(self, info: ModelInfo, seconds: float) -> None:
+        self.metrics.model_load.set(seconds)
+        self.metrics.admission_limit.set(self.settings.max_queue)
+        self.metrics.model_info.info({
+            "model": info.name, "device": info.device, "dtype": info.dtype,
+            "version": __version__, "dimension": str(info.dimension),
+        })
+        if info.device.startswith("cuda"):
+            self.metrics.watch_device_memory(_cuda_memory)
+        log.info(
+            "model ready: pid=%d device=%s dtype=%s model=%s dimension=%d parameters=%d "
+            "size=%.1fMiB load=%.1fs",
+            self.pid, info.device, info.dtype, info.name, info.dimension, info.parameters,
+            info.size_bytes / 2**20, seconds,
+        )
+
+    def _watch(self, batcher: Batcher) -> None:
+        """Cancel queued requests past their deadline or orphaned; restart a dead batcher
+        thread (/health says unhealthy meanwhile)."""
+        last_watch = time.monotonic()
+        while not self._stop.wait(_SWEEP_S):
+            try:
+                batcher.cancel_due()
+                now = time.monotonic()
+                if now - last_watch >= _WATCH_S:
+                    last_watch = now
+                    if not batcher.alive:
+                        batcher.restart()
+            except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
+                log.exception("watchdog tick failed; continuing")
+
+
+def _cuda_memory() -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

@@ -1,0 +1,79 @@
+"""What the request pipeline and the route handlers exchange: ``Route``, ``Call``, ``Reply``.
+
+A handler takes a ``Call`` (the raw body and what the pipeline learned about the request)
+and returns a ``Reply``; it never sees the web framework.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .service import Service
+
+JSON = "application/json"
+
+
+@dataclass(slots=True)
+class Reply:
+    """A response: status, body, extra headers, and what the access log reports."""
+
+    status: int
+    body: bytes
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    content_type: str = JSON
+    inputs: int = 0
+    tokens: int = 0
+
+
+def json_reply(body: Any, status: int = 200, headers: list[tuple[str, str]] | None = None
+               ) -> Reply:
+    return Reply(status, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers or [])
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as a handler sees it."""
+
+    service: Service
+    body: bytes
+    arrived: float
+    disconnected: Callable[[], bool] | None = None
+    _engine: Engine | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.arrived + self.service.settings.request_timeout_s
+
+    def engine(self) -> Engine:
+        """The loaded engine, waiting for the model up to this request's deadline (else 503)."""
+        if self._engine is None:
+            self._engine = self.service.ready(max(0.0, self.deadline - time.monotonic()))
+        return self._engine
+
+
+Handler = Callable[[Call], Reply]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One row of the route table.
+
+    ``open`` routes need no API key; ``kinds`` (when set) are the model kinds the route
+    serves, and any other kind gets a 400 that names the kind being served.
+    """
+
+    path: str
+    method: str
+    handler: Handler
+    summary: str
+    request: type | None = None  # the pydantic model of the body, for /openapi.json
+    response: dict[str, Any] | None = None  # the JSON schema of a 200 body
+    open: bool = False
+    kinds: frozenset[str] | None = None
