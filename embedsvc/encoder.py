@@ -37,6 +37,7 @@ class ModelInfo:
     size_bytes: int = 0
     prompts: dict[str, str] = field(default_factory=dict)
     kind: str = "embedding"  # embedding, reranker, classifier or sparse
+    pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class Encoder(Protocol):
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         """One row per sequence of wrapped ids, in order."""
+
+    # Optional (/embed_all and /decode answer 400 for an encoder without them):
+    # def encode_tokens(self, batch) -> list[np.ndarray]: one (tokens, dimension) array per
+    #     sequence of wrapped ids: the token vectors before pooling, special tokens included.
+    # def decode(self, batch, skip_special_tokens) -> list[str]: ids back to text.
 
 
 class DeviceOutOfMemory(RuntimeError):
@@ -185,6 +191,20 @@ class SentenceTransformerEncoder:
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(str(exc)) from exc
 
+    def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        import torch
+
+        features = self._features(batch)
+        with torch.inference_mode():
+            # the first module (the transformer) gives the token vectors; pooling comes after
+            tokens = self._modules[0](features)["token_embeddings"].float().cpu().numpy()
+        return [tokens[row, : len(ids)] for row, ids in enumerate(batch)]
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        return self._tokenizer.decode_batch([list(ids) for ids in batch],
+                                            skip_special_tokens=skip_special_tokens)
+
     @property
     def special_tokens(self) -> int:
         return len(self._prefix) + len(self._suffix)
@@ -224,7 +244,17 @@ class SentenceTransformerEncoder:
             parameters=int(params),
             size_bytes=int(size),
             prompts=dict(getattr(self._model, "prompts", None) or {}),
+            pooling=_pooling(self._model),
         )
+
+
+def _pooling(model: Any) -> str | None:
+    """The pooling module's mode, spelled as TEI spells it in /info (``last_token``)."""
+    for module in model:
+        mode = getattr(module, "pooling_mode", None)
+        if isinstance(mode, str):
+            return "last_token" if mode == "lasttoken" else mode
+    return None
 
 
 def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
@@ -347,6 +377,18 @@ class FakeEncoder:
             if error is not None:
                 raise error
         return self._rows(batch)
+
+    def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per-token vectors whose sum is the row ``encode`` returns for the same ids."""
+        positions = np.arange(1, max(len(ids) for ids in batch) + 1, dtype=np.float32)[:, None]
+        return [self._weights[list(ids)] * positions[: len(ids)] for ids in batch]
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        """The fake cannot invert its word hash: ids come back spelled as ``w<id>``."""
+        special = {1: "[CLS]", 2: "[SEP]"}
+        return [" ".join(special.get(i, f"w{i}") for i in ids
+                         if not (skip_special_tokens and i in special)) for ids in batch]
 
     def vector(self, ids: Sequence[int]) -> np.ndarray:
         """The raw row for wrapped ``ids``: what ``encode`` returns for them."""

@@ -27,14 +27,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from . import __version__, rules, schemas
+from .encoder import ModelInfo
 from .engine import Embedded
 from .errors import InvalidRequest, Unavailable
 from .openai_tokens import decode_ids
 from .openapi import openapi_document
-from .schemas import EmbeddingsRequest, EmbedRequest, Request, TokenizeRequest
-from .web import Call, Reply, Route, json_reply
+from .schemas import (
+    DecodeRequest,
+    EmbedAllRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    Request,
+    TokenizeRequest,
+)
+from .web import Call, Handler, Reply, Route, json_reply
 
 _INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+_TEXT_SHAPES = "a string or a list of strings"
 _openapi_body: bytes | None = None
 _HEALTH_REASONS = {
     "loading": "the model is loading",
@@ -76,17 +85,49 @@ def embeddings(call: Call) -> Reply:
 
 
 def embed(call: Call) -> Reply:
-    """POST /embed: the TEI shape, one vector per input."""
+    """POST /embed: the TEI shape, one vector per input (texts or the model's token ids)."""
     req = parse(EmbedRequest, call.body)
-    texts = as_list(req.inputs)
     engine = call.engine()
-    if req.prompt_name is not None:
-        prefix = prompt(engine.info.prompts, req.prompt_name)
-        texts = [prefix + t for t in texts]
-    out = engine.embed(texts, normalize=req.normalize, dimensions=req.dimensions,
+    inputs = prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
+    out = engine.embed(inputs, normalize=req.normalize, dimensions=req.dimensions,
                        truncate=req.truncate, direction=req.truncation_direction,
                        deadline=call.deadline, disconnected=call.disconnected)
-    return embedded_reply(out.vectors, out, len(texts))
+    return embedded_reply(out.vectors, out, len(inputs))
+
+
+def embed_all(call: Call) -> Reply:
+    """POST /embed_all: the TEI shape, per input one raw vector per token."""
+    req = parse(EmbedAllRequest, call.body)
+    engine = call.engine()
+    inputs = prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
+    rows, tokens = engine.embed_all(inputs, truncate=req.truncate,
+                                    direction=req.truncation_direction, deadline=call.deadline)
+    reply = json_reply(rows, headers=[("x-compute-tokens", str(tokens))])
+    reply.inputs, reply.tokens = len(inputs), tokens
+    return reply
+
+
+def decode(call: Call) -> Reply:
+    """POST /decode: the TEI shape, the served model's token ids back to text."""
+    req = parse(DecodeRequest, call.body)
+    batch = as_list(req.ids)
+    reply = json_reply(call.engine().decode(batch, req.skip_special_tokens))
+    reply.inputs = len(batch)
+    return reply
+
+
+# What POST / and /invocations answer for each model kind, as TEI routes them.
+MAIN_HANDLERS: dict[str, Handler] = {"embedding": embed}
+
+
+def main_route(call: Call) -> Reply:
+    """POST / and /invocations: the served model's main route (/embed for embeddings)."""
+    kind = call.engine().info.kind
+    handler = MAIN_HANDLERS.get(kind)
+    if handler is None:
+        raise InvalidRequest(f"this server's {kind} model has no route for POST /; see /info",
+                             code="wrong_model_kind")
+    return handler(call)
 
 
 def tokenize(call: Call) -> Reply:
@@ -103,26 +144,47 @@ def tokenize(call: Call) -> Reply:
 
 
 def info(call: Call) -> Reply:
-    """GET /info: the model, the limits and this process."""
+    """GET /info: the model, the limits and this process; TEI's fields among them."""
     service = call.service
     s, model = service.settings, service.model
     return json_reply({
         "model_id": model.name if model else None,
+        "model_sha": None,
+        "model_dtype": model.dtype if model else None,
+        "served_model_name": model.name if model else None,
+        "model_type": model_type(model) if model else None,
+        "kind": model.kind if model else None,
         "dimension": model.dimension if model else None,
         "max_input_length": model.max_input_tokens if model else None,
         "device": model.device if model else None,
         "dtype": model.dtype if model else None,
         "parameters": model.parameters if model else None,
+        "max_concurrent_requests": s.max_queue,  # TEI's: inputs admitted at once
         "max_batch_tokens": s.max_batch_tokens,
+        "max_batch_requests": s.max_batch_size,
         "max_batch_size": s.max_batch_size,
         "max_wait_ms": s.max_wait_ms,
         "max_queue": s.max_queue,
         "max_client_batch_size": s.max_inputs_per_request,
         "auto_truncate": s.auto_truncate,
+        "tokenization_workers": s.threads,  # request threads tokenize their own inputs
         "version": __version__,
+        "sha": None,
+        "docker_label": None,
         "pid": service.pid,
         "state": service.state,
     })
+
+
+def model_type(model: ModelInfo) -> dict[str, Any]:
+    """TEI's ``model_type``: ``{"embedding": {"pooling": ...}}``, or a classifier's or
+    reranker's labels (sparse models are TEI embedding models with SPLADE pooling)."""
+    if model.kind in ("embedding", "sparse"):
+        pooling = "splade" if model.kind == "sparse" else model.pooling
+        return {"embedding": {"pooling": pooling}}
+    labels: dict[int, str] = dict(getattr(model, "labels", None) or {})
+    return {model.kind: {"id2label": {str(i): name for i, name in labels.items()},
+                         "label2id": {name: i for i, name in labels.items()}}}
 
 
 def health(call: Call) -> Reply:
@@ -149,6 +211,8 @@ def openapi(call: Call) -> Reply:
 
 # -- the route table --------------------------------------------------------------------------
 
+_HEALTH_SUMMARY = ("200 once the model is loaded and the batcher runs; 503 with code loading, "
+                   "unhealthy or draining")
 _EMBEDDINGS = Route("/v1/embeddings", "POST", embeddings, "OpenAI-compatible embeddings",
                     EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE)
 
@@ -160,9 +224,22 @@ ROUTES: tuple[Route, ...] = (
           EmbedRequest, schemas.VECTORS),
     Route("/tokenize", "POST", tokenize, "The tokens the model sees for each input",
           TokenizeRequest, schemas.TOKENS),
-    Route("/info", "GET", info, "Model, device, limits, version and pid", response=schemas.OBJECT),
-    Route("/health", "GET", health, "200 once the model is loaded and the batcher runs; 503 "
-          "with code loading, unhealthy or draining", response=schemas.OBJECT, open=True),
+    Route("/embed_all", "POST", embed_all, "TEI-compatible per-token vectors: per input, one "
+          "raw vector per token", EmbedAllRequest, schemas.TOKEN_VECTORS,
+          kinds=frozenset({"embedding"})),
+    Route("/decode", "POST", decode, "TEI-compatible: the served model's token ids back to text",
+          DecodeRequest, schemas.TEXTS),
+    Route("/", "POST", main_route, "TEI's main route: the served model's main route by kind "
+          "(/embed for an embedding model)", EmbedRequest, schemas.VECTORS),
+    Route("/invocations", "POST", main_route, "SageMaker's name for TEI's main route (as POST /)",
+          EmbedRequest, schemas.VECTORS),
+    Route("/info", "GET", info, "Model, device, limits, version and pid, with TEI's fields",
+          response=schemas.INFO),
+    Route("/health", "GET", health, _HEALTH_SUMMARY, response=schemas.HEALTH, open=True),
+    Route("/", "GET", health, "TEI's health alias: as /health", response=schemas.HEALTH,
+          open=True),
+    Route("/ping", "GET", health, "SageMaker's health alias: as /health",
+          response=schemas.HEALTH, open=True),
     Route("/metrics", "GET", metrics, "Prometheus text exposition", open=True),
     Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
 )
@@ -187,7 +264,7 @@ def parse(model: type[Request], raw: bytes) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise _invalid(exc, model) from None
 
 
 def as_list(value: Any) -> list[Any]:
@@ -197,6 +274,17 @@ def as_list(value: Any) -> list[Any]:
     if value and isinstance(value[0], int):
         return [value]
     return value
+
+
+def prompted(prompts: dict[str, str], name: str | None, inputs: list[Any]) -> list[Any]:
+    """Texts with the named prompt put before each; token ids cannot take one."""
+    if name is None:
+        return inputs
+    prefix = prompt(prompts, name)
+    if inputs and not isinstance(inputs[0], str):
+        raise InvalidRequest("'prompt_name' applies to text inputs; with token ids, put the "
+                             "prompt's ids first", param="prompt_name", code="invalid_prompt_name")
+    return [prefix + t for t in inputs]
 
 
 def prompt(prompts: dict[str, str], name: str) -> str:
@@ -222,13 +310,13 @@ def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
     return reply
 
 
-def _invalid(exc: ValidationError) -> InvalidRequest:
+def _invalid(exc: ValidationError, model: type[Request]) -> InvalidRequest:
     first = exc.errors(include_url=False)[0]
     loc = [str(x) for x in first["loc"]]
     param = loc[0] if loc else None
     if param in ("input", "inputs") and first["type"] != "missing":
-        kinds = _INPUT_SHAPES if param == "input" else "a string or a list of strings"
-        message = f"'{param}' must be {kinds}"
+        texts_only = model is TokenizeRequest
+        message = f"'{param}' must be {_TEXT_SHAPES if texts_only else _INPUT_SHAPES}"
     elif first["type"] == "missing":
         message = f"'{param}' is required"
     else:

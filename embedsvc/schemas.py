@@ -34,11 +34,18 @@ class EmbeddingsRequest(Request):
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
 
 
-class EmbedRequest(Request):
-    """POST /embed, as text-embeddings-inference defines it."""
+_TEI_INPUTS = (
+    "Text, texts, token ids of one text, or token ids of several texts. Token ids are the "
+    "served model's own (see /tokenize); the model's special tokens are added unless the ids "
+    "already carry them."
+)
+TeiInputs = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
-    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
-    normalize: StrictBool = Field(True, description="L2-normalise each vector.")
+
+class EmbedAllRequest(Request):
+    """POST /embed_all, as text-embeddings-inference defines it: per-token vectors."""
+
+    inputs: TeiInputs = Field(description=_TEI_INPUTS)
     truncate: StrictBool | None = Field(
         None, description="Truncate over-long inputs; null: the server's AUTO_TRUNCATE."
     )
@@ -46,10 +53,7 @@ class EmbedRequest(Request):
         "right", description="Which end of an over-long input is cut."
     )
     prompt_name: StrictStr | None = Field(
-        None, description="Name of a prompt of the model, put before each input."
-    )
-    dimensions: StrictInt | None = Field(
-        None, description="Keep the first N components (then normalise, if asked)."
+        None, description="Name of a prompt of the model, put before each input (texts only)."
     )
 
     @field_validator("truncation_direction", mode="before")
@@ -57,6 +61,24 @@ class EmbedRequest(Request):
     def _lower(cls, value: Any) -> Any:
         # TEI spells the directions "Right" and "Left".
         return value.lower() if isinstance(value, str) else value
+
+
+class EmbedRequest(EmbedAllRequest):
+    """POST /embed, as text-embeddings-inference defines it."""
+
+    normalize: StrictBool = Field(True, description="L2-normalise each vector.")
+    dimensions: StrictInt | None = Field(
+        None, description="Keep the first N components (then normalise, if asked)."
+    )
+
+
+class DecodeRequest(Request):
+    """POST /decode, as text-embeddings-inference defines it: token ids back to text."""
+
+    ids: list[StrictInt] | list[list[StrictInt]] = Field(
+        description="Token ids of the served model: one list, or a list of lists."
+    )
+    skip_special_tokens: StrictBool = Field(True, description="Leave out [CLS], [SEP] etc.")
 
 
 class TokenizeRequest(Request):
@@ -108,6 +130,39 @@ PIECE: dict[str, Any] = {
     },
 }
 TOKENS: dict[str, Any] = {"type": "array", "items": {"type": "array", "items": PIECE}}
+TOKEN_VECTORS: dict[str, Any] = {
+    "type": "array", "description": "Per input, one raw vector per token, special tokens "
+    "included", "items": {"type": "array", "items": VECTOR},
+}
+TEXTS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+HEALTH: dict[str, Any] = {"type": "object", "properties": {"status": {"const": "ok"}}}
+INFO: dict[str, Any] = {
+    "type": "object",
+    "description": "TEI's /info fields (model_id, model_sha, model_dtype, served_model_name, "
+    "model_type, max_concurrent_requests, max_input_length, max_batch_tokens, "
+    "max_batch_requests, max_client_batch_size, auto_truncate, tokenization_workers, "
+    "version, sha, docker_label) beside embedsvc's own.",
+    "properties": {
+        "model_id": {"type": ["string", "null"]},
+        "model_sha": {"type": ["string", "null"]},
+        "model_dtype": {"type": ["string", "null"]},
+        "served_model_name": {"type": ["string", "null"]},
+        "model_type": {"type": ["object", "null"],
+                       "examples": [{"embedding": {"pooling": "mean"}}]},
+        "kind": {"type": ["string", "null"]},
+        "dimension": {"type": ["integer", "null"]},
+        "max_input_length": {"type": ["integer", "null"]},
+        "max_concurrent_requests": {"type": "integer"},
+        "max_batch_tokens": {"type": "integer"},
+        "max_batch_requests": {"type": "integer"},
+        "max_client_batch_size": {"type": "integer"},
+        "auto_truncate": {"type": "boolean"},
+        "tokenization_workers": {"type": "integer"},
+        "version": {"type": "string"},
+        "pid": {"type": "integer"},
+        "state": {"type": "string"},
+    },
+}
 ERROR: dict[str, Any] = {
     "type": "object",
     "required": ["error"],

@@ -5,10 +5,10 @@ import base64
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from embedsvc.api import create_app
-from embedsvc.engine import Engine
 from embedsvc.metrics import Metrics
+from embedsvc.service import Service
 from embedsvc.settings import Settings
+from embedsvc.wsgi import create_app
 
 from .conftest import cosine
 
@@ -62,9 +62,10 @@ def test_openai_token_ids_give_the_vector_of_their_text(real_app, reference, tik
 
 
 def test_model_token_ids_with_token_ids_model(reference):
-    engine = Engine(Settings(device="cpu", token_ids="model"), metrics=Metrics(CollectorRegistry()))
-    engine.start(background=False)
-    app = create_app(engine.settings, engine=engine)
+    service = Service(Settings(device="cpu", token_ids="model"),
+                      metrics=Metrics(CollectorRegistry()))
+    service.start(background=False)
+    app = create_app(service.settings, service=service)
     try:
         ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
         body = post(app, "/v1/embeddings", {"input": ids})
@@ -72,7 +73,7 @@ def test_model_token_ids_with_token_ids_model(reference):
         single = post(app, "/v1/embeddings", {"input": ids[1]})
         assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
     finally:
-        engine.drain(timeout=5)
+        service.drain(timeout=5)
 
 
 def test_embed_route(real_app, reference):
