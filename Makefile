@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(HUB1_VENV)/.installed: tests/clients/requirements-hub1.txt
+	rm -rf $(HUB1_VENV)
 	$(PYTHON) -m venv $(HUB1_VENV)
 	$(HUB1_VENV)/bin/python -m pip install -q -r tests/clients/requirements-hub1.txt
 	touch $@

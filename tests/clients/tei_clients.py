@@ -23,9 +23,12 @@ def hub(url: str, texts: list[str]) -> dict[str, Any]:
     from huggingface_hub import InferenceClient
 
     client = InferenceClient(model=url)
-    vectors = [client.feature_extraction(t)[0].tolist() for t in texts]
-    return {"vectors": vectors, "info": client.get_endpoint_info(),
-            "healthy": client.health_check()}
+    # get_endpoint_info and health_check exist only for provider="hf-inference" (the client
+    # raises ValueError before any request otherwise); feature_extraction works either way.
+    endpoint = InferenceClient(model=url, provider="hf-inference")
+    return {"vectors": [client.feature_extraction(t)[0].tolist() for t in texts],
+            "endpoint_vectors": [endpoint.feature_extraction(t)[0].tolist() for t in texts],
+            "info": endpoint.get_endpoint_info(), "healthy": endpoint.health_check()}
 
 
 def hub_async(url: str, texts: list[str]) -> dict[str, Any]:
@@ -33,11 +36,16 @@ def hub_async(url: str, texts: list[str]) -> dict[str, Any]:
 
     async def run() -> dict[str, Any]:
         client = AsyncInferenceClient(model=url)
+        endpoint = AsyncInferenceClient(model=url, provider="hf-inference")
         rows = await asyncio.gather(*(client.feature_extraction(t) for t in texts))
-        info = await client.get_endpoint_info()
-        healthy = await client.health_check()
-        await client.close()
-        return {"vectors": [r[0].tolist() for r in rows], "info": info, "healthy": healthy}
+        endpoint_rows = await asyncio.gather(*(endpoint.feature_extraction(t) for t in texts))
+        info = await endpoint.get_endpoint_info()
+        healthy = await endpoint.health_check()
+        for c in (client, endpoint):
+            await c.close()
+        return {"vectors": [r[0].tolist() for r in rows],
+                "endpoint_vectors": [r[0].tolist() for r in endpoint_rows],
+                "info": info, "healthy": healthy}
 
     return asyncio.run(run())
 

@@ -175,6 +175,7 @@ def run_tei_clients(python: Path, server: Server, clients: list[str]) -> dict:
 
 def check_hub_client(out: dict, server: Server) -> None:
     assert_same(out["vectors"], server, TEXTS)
+    assert_same(out["endpoint_vectors"], server, TEXTS)
     assert out["healthy"] is True
     info = out["info"]
     assert info["model_id"] == "all-MiniLM-L6-v2"
