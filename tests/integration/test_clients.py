@@ -125,6 +125,11 @@ def test_langchain_openai_defaults_send_tiktoken_ids_and_get_the_right_vectors(l
     assert_same([embeddings.embed_query(TEXTS[2])], live, TEXTS[2:3])
     texts = word_texts["inside"]
     assert_same(asyncio.run(embeddings.aembed_documents(texts)), live, texts)
+    # What a server that took these ids as its own would have answered: far from the text's.
+    import tiktoken
+
+    ids = tiktoken.get_encoding("cl100k_base").encode_ordinary(texts[4])  # 50 words
+    assert cosine(embed(live, [ids]), embed(live, texts[4:5]))[0] < 0.9
 
 
 def test_langchain_openai_sending_text(live, word_texts):

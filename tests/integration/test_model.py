@@ -116,3 +116,36 @@ def test_info_describes_the_model(real_app):
     info = real_app.test_client().get("/info").get_json()
     assert (info["dimension"], info["max_input_length"], info["device"], info["dtype"]) == (
         384, 256, "cpu", "float32")
+
+
+def test_tei_token_ids_on_embed_with_and_without_special_tokens(real_app, reference):
+    pieces = post(real_app, "/tokenize", {"inputs": TEXTS})
+    wrapped = [[p["id"] for p in row] for row in pieces]  # [CLS] ... [SEP], as TEI gives them
+    bare = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    want = reference.encode(TEXTS)
+    for ids in (wrapped, bare):
+        assert (cosine(np.array(post(real_app, "/embed", {"inputs": ids})), want) > 0.9999).all()
+
+
+def test_embed_all_token_vectors_mean_to_the_pooled_vector(real_app, reference):
+    body = post(real_app, "/embed_all", {"inputs": TEXTS})
+    for rows, text in zip(body, TEXTS, strict=True):
+        rows = np.array(rows)
+        assert rows.shape == (len(reference.tokenizer(text)["input_ids"]), 384)
+        # all-MiniLM-L6-v2 pools by the mean of its token vectors, special tokens included
+        assert cosine(rows.mean(axis=0), reference.encode(text))[0] > 0.9999
+
+
+def test_decode_matches_the_tokenizer(real_app, reference):
+    ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert post(real_app, "/decode", {"ids": ids}) == [
+        reference.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    kept = post(real_app, "/decode", {"ids": ids[0], "skip_special_tokens": False})
+    assert kept == [reference.tokenizer.decode(ids[0])]
+    assert kept[0].startswith("[CLS]") and kept[0].endswith("[SEP]")
+
+
+def test_info_model_type_names_the_pooling(real_app):
+    info = real_app.test_client().get("/info").get_json()
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["model_dtype"] == "float32" and info["max_input_length"] == 256
