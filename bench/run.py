@@ -10,7 +10,11 @@ simulated zero-cost device (bench/sim_server.py): its sustained requests/s and t
 CPU microseconds per request and per input, for 1- and 32-input requests, next to
 Infinity's debugengine and, when granian is installed (the bench extra), the same app
 under granian's WSGI server instead of waitress. Infinity is installed into
-bench/out/infinity-venv on first use.
+bench/out/infinity-venv on first use. ``--baseline REV`` also runs the simulated device on
+the code of git revision REV (checked out under bench/out/), in the same run, so that a
+change's cost per request is measured against what it replaced:
+
+    .venv/bin/python bench/run.py --only sim --baseline 16bca89 --duration 15
 """
 
 from __future__ import annotations
@@ -97,13 +101,18 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     if name == "sim":
         return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
             "/v1/embeddings", {}
+    if name == "sim-baseline":
+        tree = baseline_tree()
+        return [sys.executable, str(tree / "bench" / "sim_server.py"), "--port", str(port)], \
+            "/v1/embeddings", {"PYTHONPATH": str(tree)}
     if name == "sim-granian":  # the same app under an HTTP server with a compiled parser
         return [str(VENV_BIN / "granian"), "--interface", "wsgi", "--factory", "--host",
                 "127.0.0.1", "--port", str(port), "--workers", "1", "--runtime-threads", "1",
                 "--blocking-threads", "64", "--log-level", "warning",
                 "bench.sim_server:make_app"], "/v1/embeddings", {}
     if name in ("infinity", "infinity-debug"):
-        engine = "debugengine" if name == "infinity-debug" else "torch"
+        engine = "debugengine" if name == "infinity-debug" else \
+            os.environ.get("BENCH_INFINITY_ENGINE", "torch")  # bench/backends.py picks one
         return [str(INFINITY_VENV / "bin" / "infinity_emb"), "v2", "--model-id", model_path(),
                 "--served-model-name", "bench", "--engine", engine,
                 "--device", os.environ.get("EMBEDSVC_DEVICE", "cpu"),
@@ -111,6 +120,19 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
                 "--no-bettertransformer", "--log-level", "warning"], "/embeddings", \
             {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
     raise ValueError(name)
+
+
+_baseline: str | None = None
+
+
+def baseline_tree() -> Path:
+    """A checkout of the baseline revision (``--baseline``), made once under bench/out/."""
+    assert _baseline is not None
+    tree = OUT / f"baseline-{_baseline}"
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree),
+                        _baseline], check=True, capture_output=True)
+    return tree
 
 
 def ensure_infinity() -> bool:
@@ -292,6 +314,12 @@ def targets(results: list[Result], offline: dict[int, float]) -> str:
         by.get(("embedsvc", "1x1"))
     inf32, mixed = by.get(("infinity", "32x1")), by.get(("embedsvc", "mixed 32x1"))
     sim, granian = by.get(("sim", "sim 64x1")), by.get(("sim-granian", "sim 64x1"))
+    for sc in SIM_SCENARIOS:
+        now, base = by.get(("sim", sc.name)), by.get(("sim-baseline", sc.name))
+        if now and base and now.requests and base.requests:
+            ratio = (now.cpu_s / now.requests) / (base.cpu_s / base.requests)
+            row(f"{sc.name}: server CPU per request / baseline", ratio, 1.0, "{:.2f}",
+                higher=False)
     row("32x1 / offline batch 32", e32 and e32.inputs_per_s / offline[32], 0.75, "{:.2f}")
     row("32x1 / Infinity 32x1", e32 and inf32 and e32.inputs_per_s / inf32.inputs_per_s, 2.0,
         "{:.2f}")
@@ -311,7 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: embedsvc, naive, infinity, sim")
     parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run the simulated device on git revision REV")
     args = parser.parse_args(argv)
+    global _baseline
+    _baseline = args.baseline
     os.environ["EMBEDSVC_DEVICE"] = args.device
     OUT.mkdir(exist_ok=True)
     wanted = args.only.split(",")
@@ -323,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     plan = [(n, SCENARIOS) for n in ("embedsvc", "naive", "infinity") if n in wanted]
     if "sim" in wanted:
+        if args.baseline:
+            plan.append(("sim-baseline", SIM_SCENARIOS))
         plan.append(("sim", SIM_SCENARIOS))
         if (VENV_BIN / "granian").exists():
             plan.append(("sim-granian", SIM_SCENARIOS))

@@ -1,11 +1,18 @@
 """Soak test: steady load on a real `embedsvc serve`, sampling RSS, threads and open fds.
 
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8
+    .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --hostile 150
 
 Starts the server on a free loopback port (the bundled model on the CPU), sends requests
 from --clients threads for --duration seconds, and prints one row per --interval: requests
 served so far, errors, and the server's resident memory, thread count and open file
 descriptors. Flat columns mean nothing leaks. The load runs on the same cores as the server.
+
+--hostile N keeps N hostile connections open beside the normal clients, a third each:
+idle (sending nothing), trickling a request head one byte a second, and trickling a body
+one byte a second after a complete head; each one the server closes is opened again. The
+summary gives the normal clients' latency (p50, p99) and 5xx count, to compare with a run
+without --hostile, and how many hostile connections the server closed.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,10 +44,11 @@ def proc_stats(pid: int) -> tuple[float, int, int]:
     return rss_kib / 1024, threads, fds
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     exe = Path(sys.executable).with_name("embedsvc")
     out = open(log, "wb")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32"], stdout=out,
+    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32", *extra],
+                            stdout=out,
                             stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -52,18 +61,74 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server did not start")
 
 
-def client(url: str, stop: threading.Event, counts: dict[str, int], lock: threading.Lock) -> None:
+def client(url: str, stop: threading.Event, counts: dict[str, int], lock: threading.Lock,
+           latencies: list[float]) -> None:
     rng = random.Random()
     with httpx.Client(base_url=url, timeout=60) as c:
         while not stop.is_set():
             inputs = [" ".join(rng.choices(WORDS, k=rng.randint(3, 40)))
                       for _ in range(rng.choice((1, 1, 1, 4, 16)))]
+            started = time.monotonic()
             try:
-                ok = c.post("/embed", json={"inputs": inputs}).status_code == 200
+                status = c.post("/embed", json={"inputs": inputs}).status_code
             except httpx.HTTPError:
-                ok = False
+                status = 0
             with lock:
-                counts["ok" if ok else "errors"] += 1
+                counts["ok" if status == 200 else "errors"] += 1
+                counts["5xx"] += status >= 500
+                if status == 200:
+                    latencies.append(time.monotonic() - started)
+
+
+HEAD = b"POST /embed HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+BODY_HEAD = HEAD + b"Content-Length: 1000\r\n\r\n"
+
+
+def hostile(url: str, count: int, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Keep ``count`` idle, slow-head and slow-body connections open; reopen closed ones."""
+    host, port = url.removeprefix("http://").split(":")
+    kinds = ("idle", "head", "body")
+    slots: list[list] = [[kinds[i % 3], None, 0] for i in range(count)]
+    while not stop.wait(1.0):
+        for slot in slots:
+            kind, sock, sent = slot
+            try:
+                if sock is None:
+                    sock = socket.create_connection((host, int(port)), timeout=5)
+                    sock.setblocking(False)
+                    sent = 0
+                    if kind == "body":
+                        sock.send(BODY_HEAD)
+                    counts["hostile_opened"] += 1
+                elif _closed(sock):
+                    raise ConnectionResetError
+                elif kind != "idle":
+                    sock.send(b"x" if kind == "body" else HEAD[sent % len(HEAD):][:1])
+                    sent += 1
+                slot[1], slot[2] = sock, sent
+            except OSError:
+                counts["hostile_closed"] += sock is not None
+                if sock is not None:
+                    sock.close()
+                slot[1] = None
+    for slot in slots:
+        if slot[1] is not None:
+            slot[1].close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        sock.recv(65536)  # an answer (a 408) or the end of the connection
+    except BlockingIOError:
+        return False
+    return True
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +136,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
     parser.add_argument("--interval", type=float, default=30, help="seconds between samples")
     parser.add_argument("--clients", type=int, default=8, help="client threads")
+    parser.add_argument("--hostile", type=int, default=0,
+                        help="hostile connections beside the clients (idle, slow head, slow body)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra argument for 'embedsvc serve' (repeat for several)")
     args = parser.parse_args(argv)
 
     log = Path(tempfile.mkdtemp(prefix="embedsvc-soak-")) / "server.log"
-    proc, url = start_server(log)
+    proc, url = start_server(log, args.serve_arg)
     stop, lock = threading.Event(), threading.Lock()
-    counts = {"ok": 0, "errors": 0}
-    threads = [threading.Thread(target=client, args=(url, stop, counts, lock), daemon=True)
-               for _ in range(args.clients)]
+    counts = {"ok": 0, "errors": 0, "5xx": 0, "hostile_opened": 0, "hostile_closed": 0}
+    latencies: list[float] = []
+    threads = [threading.Thread(target=client, args=(url, stop, counts, lock, latencies),
+                                daemon=True) for _ in range(args.clients)]
+    if args.hostile:
+        threads.append(threading.Thread(target=hostile, args=(url, args.hostile, stop, counts),
+                                        daemon=True))
     for t in threads:
         t.start()
-    print(f"soak: {args.clients} clients for {args.duration:.0f}s against {url} (pid {proc.pid})")
+    print(f"soak: {args.clients} clients and {args.hostile} hostile connections for "
+          f"{args.duration:.0f}s against {url} (pid {proc.pid})")
     print("| t (s) | requests ok | errors | RSS (MiB) | threads | open fds |")
     print("|---:|---:|---:|---:|---:|---:|")
     rows = []
@@ -106,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     last = rows[-1]
     print(f"\nafter warm-up sample -> end: RSS {warm[0]:.1f} -> {last[0]:.1f} MiB "
           f"(max {max(r[0] for r in rows):.1f}), threads {warm[1]} -> {last[1]}, "
-          f"fds {warm[2]} -> {last[2]}; {counts['ok']} requests ok, {counts['errors']} errors; "
+          f"fds {warm[2]} -> {last[2]}; {counts['ok']} requests ok, {counts['errors']} errors "
+          f"({counts['5xx']} 5xx); latency p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
+          f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms; hostile connections opened "
+          f"{counts['hostile_opened']}, closed by the server {counts['hostile_closed']}; "
           f"server exit code {code}")
     return 0 if counts["errors"] == 0 and code == 0 else 1
 

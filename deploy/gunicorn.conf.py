@@ -12,16 +12,28 @@ throughput. Use them only on the CPU when one process cannot keep the cores busy
 with --preload so that the workers share the weights' pages. For several GPUs, run one
 embedsvc per GPU (CUDA_VISIBLE_DEVICES=0, 1, ...) behind a load balancer instead.
 
-Settings of embedsvc itself come from EMBEDSVC_* variables; the bind address and thread
-count below read the same variables as `embedsvc serve`.
+Settings of embedsvc itself come from EMBEDSVC_* variables; the bind address, threads,
+connection limit, keep-alive and the worker's deadlines read the same variables as
+`embedsvc serve`. EMBEDSVC_HEALTH_PORT also serves /health, /metrics and /info on a port of
+their own, answerable while the main port is flooded.
 """
 
 import os
 
-bind = f"{os.environ.get('EMBEDSVC_HOST', '127.0.0.1')}:{os.environ.get('EMBEDSVC_PORT', '8080')}"
-worker_class = "gthread"
+from embedsvc.settings import Settings
+
+_settings = Settings.from_env(os.environ)  # the EMBEDSVC_* variables, checked as for serve
+
+bind = f"{_settings.host}:{_settings.port}"
+# gthread, plus deadlines for request heads and bodies, the body limit before the app and
+# JSON error answers (embedsvc/gunicorn_worker.py); HEADER_TIMEOUT_S, BODY_TIMEOUT_S and
+# MAX_BODY_BYTES come from the EMBEDSVC_* variables.
+worker_class = "embedsvc.gunicorn_worker.ThreadWorker"
 workers = 1
-threads = int(os.environ.get("EMBEDSVC_THREADS", "16"))
+threads = _settings.threads
+# Open connections per worker (idle and kept-alive ones hold no thread); past it the worker
+# stops accepting until some close.
+worker_connections = _settings.max_connections
 # The worker warms the model in post_worker_init, before its first heartbeat: the timeout
 # must cover loading the model (tens of seconds for a large one on a cold disk). Once it
 # serves, the gthread worker's main loop heartbeats while threads wait on long batches.
@@ -29,7 +41,12 @@ timeout = 120
 # On SIGTERM gunicorn stops accepting and gives in-flight requests this long to finish;
 # keep it at or above EMBEDSVC_DRAIN_TIMEOUT_S and below the orchestrator's grace period.
 graceful_timeout = 30
-keepalive = 5
+# Seconds a kept-alive connection may sit idle between requests (EMBEDSVC_IDLE_TIMEOUT_S).
+keepalive = max(1, round(_settings.idle_timeout_s))
+# Request line and headers: gunicorn's defaults, stated; past them a JSON 414/431/400.
+limit_request_line = 4094
+limit_request_fields = 100
+limit_request_field_size = 8190
 # A preloaded app loads the weights in the master (on the CPU only) for workers to share.
 # With one worker there is nothing to share, so the model loads in the worker.
 preload_app = False

@@ -1,4 +1,4 @@
-"""The command line: ``embedsvc serve`` and ``embedsvc embed``; ``main(argv)`` -> exit code."""
+"""The command line: ``embedsvc serve``, ``embed`` and ``export``; ``main(argv)`` -> exit code."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--chunk-size", type=int, default=256, help="inputs per request")
     embed.add_argument("--concurrency", type=int, default=4, help="chunks in flight")
     Settings.add_arguments(embed)
+    export = commands.add_parser(
+        "export",
+        help="export the model to ONNX (and int8 with --quantize int8) into CACHE_DIR, ahead "
+        "of time, for images and read-only file systems",
+        description="Builds what a CPU server would build on its first start, and checks it "
+        "as a start does. Point --cache-dir (EMBEDSVC_CACHE_DIR) at the directory the "
+        "servers will read.",
+    )
+    Settings.add_arguments(export)
     return parser
 
 
@@ -53,6 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bulk import run
 
         return run(args, settings)
+    if args.command == "export":
+        return _export(settings)
     from .server import serve
 
     return serve(settings)
+
+
+def _export(settings: Settings) -> int:
+    from .backend import export
+    from .logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        print(export(settings))
+    except RuntimeError as exc:
+        print(f"embedsvc: {exc}", file=sys.stderr)
+        return 1
+    return 0

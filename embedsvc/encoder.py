@@ -38,6 +38,7 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     kind: str = "embedding"  # embedding, reranker, classifier or sparse
     pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
+    backend: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class SentenceTransformerEncoder:
 
     Loading and placing are separate so that a pre-forking server can load the weights once
     in its master (CPU only, no device probing) and let each worker place them after fork.
+    ``use_forward`` swaps the first module (the transformer) for another runtime, such as an
+    ONNX Runtime session (see onnx_backend.py): tokenizing, special tokens, truncation and
+    the modules after it (pooling, dense layers) stay the model's own.
 
     Example (loads the bundled model)::
 
@@ -131,9 +135,10 @@ class SentenceTransformerEncoder:
         enc.place("auto", "auto")
     """
 
-    def __init__(self, model: Any, name: str) -> None:
+    def __init__(self, model: Any, name: str, source: str | None = None) -> None:
         self._model = model
         self._name = name
+        self.source = source  # the model's directory, when it was loaded from one
         tokenizer = model.tokenizer
         self._tokenizer = _plain_tokenizer(tokenizer)
         self._truncating = _plain_tokenizer(tokenizer, truncate_at=int(model.max_seq_length))
@@ -141,6 +146,9 @@ class SentenceTransformerEncoder:
         self._pad_id = tokenizer.pad_token_id or 0
         self._with_token_types = "token_type_ids" in tokenizer.model_input_names
         self._modules = _modules_without_normalize(model)
+        self._pipeline: list[Callable[[dict[str, Any]], dict[str, Any]]] = list(self._modules)
+        self._backend = "torch"
+        self._precision: str | None = None  # what a replaced forward computes in, if not dtype
         self._device = "cpu"
         self._dtype = "float32"
         self.info = self._describe()
@@ -153,7 +161,8 @@ class SentenceTransformerEncoder:
         path = model or bundled_model_path()
         st = SentenceTransformer(path, device="cpu")
         st.eval()
-        return cls(st, model_name(model))
+        source = path if os.path.isdir(path) else None
+        return cls(st, model_name(model), source)
 
     def place(self, device: str, dtype: str) -> None:
         """Move to the resolved device and dtype, then warm up. Call in the serving process."""
@@ -179,12 +188,43 @@ class SentenceTransformerEncoder:
         return [_pieces(text, e) for text, e in zip(texts, encodings, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        return self._run(self._pipeline, batch)
+
+    def encode_with(
+        self, forward: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        batch: Sequence[Sequence[int]],
+    ) -> np.ndarray:
+        """``encode`` with ``forward`` in place of the first module; None: the model's own."""
+        return self._run(self._modules if forward is None else [forward, *self._modules[1:]],
+                         batch)
+
+    @property
+    def input_module(self) -> Any:
+        """The first module: the transformer that a replacement forward stands in for."""
+        return self._modules[0] if self._modules else None
+
+    @property
+    def input_names(self) -> list[str]:
+        """The tensors the first module reads from a batch, in the order a graph takes them."""
+        return ["input_ids", "attention_mask", *(["token_type_ids"] * self._with_token_types)]
+
+    def use_forward(
+        self, forward: Callable[[dict[str, Any]], dict[str, Any]], backend: str, precision: str
+    ) -> None:
+        """Run ``forward`` in place of the first module; it reads and returns the batch's
+        features (``input_names`` in, the first module's output added) as that module does."""
+        self._pipeline = [forward, *self._modules[1:]]
+        self._backend, self._precision = backend, precision
+        self.info = self._describe()
+
+    def _run(self, modules: Sequence[Callable[[Any], Any]],
+             batch: Sequence[Sequence[int]]) -> np.ndarray:
         import torch
 
-        features = self._features(batch)
+        features = self.features(batch)
         try:
             with torch.inference_mode():
-                for module in self._modules:
+                for module in modules:
                     features = module(features)
                 out = features["sentence_embedding"].float()
                 return out.cpu().numpy()
@@ -194,11 +234,13 @@ class SentenceTransformerEncoder:
     def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         import torch
 
-        features = self._features(batch)
+        features = self.features(batch)
         with torch.inference_mode():
-            # the first module (the transformer) gives the token vectors; pooling comes after
-            tokens = self._modules[0](features)["token_embeddings"].float().cpu().numpy()
-        return [tokens[row, : len(ids)] for row, ids in enumerate(batch)]
+            # the first module (the transformer, or the ONNX graph standing in for it) gives
+            # the token vectors; pooling comes after
+            tokens = torch.as_tensor(self._pipeline[0](features)["token_embeddings"])
+            rows = tokens.float().cpu().numpy()
+        return [rows[row, : len(ids)] for row, ids in enumerate(batch)]
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
                ) -> list[str]:
@@ -209,7 +251,8 @@ class SentenceTransformerEncoder:
     def special_tokens(self) -> int:
         return len(self._prefix) + len(self._suffix)
 
-    def _features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
+    def features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """The padded tensors the first module reads for ``batch`` (wrapped ids)."""
         import torch
 
         width = max(len(ids) for ids in batch)
@@ -240,11 +283,12 @@ class SentenceTransformerEncoder:
             max_input_tokens=int(self._model.max_seq_length),
             vocab_size=int(self._tokenizer.get_vocab_size(with_added_tokens=True)),
             device=self._device,
-            dtype=self._dtype,
+            dtype=self._precision or self._dtype,
             parameters=int(params),
             size_bytes=int(size),
             prompts=dict(getattr(self._model, "prompts", None) or {}),
             pooling=_pooling(self._model),
+            backend=self._backend,
         )
 
 

@@ -106,6 +106,15 @@ class Metrics:
             "embedsvc_admission_limit_inputs", "MAX_QUEUE: inputs admitted before 429",
             registry=r,
         )
+        self.connections_closed = Counter(
+            "embedsvc_connections_closed",
+            "Client connections the server closed for a bound, by reason", ["reason"],
+            registry=r,
+        )
+        self.open_connections = Gauge(
+            "embedsvc_open_connections", "Client connections open on the serving port",
+            registry=r,
+        )
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)

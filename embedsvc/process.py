@@ -57,6 +57,23 @@ def check_fork(settings: Settings) -> None:
         raise RuntimeError(BAD_FORK_MESSAGE)
 
 
+def ensure_open_files(connections: int, spare: int = 256) -> int:
+    """Raise the soft open-files limit to fit ``connections`` plus ``spare`` if the hard limit
+    allows; the soft limit now. A server out of descriptors fails every accept."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + spare
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("the open-files limit (%d) is below MAX_CONNECTIONS + %d; lower "
+                    "MAX_CONNECTIONS or raise the limit (ulimit -n, LimitNOFILE=)", soft, spare)
+    return soft
+
+
 def sibling_workers(pid: int | None = None, read: Callable[[str], str] | None = None) -> int:
     """How many children the parent of ``pid`` has (gunicorn workers are siblings); Linux only."""
     ppid = os.getppid() if pid is None else pid

@@ -1,4 +1,4 @@
-"""``embedsvc serve``: load the model, then serve it with waitress; drain on SIGTERM or SIGINT.
+"""``embedsvc serve``: load the model, serve it with waitress, drain on SIGTERM, SIGINT or SIGHUP.
 
 Example (loads the model and blocks)::
 
@@ -7,35 +7,40 @@ Example (loads the model and blocks)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
-from waitress import create_server
-from waitress.channel import HTTPChannel
-from waitress.wasyncore import close_all, dispatcher
-
+from . import waitress_adapter
+from .batcher import ShutdownReport
 from .logs import configure_logging
+from .probe import ProbeListener
+from .process import ensure_open_files
 from .service import Service
 from .settings import Settings
 from .wsgi import create_app
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("embedsvc.access")
 _POLL_S = 0.05
 _QUIET_S = 0.2
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Server:
-    """One waitress server around one engine, with a graceful stop.
+    """One waitress server around one service, with connection bounds and a graceful stop.
 
-    ``stop()``, or the first SIGTERM or SIGINT, stops listening (new connections are
-    refused), makes /health answer 503 ``draining`` and new embedding requests 503, lets
-    every admitted request finish and its response leave (up to DRAIN_TIMEOUT_S), waits
-    until no request has arrived for a moment, then makes ``run`` return. A second signal
-    stops at once.
+    ``stop()``, or the first SIGTERM, SIGINT or SIGHUP, stops listening (new connections are
+    refused), lets every request already arriving or running at that moment (an upload in
+    progress included) finish, then makes /health answer 503 ``draining`` and new embedding
+    requests 503, lets every admitted request finish and its response leave, waits until no
+    request has arrived for a moment, and makes ``run`` return; all within DRAIN_TIMEOUT_S.
+    A second signal exits the process at once with status 128 + the signal's number.
 
     Example::
 
@@ -47,18 +52,24 @@ class Server:
         self.settings = settings
         self.service = service
         self.app = create_app(settings, service=service)
-        self.waitress: Any = create_server(
-            self.app,
-            host=settings.host,
-            port=settings.port,
-            threads=settings.threads,
-            ident="embedsvc",
-            clear_untrusted_proxy_headers=True,
-            # read ahead on each connection, so that a client that hangs up is noticed
-            # (waitress.client_disconnected) and its queued inputs are dropped
-            channel_request_lookahead=4,
+        metrics = service.metrics
+        bounds = waitress_adapter.Bounds(
+            header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+            idle_timeout_s=settings.idle_timeout_s, max_connections=settings.max_connections,
+            max_body_bytes=settings.max_body_bytes,
         )
+        self.waitress: Any = waitress_adapter.create(
+            self.app, host=settings.host, port=settings.port, threads=settings.threads,
+            bounds=bounds, ident="embedsvc",
+            on_close=lambda reason: metrics.connections_closed.labels(reason=reason).inc(),
+            on_error=self._record_server_error,
+        )
+        metrics.open_connections.set_function(
+            lambda: waitress_adapter.open_connections(self.waitress))
+        self.probes = (ProbeListener(self.app, settings)
+                       if settings.health_port is not None else None)
         self._signals = 0
+        self.drain_report: ShutdownReport | None = None
 
     @property
     def port(self) -> int:
@@ -67,14 +78,19 @@ class Server:
     def run(self, install_signals: bool = True) -> None:
         """Serve until ``stop()`` or a signal has drained the server."""
         if install_signals:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
-        log.info("serving on http://%s:%d (pid %d, %d threads)", self.settings.host, self.port,
-                 os.getpid(), self.settings.threads)
+            for signum in DRAIN_SIGNALS:
+                signal.signal(signum, self._on_signal)
+        if self.probes is not None:
+            self.probes.start()
+        log.info("serving on http://%s:%d (pid %d, %d threads, up to %d connections)",
+                 self.settings.host, self.port, os.getpid(), self.settings.threads,
+                 self.settings.max_connections)
         try:
             self.waitress.run()  # returns when the drain has closed every channel
         finally:
-            self.waitress.task_dispatcher.shutdown(timeout=5)
+            waitress_adapter.stop_threads(self.waitress, 5)
+            if self.probes is not None:
+                self.probes.stop()
 
     def stop(self) -> None:
         """Drain and make ``run`` return; safe to call from any thread."""
@@ -83,39 +99,59 @@ class Server:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1
         if self._signals > 1:
-            raise KeyboardInterrupt  # waitress's loop stops on it at once
+            # Exit now, from the main thread, without unwinding: the interpreter's exit would
+            # wait for request threads, and torch's native threads abort (SIGABRT) if they
+            # are torn down mid-batch.
+            log.warning("signal %d again: exiting at once", signum)
+            _flush_logs()
+            os._exit(128 + signum)
         log.info("signal %d: draining (up to %.0fs)", signum, self.settings.drain_timeout_s)
         threading.Thread(target=self._drain, name="embedsvc-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + self.settings.drain_timeout_s
-        self.waitress.trigger.pull_trigger(self._stop_listening)
-        report = self.service.drain(self.settings.drain_timeout_s)
+        started = time.monotonic()
+        deadline = started + self.settings.drain_timeout_s
+        computed_before = self._inputs_computed()
+        server = self.waitress
+        waitress_adapter.in_loop(server, lambda: waitress_adapter.start_draining(server))
+        # Requests arriving or running now (an upload in progress, a request between its
+        # parsing and the batcher) are let in before the service stops admitting.
+        arriving = waitress_adapter.requests_in_progress(server)
+        while waitress_adapter.still_in_progress(arriving) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        report = self.drain_report = self.service.drain(max(0.0, deadline - time.monotonic()))
         quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
         while time.monotonic() < deadline:
-            if self._responses_pending():
+            if waitress_adapter.any_busy(server):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= _QUIET_S:
                 break
             time.sleep(_POLL_S)
-        log.info("drained: %d inputs finished, %d failed; stopping",
-                 report.completed, report.failed)
-        self.waitress.trigger.pull_trigger(lambda: close_all(self.waitress._map))
+        log.info("drained in %.1fs: %d inputs computed while draining; requests unfinished at "
+                 "the timeout (%d inputs) got 503; stopping", time.monotonic() - started,
+                 self._inputs_computed() - computed_before, report.failed)
+        waitress_adapter.in_loop(server, lambda: waitress_adapter.close(server))
 
-    def _stop_listening(self) -> None:
-        self.waitress.accepting = False
-        dispatcher.close(self.waitress)  # the listening socket only; open channels stay
+    def _inputs_computed(self) -> int:
+        value = self.service.metrics.registry.get_sample_value("embedsvc_inputs_total")
+        return int(value or 0)
 
-    def _responses_pending(self) -> bool:
-        tasks = self.waitress.task_dispatcher
-        if tasks.queue or tasks.active_count > 0:
-            return True
-        return any(
-            isinstance(ch, HTTPChannel) and (ch.requests or ch.total_outbufs_len)
-            for ch in list(self.waitress._map.values())
-        )
+    def _record_server_error(self, request: Any, status: int) -> None:
+        """Count and log an answer waitress wrote itself (a malformed or oversized request)."""
+        self.service.metrics.count_request("unmatched", status, 0.0)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info("%s %s %d (answered by the HTTP server)",
+                            getattr(request, "command", "-") or "-",
+                            (getattr(request, "path", "-") or "-")[:200], status)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):  # exiting anyway
+            handler.flush()
+    sys.stderr.flush()
 
 
 def serve(settings: Settings) -> int:
@@ -127,5 +163,13 @@ def serve(settings: Settings) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
-    Server(settings, service).run()
+    ensure_open_files(settings.max_connections)
+    server = Server(settings, service)
+    server.run()
+    if server.drain_report is not None and not server.drain_report.clean:
+        # The batch still on the device at the drain timeout runs in torch's native threads,
+        # which abort the process (SIGABRT) if the interpreter tears them down: leave now.
+        log.info("exiting with a batch still computing")
+        _flush_logs()
+        os._exit(0)
     return 0

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import __version__
+from . import __version__, backend
 from .batcher import Batcher, BatchLimits, ShutdownReport
 from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
 from .engine import Engine
@@ -39,9 +39,7 @@ def load_encoder(
     settings: Settings, preloaded: SentenceTransformerEncoder | None = None
 ) -> Encoder:
     """Load (unless a pre-fork master already did) and place the model in this process."""
-    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
-    encoder.place(settings.device, settings.dtype)
-    return encoder
+    return backend.load_encoder(settings, preloaded)
 
 
 class Service:

@@ -70,6 +70,13 @@ def _non_negative(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError("must be greater than 0 and at most 1")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -83,6 +90,13 @@ def _text(text: str) -> str:
 
 def _optional_text(text: str) -> str | None:
     return text or None
+
+
+def _optional_port(text: str) -> int | None:
+    value = text.strip().lower()
+    if value in ("", "off", "none"):
+        return None
+    return _port(value)
 
 
 def _setting(default: Any, parse: Callable[[str], Any], help: str) -> Any:
@@ -132,6 +146,43 @@ class Settings:
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+    header_timeout_s: float = _setting(
+        10.0, _positive(float),
+        "a connection's request head must arrive in full within this long (from accept, or "
+        "from its first byte on a kept-alive connection), else the connection is closed",
+    )
+    body_timeout_s: float = _setting(
+        60.0, _positive(float),
+        "a request body must arrive in full within this long after its head, else 408",
+    )
+    idle_timeout_s: float = _setting(
+        30.0, _positive(float), "a kept-alive connection with no request is closed after this"
+    )
+    max_connections: int = _setting(
+        1000, _positive(int), "open client connections before the server stops accepting"
+    )
+    health_port: int | None = _setting(
+        None, _optional_port,
+        "serve /health, /metrics and /info also on this port, with their own threads "
+        "(off: not at all; 0: any free port)",
+    )
+    backend: str = _setting(
+        "auto", _choice("auto", "torch", "onnx"),
+        "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx",
+    )
+    quantize: str = _setting(
+        "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)"
+    )
+    quantize_min_cosine: float = _setting(
+        0.99, _fraction, "QUANTIZE=int8 refuses to serve below this mean cosine to float32"
+    )
+    cache_dir: str = _setting(
+        "", _text, "where exported ONNX graphs are kept; empty: $XDG_CACHE_HOME/embedsvc "
+        "(~/.cache/embedsvc)"
+    )
+    onnx_threads: int = _setting(
+        0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use"
+    )
     token_ids: str = _setting(
         "openai",
         _choice("openai", "model"),

@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -22,3 +24,12 @@ def tiktoken_cache(tmp_path_factory):
         os.environ.pop("TIKTOKEN_CACHE_DIR", None)
     else:
         os.environ["TIKTOKEN_CACHE_DIR"] = before
+
+# ONNX graphs exported during the run go to a directory of the run, removed at its end: the
+# suite neither reads a user's cache nor leaves one behind. Servers the tests start inherit it.
+_CACHE = tempfile.mkdtemp(prefix="embedsvc-test-cache-")
+os.environ.setdefault("EMBEDSVC_CACHE_DIR", _CACHE)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)

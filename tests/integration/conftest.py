@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -20,11 +22,12 @@ def reference():
     return SentenceTransformer(bundled_model_path(), device="cpu")
 
 
-@pytest.fixture(scope="session")
-def real_app():
-    """The Flask app on the real model, in this process."""
+@pytest.fixture(scope="session", params=["torch", "onnx"])
+def real_app(request):
+    """The Flask app on the real model, in this process, on each backend."""
     registry = CollectorRegistry()
-    service = Service(Settings(device="cpu"), metrics=Metrics(registry))
+    settings = Settings.from_env(os.environ, device="cpu", backend=request.param)
+    service = Service(settings, metrics=Metrics(registry))
     service.start(background=False)
     app = create_app(service.settings, service=service)
     yield app

@@ -96,6 +96,23 @@ def test_long_input_is_truncated_like_sentence_transformers(real_app, reference)
     assert cosine(rows(body), reference.encode(text))[0] > 0.9999
 
 
+def test_embed_truncates_left_or_right_like_the_cut_text(real_app, reference):
+    words = ["apple", "river", "green", "house", "music", "table", "water", "light"]
+    text = " ".join(words[i % len(words)] + ("" if i % 3 else " and") for i in range(400))
+    ids = reference.tokenizer(text, add_special_tokens=False)["input_ids"]
+    keep = reference.max_seq_length - 2
+    for direction, kept in (("right", ids[:keep]), ("left", ids[-keep:])):
+        body = post(real_app, "/embed", {"inputs": text, "truncate": True,
+                                          "truncation_direction": direction})
+        expected = reference.encode(reference.tokenizer.decode(kept))
+        assert cosine(np.array(body), expected)[0] > 0.9999, direction
+
+
+def test_the_backend_asked_for_is_the_one_serving(real_app):
+    info = real_app.extensions["embedsvc"].encoder.info
+    assert info.backend == real_app.extensions["embedsvc"].settings.backend
+
+
 def test_dimensions_64_is_a_renormalised_prefix(real_app, reference):
     body = post(real_app, "/v1/embeddings", {"input": TEXTS[0], "dimensions": 64})
     got = rows(body)[0]

@@ -1,6 +1,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -75,3 +76,31 @@ def no_thread_outlives_the_unit_tests():
         thread.join(max(0.0, deadline - time.monotonic()))
     leaked = sorted(t.name for t in embedsvc_threads())
     assert not leaked, f"threads left running after the unit tests: {leaked}"
+
+
+TEXTS = ["hello world", "the quick brown fox", "a"]
+
+
+def vectors(resp) -> np.ndarray:
+    return np.array([d["embedding"] for d in resp.get_json()["data"]], dtype=np.float32)
+
+
+def assert_error(resp, status: int, type_: str, param=None) -> dict:
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    assert resp.content_type == "application/json"
+    body = resp.get_json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_ and err["message"]
+    assert err["code"] is None or isinstance(err["code"], str)
+    if param is not None:
+        assert err["param"] == param
+    assert "Traceback" not in err["message"] and "/embedsvc/" not in err["message"]
+    return err
+
+
+def assert_still_serving(client, fake) -> None:
+    resp = client.post("/v1/embeddings", json={"input": "still here"})
+    assert resp.status_code == 200
+    np.testing.assert_allclose(vectors(resp)[0], fake.expected("still here"), rtol=1e-6)

@@ -127,8 +127,16 @@ def test_a_forked_child_builds_its_own_service():
     parent.drain(timeout=1)
 
 
+def test_the_open_files_limit_is_raised_to_fit_the_connections():
+    import resource
 
-def test_heap_trim_works_on_this_linux():
-    from embedsvc import heap
+    from embedsvc.process import ensure_open_files
 
-    assert heap.trim() is True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        want = 600 if hard == resource.RLIM_INFINITY else min(600, hard)
+        assert ensure_open_files(500, spare=100) == want
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

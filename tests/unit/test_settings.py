@@ -72,15 +72,3 @@ def test_readme_documents_every_setting():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     for name in Settings.__dataclass_fields__:
         assert f"| `{name.upper()}` |" in readme, f"README's settings table lacks {name.upper()}"
-
-
-def test_json_logs_are_one_object_per_line():
-    import logging
-
-    import orjson
-
-    from embedsvc.logs import JsonFormatter
-
-    record = logging.LogRecord("embedsvc.x", logging.INFO, __file__, 1, "hi %s", ("there",), None)
-    entry = orjson.loads(JsonFormatter().format(record))
-    assert entry["message"] == "hi there" and entry["level"] == "info" and entry["pid"] > 0

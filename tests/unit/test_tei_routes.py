@@ -5,8 +5,7 @@ import pytest
 
 from embedsvc.routes import MAIN_HANDLERS
 
-from .conftest import make_app
-from .test_api import assert_error
+from .conftest import assert_error, make_app
 
 
 @pytest.mark.parametrize("path", ["/", "/invocations"])

@@ -1,0 +1,97 @@
+"""Which runtime computes the model, PyTorch or ONNX Runtime: chosen once, in the serving process.
+
+>>> choose_backend("embedding", "cpu", "auto").backend
+'onnx'
+>>> choose_backend("embedding", "cuda", "auto").backend
+'torch'
+>>> choose_backend("reranker", "cpu", "auto").reason
+'ONNX Runtime serves embedding models here, not reranker models'
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .encoder import SentenceTransformerEncoder, resolve_device
+from .settings import Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+# The kinds whose encoder can swap its transformer for an ONNX graph (use_forward).
+ONNX_KINDS = ("embedding",)
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # "torch" or "onnx"
+    reason: str
+
+
+def choose_backend(kind: str, device: str, setting: str, dtype: str = "auto",
+                   quantize: str = "none") -> Choice:
+    """The backend for a model of ``kind`` on a resolved ``device``; SettingsError when the
+    settings ask for what cannot be."""
+    if setting == "onnx" and device != "cpu":
+        raise SettingsError(f"BACKEND=onnx runs on the CPU, but DEVICE resolves to {device}: "
+                            "set EMBEDSVC_DEVICE=cpu, or EMBEDSVC_BACKEND=auto or torch")
+    if setting == "onnx" and dtype not in ("auto", "float32"):
+        raise SettingsError(f"BACKEND=onnx computes in float32, not DTYPE={dtype}: set "
+                            "EMBEDSVC_DTYPE=auto, or EMBEDSVC_BACKEND=torch")
+    choice = _choose(kind, device, setting, dtype)
+    if quantize != "none" and choice.backend != "onnx":
+        raise SettingsError(f"QUANTIZE={quantize} needs ONNX Runtime on the CPU, but this "
+                            f"process runs PyTorch ({choice.reason}): set EMBEDSVC_QUANTIZE=none")
+    return choice
+
+
+def _choose(kind: str, device: str, setting: str, dtype: str) -> Choice:
+    if setting == "torch":
+        return Choice("torch", "BACKEND=torch")
+    if kind not in ONNX_KINDS:
+        return Choice("torch", f"ONNX Runtime serves {', '.join(ONNX_KINDS)} models here, "
+                               f"not {kind} models")
+    if setting == "onnx":
+        return Choice("onnx", "BACKEND=onnx")
+    if device != "cpu":
+        return Choice("torch", f"BACKEND=auto runs PyTorch on {device}")
+    if dtype not in ("auto", "float32"):
+        return Choice("torch", f"BACKEND=auto runs PyTorch for DTYPE={dtype}")
+    return Choice("onnx", "BACKEND=auto runs ONNX Runtime on the CPU")
+
+
+def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | None = None,
+                 kind: str = "embedding") -> SentenceTransformerEncoder:
+    """Load (unless a pre-fork master already did), pick the backend and place the model.
+
+    Call in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
+    """
+    encoder = preloaded or SentenceTransformerEncoder.load(settings.model)
+    device = resolve_device(settings.device)
+    choice = choose_backend(kind, device, settings.backend, settings.dtype, settings.quantize)
+    if choice.backend == "onnx":
+        _attach_onnx(encoder, settings, choice)
+    else:
+        log.info("backend: PyTorch on %s (%s)", device, choice.reason)
+    encoder.place(device, settings.dtype)
+    return encoder
+
+
+def _attach_onnx(encoder: SentenceTransformerEncoder, settings: Settings, choice: Choice) -> None:
+    from .onnx_backend import OnnxUnavailable, attach
+
+    try:
+        log.info("%s", attach(encoder, settings))
+    except OnnxUnavailable as exc:
+        if settings.backend == "onnx" or settings.quantize != "none":
+            raise RuntimeError(f"BACKEND=onnx cannot serve this model: {exc}; set "
+                               "EMBEDSVC_BACKEND=torch") from exc
+        log.warning("backend: PyTorch on cpu, not ONNX Runtime (%s): %s", choice.reason, exc)
+
+
+def export(settings: Settings) -> str:
+    """What ``embedsvc export`` does: build (or find) the cached graphs; the startup line."""
+    from .onnx_backend import attach
+
+    encoder = SentenceTransformerEncoder.load(settings.model)
+    return attach(encoder, settings)

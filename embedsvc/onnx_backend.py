@@ -1,0 +1,328 @@
+"""ONNX Runtime in place of a sentence-transformers model's transformer, on the CPU.
+
+The graph computes what the model's first module computes: token embeddings from token ids
+and the attention mask. Tokenizing, special tokens, truncation, pooling and any layer after
+pooling stay the model's own (``SentenceTransformerEncoder.use_forward``), so the vectors are
+PyTorch's. The graph is exported once with ``torch.onnx.export`` and cached by the content
+of the weights (graph_cache.py); a model directory that ships ``onnx/model.onnx`` is used as
+it is. Every graph, cached or shipped, must reproduce PyTorch's vectors on a probe batch
+before it serves; an int8 graph must keep QUANTIZE_MIN_COSINE to float32 on a fixed text set.
+
+Sessions are built only in the process that serves (after any fork): ONNX Runtime's thread
+pools do not survive a fork.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .encoder import SentenceTransformerEncoder
+from .graph_cache import GraphCache, cache_root
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+# The TorchScript exporter (dynamo=False): it exports all-MiniLM-L6-v2 in ~4 s with no extra
+# dependency; the torch.export-based one took ~17 s and needs onnxscript, for the same vectors
+# and speed. Bump FORMAT whenever what a cached file holds changes.
+EXPORTER = "torchscript"
+OPSET = 17
+FORMAT = 1
+PARITY = 0.9999  # minimum cosine to PyTorch on the probe batch for a float32 graph
+_BROKEN = 0.5  # mean cosine to float32 under which an int8 file is damaged, not just lossy
+_SHIPPED = ("onnx/model.onnx", "model.onnx")
+_OUTPUTS = ("token_embeddings", "last_hidden_state")
+_PROBE = ["a probe", "a longer probe sentence, so that the batch holds padding", "x"]
+QUALITY_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I reset my password?",
+    "Embeddings map text to vectors that can be compared by cosine similarity.",
+    "The central bank raised interest rates by a quarter point on Tuesday.",
+    "Ein Satz auf Deutsch, mit Umlauten: äöü.",
+    "La tour Eiffel est le monument le plus visité de Paris.",
+    "def add(a, b):\n    return a + b",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "Symptoms include fever, dry cough and tiredness.",
+    "Preheat the oven to 200 degrees and bake for 25 minutes.",
+    "short",
+    "Error 503: the service is unavailable, retry later.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The contract may be terminated by either party with thirty days' written notice.",
+    "Our team won the championship after a penalty shoot-out.",
+    "GPU memory is exhausted when the batch is too large for the device.",
+    "She sells sea shells by the sea shore.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Refunds are issued to the original payment method within five business days.",
+    "The patient was discharged with a prescription for antibiotics.",
+    " ".join(["A long input that repeats itself to reach the truncation limit."] * 40),
+    "Quantum computers use qubits, which can be in superpositions of states.",
+    "Install the package with pip and import it in your script.",
+    "東京は日本の首都です。",
+]
+
+
+class OnnxUnavailable(RuntimeError):
+    """This model cannot run on ONNX Runtime here; the message says why."""
+
+
+class QualityBelowFloor(RuntimeError):
+    """The int8 graph's vectors are too far from float32's to serve."""
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Cosine of int8 vectors to float32 vectors over ``texts`` texts."""
+
+    mean: float
+    min: float
+    texts: int
+
+
+class OnnxForward:
+    """The transformer's forward on an ``onnxruntime.InferenceSession``.
+
+    ``InferenceSession.run`` releases the GIL, so request threads go on while it computes.
+    """
+
+    def __init__(self, session: Any, output_key: str) -> None:
+        self.session = session
+        self.inputs = [i.name for i in session.get_inputs()]
+        self.output_key = output_key
+        self._output = _output_name(session)
+
+    def __call__(self, features: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        feeds = {name: features[name].numpy() for name in self.inputs}
+        features[self.output_key] = torch.from_numpy(self.session.run([self._output], feeds)[0])
+        return features
+
+
+def attach(encoder: SentenceTransformerEncoder, settings: Settings) -> str:
+    """Run ``encoder``'s transformer on ONNX Runtime, int8 if QUANTIZE says so.
+
+    Returns the startup line; raises OnnxUnavailable when this model cannot run there, and
+    QualityBelowFloor when its int8 graph falls below QUANTIZE_MIN_COSINE.
+    """
+    output_key = _check_exportable(encoder)
+    cache = GraphCache(cache_root(settings.cache_dir))
+    threads = settings.onnx_threads or available_cpus()
+    fp32, path, key = _float32(encoder, output_key, cache, threads)
+    if settings.quantize == "none":
+        encoder.use_forward(fp32, "onnx", "float32")
+        return (f"backend: ONNX Runtime float32 on the CPU, {threads} intra-op threads, "
+                f"graph {path}")
+    int8, path, quality = _int8(encoder, fp32, (path, key), cache, threads,
+                                settings.quantize_min_cosine)
+    encoder.use_forward(int8, "onnx", "int8")
+    return (f"backend: ONNX Runtime on the CPU, serving a model quantized to int8 "
+            f"(QUANTIZE=int8), {threads} intra-op threads; cosine to float32 on "
+            f"{quality.texts} texts: mean {quality.mean:.4f}, min {quality.min:.4f} (floor "
+            f"QUANTIZE_MIN_COSINE={settings.quantize_min_cosine}); graph {path}")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return len(getter(0)) if getter else os.cpu_count() or 1
+
+
+def _check_exportable(encoder: SentenceTransformerEncoder) -> str:
+    """The first module's output key, or OnnxUnavailable saying why it cannot be exported."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        raise OnnxUnavailable(f"onnxruntime does not import ({exc}): pip install onnxruntime") \
+            from exc
+    module = encoder.input_module
+    name = type(module).__name__
+    if name != "Transformer" or not hasattr(module, "model"):
+        raise OnnxUnavailable(f"the model's first module is {name}, not a Transformer")
+    modality = getattr(module, "modality_config", {"text": {}})
+    if "text" not in modality:
+        raise OnnxUnavailable(f"the model's transformer takes {sorted(modality)}, not text")
+    return str(getattr(module, "module_output_name", "token_embeddings"))
+
+
+def _float32(encoder: SentenceTransformerEncoder, output_key: str, cache: GraphCache,
+             threads: int) -> tuple[OnnxForward, Path, str]:
+    """The verified float32 forward, its graph's path and the key of its content."""
+    verified = partial(_verified, encoder, output_key, threads)
+    for relative in _SHIPPED:
+        shipped = Path(encoder.source or "") / relative
+        if encoder.source and shipped.is_file():
+            try:
+                return verified(shipped), shipped, _file_key(shipped)
+            except Exception as exc:  # noqa: BLE001 - any failure: export our own instead
+                log.warning("%s is not used: %s; exporting the model instead", shipped, exc)
+            break
+    key = model_key(encoder.input_module)
+    path = cache.path(encoder.info.name, key)
+    forward, path = cache.get_or_build(path, partial(export_graph, encoder), verified)
+    return forward, path, key
+
+
+def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[Path, str],
+          cache: GraphCache, threads: int, floor: float) -> tuple[OnnxForward, Path, Quality]:
+    """The int8 forward quantized from the float32 graph ``source`` (path, key), its path
+    and its quality; QualityBelowFloor under ``floor``."""
+    batch = [encoder.wrap(ids[: encoder.info.max_input_tokens - encoder.special_tokens])
+             for ids in encoder.tokenize(QUALITY_TEXTS)]
+    reference = _encode_sorted(encoder, fp32, batch)
+
+    def load(path: Path) -> tuple[OnnxForward, Quality]:
+        forward = OnnxForward(_session(path, threads), fp32.output_key)
+        quality = _quality(reference, _encode_sorted(encoder, forward, batch))
+        if quality.mean < _BROKEN:  # a damaged file, not the cost of quantizing: rebuild it
+            raise ValueError(f"its vectors are unrelated to float32's: cosine {quality.mean:.3f}")
+        return forward, quality
+
+    key = hashlib.sha256(f"{source[1]}|int8-dynamic-per-channel|{FORMAT}".encode()).hexdigest()
+    path = cache.path(encoder.info.name + "-int8", key)
+    (forward, quality), path = cache.get_or_build(path, partial(quantize_graph, source[0]), load)
+    if quality.mean < floor:
+        raise QualityBelowFloor(
+            f"QUANTIZE=int8 refused: mean cosine to float32 is {quality.mean:.4f} (min "
+            f"{quality.min:.4f}) on {quality.texts} texts, below QUANTIZE_MIN_COSINE={floor}; "
+            "serve with QUANTIZE=none, or lower EMBEDSVC_QUANTIZE_MIN_COSINE")
+    return forward, path, quality
+
+
+def _verified(encoder: SentenceTransformerEncoder, output_key: str, threads: int,
+              path: Path) -> OnnxForward:
+    """A forward on the graph at ``path``, once its vectors match PyTorch's on a probe."""
+    forward = OnnxForward(_session(path, threads), output_key)
+    missing = set(forward.inputs) - set(encoder.input_names)
+    if missing:
+        raise OnnxUnavailable(f"the graph at {path} needs inputs {sorted(missing)}")
+    batch = [encoder.wrap(ids) for ids in encoder.tokenize(_PROBE)]
+    quality = _quality(encoder.encode_with(None, batch), encoder.encode_with(forward, batch))
+    if quality.min < PARITY:
+        raise ValueError(f"its vectors differ from PyTorch's: cosine {quality.min:.6f}")
+    return forward
+
+
+def _encode_sorted(encoder: SentenceTransformerEncoder, forward: OnnxForward,
+                   batch: list[list[int]], size: int = 8) -> np.ndarray:
+    """Rows for ``batch`` in its order, computed in batches of similar length: padding every
+    text to the longest would multiply the start-up cost of the quality check."""
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+    rows = np.empty((len(batch), encoder.info.dimension), dtype=np.float32)
+    for start in range(0, len(order), size):
+        chunk = order[start:start + size]
+        rows[chunk] = encoder.encode_with(forward, [batch[i] for i in chunk])
+    return rows
+
+
+def _session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    # Idle pool threads would otherwise spin for the next batch, taking the cores that the
+    # request threads need to parse, tokenize and answer (bench/RESULTS.md).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _output_name(session: Any) -> str:
+    outputs = session.get_outputs()
+    for wanted in _OUTPUTS:
+        if any(o.name == wanted for o in outputs):
+            return wanted
+    for o in outputs:
+        if len(o.shape) == 3:
+            return o.name
+    raise OnnxUnavailable(f"no token-embedding output among {[o.name for o in outputs]}")
+
+
+def _quality(reference: np.ndarray, got: np.ndarray) -> Quality:
+    cos = (reference * got).sum(1) / (
+        np.linalg.norm(reference, axis=1) * np.linalg.norm(got, axis=1) + 1e-12)
+    return Quality(float(cos.mean()), float(cos.min()), len(cos))
+
+
+def model_key(module: Any) -> str:
+    """A hash of the transformer's weights and configuration, and of what exports them."""
+    import torch
+    import transformers
+
+    config = module.model.config.to_dict()
+    config.pop("_name_or_path", None)  # where the model lies is not what it computes
+    h = hashlib.sha256(json.dumps([
+        FORMAT, EXPORTER, OPSET, torch.__version__, transformers.__version__,
+        type(module.model).__name__, repr(module), config,
+    ], sort_keys=True, default=str).encode())
+    for name, tensor in module.state_dict().items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(flat.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _file_key(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(partial(f.read, 1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def export_graph(encoder: SentenceTransformerEncoder, path: Path) -> None:
+    """Write the transformer of ``encoder`` (weights on the CPU, float32) as ONNX to ``path``."""
+    import torch
+
+    names = encoder.input_names
+    module = encoder.input_module
+    key = str(getattr(module, "module_output_name", "token_embeddings"))
+    graph = _graph_module(module, names, key)
+    features = encoder.features([encoder.wrap(ids) for ids in encoder.tokenize(_PROBE[:2])])
+    axes = {name: {0: "batch", 1: "sequence"} for name in [*names, key]}
+    log.info("exporting %s to ONNX, once: later starts read it from the cache",
+             encoder.info.name)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tracer notes about shapes the probe fixes for good
+        torch.onnx.export(graph, tuple(features[n] for n in names), str(path),
+                          input_names=names, output_names=[key], dynamic_axes=axes,
+                          opset_version=OPSET, dynamo=False)
+
+
+def quantize_graph(source: Path, path: Path) -> None:
+    """Dynamic int8 quantization, per channel, of the float32 graph at ``source``."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    log.info("quantizing %s to int8, once: later starts read it from the cache", source.name)
+    logging.disable(logging.WARNING)  # it advises pre-processing on the root logger
+    try:
+        quantize_dynamic(source, path, per_channel=True, weight_type=QuantType.QInt8)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _graph_module(module: Any, names: list[str], key: str) -> Any:
+    """What is exported: the model's own first module, called with positional tensors."""
+    import torch
+
+    class Graph(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+            return self.module(dict(zip(names, tensors, strict=True)))[key]
+
+    return Graph().eval()

@@ -1,0 +1,320 @@
+"""Everything embedsvc takes from waitress beyond its documented options, in one place.
+
+waitress bounds a connection only by inactivity (``channel_timeout``): a client that sends one
+header byte a minute is never idle and keeps its connection for ever. This module adds, for
+servers embedsvc owns (``embedsvc serve`` and its probe port):
+
+- a deadline for the request head, from accept (or from the first byte of a later request on
+  a kept-alive connection), as nginx's ``client_header_timeout`` and Go's
+  ``ReadHeaderTimeout``; past it the connection is closed without an answer;
+- a deadline for the body, from the end of the head; past it the client gets a 408;
+- a half-closed client (``shutdown(SHUT_WR)`` after its request) is treated as departed, as
+  nginx does: inputs of its not yet computed are dropped (``client_disconnected`` turns
+  true), and whatever answer the request produced (200, or 499 when it was dropped) is still
+  written before the connection closes, so the access log never records an answer that was
+  not written to the socket;
+- the JSON error shape for the answers waitress writes itself (400, 408, 413, 431, 501, 500);
+- what the graceful drain needs: connections closing after their answer, and which requests
+  are in progress.
+
+It reaches into waitress's ``HTTPChannel``, ``ErrorTask``, ``TcpWSGIServer.maintenance`` and
+the server's socket map, so waitress is bounded below 3.1 in pyproject.toml and
+``check_internals()`` (run when a server is built, and by the test suite) names anything
+that moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+import orjson
+from waitress.adjustments import Adjustments
+from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
+from waitress.server import TcpWSGIServer
+from waitress.task import ErrorTask, ThreadedTaskDispatcher
+from waitress.utilities import Error
+from waitress.wasyncore import close_all, dispatcher
+
+from .errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproject.toml
+# name -> attributes this module reads or overrides; check_internals() verifies each
+INTERNALS: dict[Any, tuple[str, ...]] = {
+    HTTPChannel: ("handle_read", "received", "service", "readable", "check_client_disconnected",
+                  "handle_close", "error_task_class", "total_outbufs_len", "will_close",
+                  "close_when_flushed", "request", "last_activity"),
+    HTTPRequestParser: ("headers_finished", "completed", "error", "received"),
+    ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
+    TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting"),
+    ThreadedTaskDispatcher: ("active_count", "shutdown"),
+    Error: ("code", "reason"),
+}
+# set in __init__, so checked on a live server (server_internals_missing)
+SERVER_INSTANCE = ("_map", "active_channels", "task_dispatcher", "trigger", "effective_port")
+
+
+def check_internals() -> list[str]:
+    """What this module needs from waitress and did not find; empty when all is there."""
+    missing = []
+    major_minor = tuple(int(p) for p in version("waitress").split(".")[:2])
+    if not SUPPORTED[0] <= major_minor < SUPPORTED[1]:
+        missing.append(f"waitress {version('waitress')} is outside the tested range {SUPPORTED}")
+    for owner, names in INTERNALS.items():
+        missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
+    instances = {"ThreadedTaskDispatcher()": (ThreadedTaskDispatcher(), ("queue",)),
+                 "Error()": (Error("x"), ("body",))}
+    for label, (obj, names) in instances.items():
+        missing += [f"{label}.{n}" for n in names if not hasattr(obj, n)]
+    return missing
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The connection bounds of one server; see the settings of the same names."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    idle_timeout_s: float
+    max_connections: int
+    max_body_bytes: int
+
+
+class RequestTimeout(Error):
+    code = 408
+    reason = "Request Timeout"
+
+
+def error_body(err: Error, max_body_bytes: int) -> bytes:
+    """The JSON error for an answer waitress writes itself."""
+    exc: ApiError
+    if err.code == 413:
+        exc = PayloadTooLarge(f"the body is larger than MAX_BODY_BYTES ({max_body_bytes}); "
+                              "split the request", code="body_too_large")
+    elif err.code >= 500 and err.code != 501:
+        exc = internal_error()
+    else:
+        code = err.reason.lower().replace(" ", "_")
+        exc = InvalidRequest(f"{err.reason}: {err.body}", code=code)
+    return orjson.dumps(exc.body())
+
+
+class JsonErrorTask(ErrorTask):
+    """waitress's error answer, in the JSON error shape."""
+
+    def execute(self) -> None:
+        err = self.request.error
+        body = error_body(err, self.channel.server.bounds.max_body_bytes)
+        self.status = f"{err.code} {err.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+        self.channel.server.on_error(self.request, err.code)
+
+
+class Channel(HTTPChannel):
+    """One client connection, with head and body deadlines and half-close handling."""
+
+    error_task_class = JsonErrorTask
+
+    def __init__(self, server: Any, sock: Any, addr: Any, adj: Any, map: Any = None) -> None:
+        self.head_since: float | None = time.monotonic()  # the first request's clock: accept
+        self.body_since: float | None = None
+        self.peer_closed = False
+        super().__init__(server, sock, addr, adj, map=map)
+
+    def received(self, data: bytes) -> bool:
+        now = time.monotonic()
+        before = self.request
+        if before is None and self.head_since is None:
+            self.head_since = now  # a later request: its clock starts with its first byte
+        result = super().received(data)
+        after = self.request
+        if after is None:
+            self.head_since = self.body_since = None
+        else:
+            if before is not None and after is not before:
+                self.head_since, self.body_since = now, None
+            if after.headers_finished and self.body_since is None:
+                self.body_since = now
+        return result
+
+    def handle_read(self) -> None:
+        # waitress closes the whole connection when a read returns nothing, so a client that
+        # half-closed after its request never got its answer; here the answer still goes out.
+        try:
+            data = self.socket.recv(self.adj.recv_bytes)
+        except OSError:
+            self.handle_close()
+            return
+        if data:
+            self.last_activity = time.time()
+            self.received(data)
+        else:
+            self._peer_finished()
+
+    def _peer_finished(self) -> None:
+        self.peer_closed = True
+        with self.requests_lock:
+            if not self.requests:  # nothing being answered: close once written out
+                if self.total_outbufs_len:
+                    self.close_when_flushed = True
+                else:
+                    self.will_close = True
+
+    def readable(self) -> bool:
+        return not self.peer_closed and super().readable()
+
+    def check_client_disconnected(self) -> bool:
+        return self.peer_closed or not self.connected
+
+    def service(self) -> None:
+        if self.server.draining and self.requests:
+            # answer with "Connection: close", so the client sends its next request elsewhere
+            # instead of onto a connection that is about to close
+            self.requests[0].headers["CONNECTION"] = "close"
+        super().service()
+        if self.peer_closed:
+            with self.requests_lock:
+                if not self.requests:
+                    self.close_when_flushed = True
+            self.server.pull_trigger()
+
+    def expired(self, now: float, bounds: Bounds) -> str | None:
+        """``header_timeout`` or ``body_timeout`` when a deadline has passed, else None."""
+        if self.requests or self.will_close or self.close_when_flushed:
+            return None
+        request = self.request
+        if request is not None and request.headers_finished:
+            since, limit, reason = self.body_since, bounds.body_timeout_s, "body_timeout"
+        else:
+            since, limit, reason = self.head_since, bounds.header_timeout_s, "header_timeout"
+        return reason if since is not None and now - since > limit else None
+
+    def time_out_body(self) -> None:
+        """Answer the request whose body is late with 408 and close (in the loop thread)."""
+        with self.requests_lock:
+            request = self.request
+            request.error = RequestTimeout("the body did not arrive within BODY_TIMEOUT_S")
+            request.completed = True
+            self.request = None
+            self.requests.append(request)
+            if len(self.requests) == 1:
+                self.server.add_task(self)
+
+    def busy(self) -> bool:
+        """A request is arriving, waiting, being served or being written out."""
+        return bool(self.requests or self.request is not None or self.total_outbufs_len)
+
+
+class Server(TcpWSGIServer):
+    """A waitress TCP server whose maintenance sweep enforces ``Bounds``."""
+
+    channel_class = Channel
+    draining = False
+
+    def __init__(self, app: Any, adj: Adjustments, bounds: Bounds,
+                 on_close: Callable[[str], None], on_error: Callable[[Any, int], None]) -> None:
+        self.bounds = bounds
+        self.on_close = on_close
+        self.on_error = on_error
+        super().__init__(app, adj=adj)
+
+    def maintenance(self, now: float) -> None:
+        super().maintenance(now)  # idle kept-alive connections (channel_timeout)
+        mono = time.monotonic()
+        for channel in list(self.active_channels.values()):
+            reason = channel.expired(mono, self.bounds)
+            if reason == "body_timeout":
+                channel.time_out_body()
+            elif reason:
+                channel.will_close = True
+            if reason:
+                self.on_close(reason)
+
+    def channels(self) -> list[Channel]:
+        return [ch for ch in list(self._map.values()) if isinstance(ch, Channel)]
+
+
+def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, ident: str,
+           on_close: Callable[[str], None] = lambda reason: None,
+           on_error: Callable[[Any, int], None] = lambda request, status: None) -> Server:
+    """A waitress server for ``app`` on ``host:port`` that enforces ``bounds``."""
+    missing = check_internals()
+    if missing:
+        raise RuntimeError("this waitress lacks what embedsvc's adapter uses: "
+                           + ", ".join(missing) + "; install waitress>=3.0,<3.1")
+    adj = Adjustments(
+        host=host, port=port, threads=threads, ident=ident,
+        clear_untrusted_proxy_headers=True,
+        # read ahead on each connection, so that a client that hangs up is noticed
+        # (waitress.client_disconnected) and its queued inputs are dropped
+        channel_request_lookahead=4,
+        channel_timeout=max(1, round(bounds.idle_timeout_s)),
+        # waitress counts its listening socket and its trigger among the connections
+        connection_limit=bounds.max_connections + 2,
+        # waitress refuses a body of exactly its limit; MAX_BODY_BYTES itself is allowed
+        max_request_body_size=bounds.max_body_bytes + 1,
+        cleanup_interval=1,  # how often the sweep runs (seconds; waitress takes an int)
+    )
+    return Server(app, adj, bounds, on_close, on_error)
+
+
+def in_loop(server: Server, thunk: Callable[[], object]) -> None:
+    """Run ``thunk`` in the server's event loop thread, soon; safe from any thread."""
+    server.trigger.pull_trigger(thunk)
+
+
+def stop_threads(server: Server, timeout: float) -> None:
+    """Stop the request threads, waiting up to ``timeout`` for running requests."""
+    server.task_dispatcher.shutdown(timeout=timeout)
+
+
+def start_draining(server: Server) -> None:
+    """Close the listening socket; open connections stay, each closing after its next answer
+    (call in the loop thread)."""
+    server.draining = True
+    server.accepting = False
+    dispatcher.close(server)
+
+
+def close(server: Server) -> None:
+    """Close every connection, which makes ``server.run()`` return (call in the loop thread)."""
+    close_all(server._map)
+
+
+def requests_in_progress(server: Server) -> list[tuple[Channel, Any]]:
+    """Each request arriving, queued or being served now, with its connection."""
+    found = []
+    for ch in server.channels():
+        with ch.requests_lock:
+            if ch.request is not None:
+                found.append((ch, ch.request))
+            found += [(ch, request) for request in ch.requests]
+    return found
+
+
+def still_in_progress(requests: Iterable[tuple[Channel, Any]]) -> bool:
+    """Whether any of ``requests`` is still arriving, queued or being served."""
+    return any(ch.connected and (request is ch.request or any(r is request for r in ch.requests))
+               for ch, request in requests)
+
+
+def any_busy(server: Server) -> bool:
+    """Whether a request is queued or running, or any connection has one or output left."""
+    tasks = server.task_dispatcher
+    if tasks.queue or tasks.active_count > 0:
+        return True
+    return any(ch.busy() for ch in server.channels())
+
+
+def open_connections(server: Server) -> int:
+    return len(server.active_channels)

@@ -1,0 +1,381 @@
+"""Hostile connections against the launchers embedsvc bounds: `embedsvc serve` (waitress) and
+gunicorn with deploy/gunicorn.conf.py. Raw sockets play the slow and odd clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .servers import Server, running
+
+REPO = Path(__file__).parents[2]
+MiB = 1 << 20
+HEADER_TIMEOUT_S = 2
+BOUNDS = {
+    "EMBEDSVC_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+    "EMBEDSVC_BODY_TIMEOUT_S": "2",
+    "EMBEDSVC_MAX_BODY_BYTES": str(4 * MiB),
+    "EMBEDSVC_HEALTH_PORT": "0",
+}
+LAUNCHERS = {
+    "serve": ["embedsvc", "serve", "--port", "0"],
+    "gunicorn-conf": ["gunicorn", "-b", "127.0.0.1:0", "--no-control-socket",
+                      "-c", str(REPO / "deploy" / "gunicorn.conf.py"), "embedsvc:app"],
+}
+_PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCHERS))
+def bounded(request, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp(request.param) / "server.log"
+    with running(LAUNCHERS[request.param], log, env=BOUNDS, cwd=str(log.parent)) as server:
+        server.launcher = request.param  # type: ignore[attr-defined]
+        yield server
+
+
+def probe_url(server: Server) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = _PROBES.search(server.output())
+        if found:
+            return f"http://127.0.0.1:{found.group(1)}"
+        time.sleep(0.1)
+    raise AssertionError(f"no probe port logged:\n{server.output()[-2000:]}")
+
+
+def metric(server: Server, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def raw_exchange(port: int, data: bytes, *, half_close: bool = False,
+                 timeout: float = 15) -> tuple[int, dict[str, str], bytes]:
+    """Send ``data`` on a fresh connection; the status, headers and body of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        with contextlib.suppress(OSError):  # the server may answer and close first
+            sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        return read_response(sock, timeout)
+
+
+def read_response(sock: socket.socket, timeout: float) -> tuple[int, dict[str, str], bytes]:
+    sock.settimeout(timeout)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = _recv(sock)
+        if not chunk:
+            return 0, {}, buf  # closed without an answer
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = _recv(sock)
+        if not chunk:
+            break
+        body += chunk
+    return status, headers, body
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except ConnectionResetError:
+        return b""
+
+
+def assert_json_error(status: int, headers: dict[str, str], body: bytes, want: int) -> dict:
+    assert status == want, (status, headers, body[:300])
+    assert headers.get("content-type", "").startswith("application/json"), headers
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+class Flood:
+    """``idle`` connections that send nothing and ``slow`` ones trickling a request head."""
+
+    HEAD = b"POST /embed HTTP/1.1\r\nHost: flood\r\nContent-Type: application/json\r\n"
+
+    def __init__(self, port: int, idle: int = 75, slow: int = 75, every_s: float = 0.3) -> None:
+        self.port, self.idle, self.slow, self.every_s = port, idle, slow, every_s
+        self.socks: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._trickle, name="test-flood")
+
+    def __enter__(self) -> Flood:
+        for _ in range(self.idle + self.slow):
+            self.socks.append(socket.create_connection(("127.0.0.1", self.port), timeout=5))
+        self._thread.start()
+        return self
+
+    def _trickle(self) -> None:
+        for i in range(len(self.HEAD)):  # one byte per connection per tick, then stop
+            if self._stop.wait(self.every_s):
+                return
+            for sock in self.socks[self.idle:]:
+                with contextlib.suppress(OSError):  # closed by the server, as it should be
+                    sock.send(self.HEAD[i:i + 1])
+
+    def closed_by_server(self) -> int:
+        closed = 0
+        for sock in self.socks:
+            sock.setblocking(False)
+            try:
+                closed += sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+        return closed
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_slow_and_idle_connections_leave_clients_and_probes_served(bounded):
+    probes = probe_url(bounded)
+    before = metric(bounded, "embedsvc_connections_closed_total", '{reason="header_timeout"}')
+    with Flood(bounded.port) as flood:
+        time.sleep(2 * flood.every_s)  # every connection open, the slow ones trickling
+        with httpx.Client(base_url=bounded.url, timeout=5) as c:  # served within 5 s
+            resp = c.post("/embed", json={"inputs": ["served beside a flood"]})
+            assert resp.status_code == 200 and len(resp.json()[0]) == 384
+            assert c.get("/health").status_code == 200
+        assert httpx.get(probes + "/health", timeout=5).status_code == 200
+        assert httpx.get(probes + "/metrics", timeout=5).status_code == 200
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 8
+        while flood.closed_by_server() < 150 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert flood.closed_by_server() == 150
+    after = metric(bounded, "embedsvc_connections_closed_total", '{reason="header_timeout"}')
+    assert after - before >= 150
+
+
+def test_the_probe_port_serves_only_probes(bounded):
+    probes = probe_url(bounded)
+    resp = httpx.post(probes + "/embed", json={"inputs": "x"}, timeout=5)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+    assert httpx.get(probes + "/info", timeout=5).json()["dimension"] == 384
+
+
+def fds_to_deleted_files(pid: int) -> list[str]:
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.endswith("(deleted)") and "/wgunicorn-" not in target:  # not its heartbeat
+            found.append(target)
+    return found
+
+
+def worker_pid(server: Server) -> int:
+    return httpx.get(server.url + "/info", timeout=10).json()["pid"]
+
+
+def test_a_200_mib_body_gets_413_without_being_buffered(bounded):
+    pid = worker_pid(bounded)
+    head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (200 * MiB))
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+        sock.sendall(head)
+        sent = 0
+        try:
+            for _ in range(8):  # keep sending while the answer is on its way
+                sock.sendall(b"!" * MiB)
+                sent += MiB
+        except OSError:
+            pass
+        status, headers, body = read_response(sock, 15)
+        assert fds_to_deleted_files(pid) == []  # nothing spooled to a temporary file
+    err = assert_json_error(status, headers, body, 413)
+    assert err["code"] == "body_too_large" and str(4 * MiB) in err["message"]
+
+
+def test_a_chunked_body_is_refused_at_max_body_bytes(bounded):
+    head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (MiB, b"!" * MiB)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+        sock.sendall(head)
+        try:
+            while sent < 200 * MiB:
+                sock.sendall(chunk)
+                sent += MiB
+        except OSError:
+            pass  # the server stopped reading and closed
+        status, headers, body = read_response(sock, 15)
+    assert_json_error(status, headers, body, 413)
+    assert sent < 200 * MiB, "the server read the whole 200 MiB"
+
+
+def test_a_late_body_gets_408(bounded):
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+        sock.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"inputs\": ")
+        status, headers, body = read_response(sock, 15)
+    assert assert_json_error(status, headers, body, 408)["code"] == "request_timeout"
+
+
+MALFORMED = {
+    "bad content-length": (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n", 400),
+    "huge header": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000
+                    + b"\r\n\r\n", 431),
+    "unknown transfer coding": (b"POST /embed HTTP/1.1\r\nHost: x\r\n"
+                                b"Transfer-Encoding: gzip\r\n\r\n", 501),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_the_http_servers_own_answers_are_json(bounded, case):
+    data, want = MALFORMED[case]
+    if bounded.launcher == "gunicorn-conf" and case == "unknown transfer coding":
+        want = 400  # gunicorn refuses the header itself
+    status, headers, body = raw_exchange(bounded.port, data)
+    assert_json_error(status, headers, body, want)
+
+
+def test_a_half_closed_client_gets_its_answer_or_is_logged_as_departed(bounded):
+    body = b'{"inputs": ["half closed after the request"]}'
+    request = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    log_before = bounded.output()
+    got = [raw_exchange(bounded.port, request, half_close=True)[0] for _ in range(6)]
+    assert set(got) <= {200, 499}, got
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        new = bounded.output()[len(log_before):]
+        logged = re.findall(r"POST /embed (\d{3}) ", new)
+        if len(logged) >= len(got):
+            break
+        time.sleep(0.1)
+    assert sorted(int(s) for s in logged) == sorted(got), (got, logged)
+
+
+@contextmanager
+def serve(tmp_path: Path, *flags: str) -> Iterator[Server]:
+    cmd = ["embedsvc", "serve", "--port", "0", *flags]
+    with running(cmd, tmp_path / "serve.log") as server:
+        yield server
+
+
+def post_in_thread(server: Server, inputs: list[str], out: list) -> threading.Thread:
+    def send() -> None:
+        try:
+            out.append(httpx.post(server.url + "/embed", json={"inputs": inputs}, timeout=60))
+        except httpx.HTTPError as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def computing(server: Server) -> bool:
+    return (metric(server, "embedsvc_in_flight") > 0
+            or metric(server, "embedsvc_inputs_total") > 0)
+
+
+def wait_computing(server: Server, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not computing(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert computing(server), server.output()[-2000:]
+
+
+LONG = [f"input number {i} " + "with several more words " * 20 for i in range(2048)]
+
+
+def test_a_second_sigterm_exits_at_once_without_sigabrt(tmp_path):
+    out: list = []
+    with serve(tmp_path, "--max-batch-size", "32") as server:
+        thread = post_in_thread(server, LONG, out)
+        wait_computing(server)
+        server.proc.terminate()
+        time.sleep(0.3)
+        server.proc.terminate()
+        code = server.proc.wait(3)
+        thread.join(10)
+    assert code == 128 + 15, server.output()[-2000:]
+    assert "terminate called" not in server.output()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, signum):
+    body = json.dumps({"inputs": ["uploaded across the signal"] * 4}).encode()
+    head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    out: list = []
+    with serve(tmp_path, "--drain-timeout-s", "20", "--max-batch-size", "16") as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + body[:10])
+        thread = post_in_thread(server, LONG[:64], out)
+        wait_computing(server)
+        server.proc.send_signal(signum)
+        time.sleep(1.0)  # the old drain closed the connection after 0.2 s of quiet
+        sock.sendall(body[10:])
+        status, _, answer = read_response(sock, 30)
+        code = server.proc.wait(30)
+        thread.join(10)
+    assert status == 200, answer[:300]
+    assert len(json.loads(answer)) == 4
+    assert out and not isinstance(out[0], Exception) and out[0].status_code == 200
+    assert len(out[0].json()) == 64
+    assert code == 0, server.output()[-2000:]
+    assert "drained in" in server.output()
+
+
+def test_the_drain_log_counts_inputs_computed_by_a_request_cut_at_the_timeout(tmp_path):
+    out: list = []
+    with serve(tmp_path, "--drain-timeout-s", "1", "--max-batch-size", "16") as server:
+        thread = post_in_thread(server, LONG, out)
+        wait_computing(server)
+        server.proc.terminate()
+        code = server.proc.wait(30)
+        thread.join(10)
+    assert code == 0, server.output()[-2000:]  # not -6: no SIGABRT from a batch cut short
+    assert "terminate called" not in server.output()
+    found = re.search(r"drained in \S+: (\d+) inputs computed while draining; requests "
+                      r"unfinished at the timeout \((\d+) inputs\) got 503", server.output())
+    assert found, server.output()[-2000:]
+    assert int(found.group(1)) > 0 and int(found.group(2)) == 2048
+    assert out and not isinstance(out[0], Exception) and out[0].status_code == 503
+
+
+def test_a_drain_that_times_out_mid_batch_exits_cleanly(tmp_path):
+    out: list = []
+    full = ["word " * 400] * 128  # one batch of 128 x 256 tokens: seconds on any CPU
+    flags = ("--drain-timeout-s", "0", "--max-batch-size", "128", "--max-batch-tokens", "32768")
+    with serve(tmp_path, *flags) as server:
+        thread = post_in_thread(server, full, out)
+        deadline = time.monotonic() + 60
+        while metric(server, "embedsvc_in_flight") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.proc.terminate()
+        code = server.proc.wait(30)
+        thread.join(10)
+    assert code == 0, server.output()[-2000:]  # the batch's native threads did not abort
+    assert "exiting with a batch still computing" in server.output()
+    assert "terminate called" not in server.output()

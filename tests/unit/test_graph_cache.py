@@ -1,0 +1,114 @@
+"""The cache of exported graphs: built once, rebuilt when unusable, safe to start twice at once."""
+
+import errno
+import multiprocessing
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from embedsvc.graph_cache import GraphCache, cache_root
+
+GOOD = "graph v1"
+
+
+def load(path: Path) -> str:
+    text = path.read_text()
+    if text != GOOD:
+        raise ValueError(f"not a graph: {text[:20]!r}")
+    return text
+
+
+class Builder:
+    def __init__(self, content: str = GOOD) -> None:
+        self.content = content
+        self.calls = 0
+
+    def __call__(self, path: Path) -> None:
+        self.calls += 1
+        path.write_text(self.content)
+
+
+def test_a_missing_file_is_built_once_then_read(tmp_path):
+    cache, build = GraphCache(tmp_path / "c"), Builder()
+    path = cache.path("all-MiniLM-L6-v2", "ab" * 32)
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
+    assert build.calls == 1
+    assert path.read_text() == GOOD
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
+
+
+@pytest.mark.parametrize("content", ["graph", "", "garbage\x00\x01"], ids=["truncated", "empty",
+                                                                           "corrupt"])
+def test_an_unusable_file_is_rebuilt_not_served(tmp_path, content):
+    cache, build = GraphCache(tmp_path), Builder()
+    path = cache.path("m", "cd" * 32)
+    path.write_text(content)
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
+    assert build.calls == 1 and path.read_text() == GOOD
+
+
+def test_a_build_that_does_not_load_is_never_published(tmp_path):
+    cache = GraphCache(tmp_path)
+    path = cache.path("m", "ef" * 32)
+    with pytest.raises(ValueError, match="not a graph"):
+        cache.get_or_build(path, Builder("half a gra"), load)
+    assert not path.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name + ".lock"]  # no temporary left
+
+
+def _start(root: str, counter: str, out: str) -> None:
+    def build(path: Path) -> None:
+        with open(counter, "a") as f:
+            f.write("built\n")
+        with open(path, "w") as f:  # slowly, so that a reader could catch half a file
+            for ch in GOOD:
+                f.write(ch)
+                f.flush()
+                time.sleep(0.02)
+
+    cache = GraphCache(Path(root))
+    Path(out).write_text(cache.get_or_build(cache.path("m", "12" * 32), build, load)[0])
+
+
+def test_processes_starting_together_build_once_and_all_read_the_whole_file(tmp_path):
+    counter = tmp_path / "builds"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_start, args=(str(tmp_path / "c"), str(counter),
+                                              str(tmp_path / f"out{i}")))
+             for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [(tmp_path / f"out{i}").read_text() for i in range(4)] == [GOOD] * 4
+    assert counter.read_text() == "built\n"
+
+
+def test_the_cache_root_follows_the_setting_then_xdg_then_home(tmp_path):
+    assert cache_root(str(tmp_path)) == tmp_path
+    assert cache_root("", {"XDG_CACHE_HOME": "/x"}) == Path("/x/embedsvc")
+    assert cache_root("", {}) == Path.home() / ".cache" / "embedsvc"
+
+
+def test_names_stay_inside_the_cache_directory(tmp_path):
+    path = GraphCache(tmp_path).path("../../etc/org/model", "ab" * 32)
+    assert path.parent == tmp_path and path.name.endswith("-" + "ab" * 12 + ".onnx")
+
+
+def test_a_cache_that_cannot_be_written_builds_privately_and_says_so(tmp_path, monkeypatch,
+                                                                     caplog):
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)  # as a read-only mount answers; root ignores modes
+    cache, build = GraphCache(tmp_path / "ro"), Builder()
+    text, where = cache.get_or_build(cache.path("m", "34" * 32), build, load)
+    monkeypatch.undo()
+    assert text == GOOD and where.read_text() == GOOD
+    assert where.parent != tmp_path / "ro" and not (tmp_path / "ro").exists()
+    assert "cannot write the cache" in caplog.text and "embedsvc export" in caplog.text
+    shutil.rmtree(where.parent)

@@ -1,0 +1,76 @@
+"""The gunicorn worker: internals it relies on, deadline reads and JSON errors."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from embedsvc import gunicorn_worker
+from embedsvc.gunicorn_worker import DeadlinePassed, DeadlineSocket, json_error
+
+
+def test_every_gunicorn_internal_the_worker_uses_is_there():
+    assert gunicorn_worker.check_internals() == []
+
+
+def test_an_unknown_gunicorn_version_is_named(monkeypatch):
+    monkeypatch.setattr(gunicorn_worker, "version", lambda name: "30.1")
+    assert any("30.1" in m for m in gunicorn_worker.check_internals())
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    yield DeadlineSocket(a), b
+    a.close()
+    b.close()
+
+
+def test_a_read_past_the_deadline_fails_without_waiting(pair):
+    sock, _ = pair
+    sock.deadline = time.monotonic() - 1
+    with pytest.raises(DeadlinePassed):
+        sock.recv(10)
+    assert sock.expired
+
+
+def test_bytes_already_here_are_read_after_the_deadline(pair):
+    sock, peer = pair
+    peer.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    sock.deadline = time.monotonic() - 1
+    assert sock.recv(100) == b"GET / HTTP/1.1\r\n\r\n"
+
+
+def test_a_trickle_is_cut_at_the_deadline(pair):
+    sock, peer = pair
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.05):
+            peer.send(b"x")
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    sock.deadline = time.monotonic() + 0.5
+    got = b""
+    try:
+        with pytest.raises(DeadlinePassed):
+            for _ in range(1000):  # bounded: 0.05 s a byte would take 50 s
+                got += sock.recv(1)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert 0 < len(got) < 100
+
+
+def test_errors_are_complete_json_responses():
+    raw = json_error(431, "Request Header Fields Too Large", "too many headers")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"application/json" in head
+    assert int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) == len(body)
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_header_fields_too_large"
+    body = json_error(500, "Internal Server Error", "/a/path").partition(b"\r\n\r\n")[2]
+    assert json.loads(body)["error"]["code"] == "internal_error" and b"/a/path" not in body
