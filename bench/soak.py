@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --hostile 150
+    .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --expensive 2
 
 Starts the server on a free loopback port (the bundled model on the CPU), sends requests
 from --clients threads for --duration seconds, and prints one row per --interval: requests
@@ -18,6 +19,7 @@ without --hostile, and how many hostile connections the server closed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import re
@@ -131,11 +133,44 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def expensive_bodies() -> list[bytes]:
+    """The largest requests the defaults allow: a 16 MB body of '!' (80 inputs x 200,000,
+    one token per character) and 2,048 inputs."""
+    bangs = b'{"inputs": [' + b",".join([b'"' + b"!" * 200_000 + b'"'] * 80) + b"]}"
+    many = ('{"inputs": [' + ",".join(f'"soak input number {i}"' for i in range(2048))
+            + "]}").encode()
+    return [bangs, many]
+
+
+def expensive_client(url: str, stop: threading.Event, counts: dict[str, int],
+                     lock: threading.Lock) -> None:
+    """Sends the largest requests back to back; 429 is an answer, anything else but 200 an
+    error. Counted apart from the normal clients."""
+    bodies = expensive_bodies()
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for k in itertools.count():
+            if stop.is_set():
+                return
+            try:
+                status = c.post("/embed", content=bodies[k % 2],
+                                headers={"content-type": "application/json"}).status_code
+            except httpx.HTTPError:
+                status = 0
+            if status == 429:
+                time.sleep(1)
+            key = {200: "big ok", 429: "big 429"}.get(status, "big errors")
+            with lock:
+                counts[key] += 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
     parser.add_argument("--interval", type=float, default=30, help="seconds between samples")
     parser.add_argument("--clients", type=int, default=8, help="client threads")
+    parser.add_argument("--expensive", type=int, default=0,
+                        help="extra clients sending maximal bodies of '!' and 2048-input "
+                        "requests, back to back")
     parser.add_argument("--hostile", type=int, default=0,
                         help="hostile connections beside the clients (idle, slow head, slow body)")
     parser.add_argument("--serve-arg", action="append", default=[],
@@ -145,17 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.mkdtemp(prefix="embedsvc-soak-")) / "server.log"
     proc, url = start_server(log, args.serve_arg)
     stop, lock = threading.Event(), threading.Lock()
-    counts = {"ok": 0, "errors": 0, "5xx": 0, "hostile_opened": 0, "hostile_closed": 0}
+    counts = {"ok": 0, "errors": 0, "5xx": 0, "hostile_opened": 0, "hostile_closed": 0,
+              "big ok": 0, "big 429": 0, "big errors": 0}
     latencies: list[float] = []
     threads = [threading.Thread(target=client, args=(url, stop, counts, lock, latencies),
                                 daemon=True) for _ in range(args.clients)]
     if args.hostile:
         threads.append(threading.Thread(target=hostile, args=(url, args.hostile, stop, counts),
                                         daemon=True))
+    threads += [threading.Thread(target=expensive_client, args=(url, stop, counts, lock),
+                                 daemon=True) for _ in range(args.expensive)]
     for t in threads:
         t.start()
-    print(f"soak: {args.clients} clients and {args.hostile} hostile connections for "
-          f"{args.duration:.0f}s against {url} (pid {proc.pid})")
+    print(f"soak: {args.clients} clients, {args.hostile} hostile connections and "
+          f"{args.expensive} expensive clients for {args.duration:.0f}s against {url} "
+          f"(pid {proc.pid})")
     print("| t (s) | requests ok | errors | RSS (MiB) | threads | open fds |")
     print("|---:|---:|---:|---:|---:|---:|")
     rows = []
@@ -185,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms; hostile connections opened "
           f"{counts['hostile_opened']}, closed by the server {counts['hostile_closed']}; "
           f"server exit code {code}")
-    return 0 if counts["errors"] == 0 and code == 0 else 1
+    if args.expensive:
+        print(f"expensive clients: {counts['big ok']} ok, {counts['big 429']} 429, "
+              f"{counts['big errors']} errors")
+    return 0 if counts["errors"] == counts["big errors"] == 0 and code == 0 else 1
 
 
 if __name__ == "__main__":

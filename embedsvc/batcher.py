@@ -5,7 +5,8 @@ wait on the returned ``Job``; the thread forms each device batch from what is qu
 the device frees up, runs it under the device lock and writes each row back to its job.
 
 >>> from embedsvc.encoder import FakeEncoder
->>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048))
+>>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048, 1 << 20,
+...                                                             30.0, 2048))
 >>> b.start()
 >>> job = b.submit([[1, 7, 2], [1, 9, 9, 2]], deadline=time.monotonic() + 5)
 >>> job.result().shape
@@ -27,16 +28,9 @@ from typing import Any
 import numpy as np
 
 from . import heap
+from .admission import Admission, Ticket, deadline_error
 from .encoder import DeviceOutOfMemory
-from .errors import (
-    ApiError,
-    BatchFailed,
-    ClientDisconnected,
-    DeadlineExceeded,
-    Overloaded,
-    PayloadTooLarge,
-    Unavailable,
-)
+from .errors import ApiError, BatchFailed, ClientDisconnected, DeadlineExceeded, Unavailable
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -58,12 +52,16 @@ class BatchLimits:
     max_batch_size: int
     max_batch_tokens: int
     max_wait_s: float
-    max_queue: int
+    max_queue: int | None  # None: derived from the measured rate (admission.Admission.limit)
+    max_queue_tokens: int
+    timeout_s: float  # REQUEST_TIMEOUT_S, for the derived MAX_QUEUE
+    max_request: int  # MAX_INPUTS_PER_REQUEST: the derived MAX_QUEUE is never below it
 
     @classmethod
     def from_settings(cls, settings: Any) -> BatchLimits:
         s = settings
-        return cls(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue)
+        return cls(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue,
+                   s.max_queue_tokens, s.request_timeout_s, s.max_inputs_per_request)
 
 
 class Job:
@@ -127,13 +125,15 @@ class _Item:
     index: int
     ids: list[int]
     queued: float
+    answered: bool = False  # its admission was given back
 
 
 @dataclass(frozen=True)
 class ShutdownReport:
-    completed: int  # inputs computed while draining
-    failed: int  # inputs still queued at the timeout, failed with 503
+    completed: int  # inputs computed while draining, for requests that got them
+    failed: int  # inputs of the requests that got no answer (503 at the timeout, or cut off)
     clean: bool  # the thread ended within the timeout
+    uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> list[int]:
@@ -184,58 +184,56 @@ class Batcher:
         self._cond = threading.Condition()
         self._pending: list[_Item] = []
         self._earliest_deadline = math.inf  # no queued job is due before this
-        self._admitted = 0  # inputs queued plus in flight
+        self.admission = Admission(
+            max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
+            timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics)
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
-        self._current_released = 0  # how many of its inputs are already answered
-        self._accepting = True
+        self._computed = 0  # inputs whose rows reached a waiting request
         self._stopping = False
-        self._rate = 0.0  # inputs/s the device sustains, a moving average, for Retry-After
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: len(self._pending))
         self.metrics.in_flight.set_function(lambda: self._in_flight)
+        self.metrics.admission_limit.set_function(lambda: self.admission.limit)
 
     # -- request side -------------------------------------------------------------------------
 
     def submit(self, inputs: list[list[int]], deadline: float,
-               disconnected: Callable[[], bool] | None = None) -> Job:
-        """Queue one request's wrapped token ids; raises 413, 429 or 503 instead of queueing.
+               disconnected: Callable[[], bool] | None = None,
+               ticket: Ticket | None = None) -> Job:
+        """Queue one request's wrapped token ids under its admission ``ticket``.
 
-        Until its inputs reach the model, the job fails with 504 at ``deadline`` and is
-        cancelled once ``disconnected()`` is true; ``cancel_due`` checks both.
+        Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
+        Until its first input reaches the model, the job fails with 504 at ``deadline``; its
+        inputs still queued are dropped once ``disconnected()`` is true (``cancel_due``).
         """
-        n = len(inputs)
-        limit = self.limits.max_queue
-        if n > limit:
-            raise PayloadTooLarge(
-                f"this request has {n} inputs but the server admits at most {limit} at once "
-                "(MAX_QUEUE); split it into smaller requests",
-                param="input",
-                code="too_many_inputs",
-            )
+        n, tokens = len(inputs), sum(len(ids) for ids in inputs)
+        if ticket is None:
+            ticket = self.admission.admit(n, tokens, deadline, disconnected)
         job = Job(inputs, deadline, disconnected)
         with self._cond:
-            if not self._accepting:
+            if self._stopping:
+                self.admission.cancel(ticket)
                 raise Unavailable("the server is shutting down; retry on another replica",
                                   code="draining")
-            if self._admitted + n > limit:
-                raise Overloaded(
-                    f"the server is at its admission limit ({self._admitted} of {limit} inputs "
-                    "queued or in flight); retry after the time in Retry-After",
-                    retry_after_s=self._retry_after(),
-                )
+            self.admission.settle(ticket, tokens)
             now = time.monotonic()
             self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
             self._earliest_deadline = min(self._earliest_deadline, deadline)
-            self._admitted += n
             self._warn_if_deep(now)
             self._cond.notify()
         return job
 
+    def admit(self, inputs: int, tokens: int, deadline: float,
+              disconnected: Callable[[], bool] | None = None) -> Ticket:
+        """Reserve room for a request before it tokenizes (see ``Admission.admit``)."""
+        return self.admission.admit(inputs, tokens, deadline, disconnected)
+
     def cancel_due(self) -> int:
-        """Cancel queued jobs that are past their deadline or whose client left; how many.
+        """Cancel queued jobs past their deadline, and the queued inputs of clients that
+        left (even when others of their inputs were computed); how many jobs.
 
         Called periodically (the service's watchdog), so that a waiting request thread needs
         no timeout of its own: a timed wait costs measurably more CPU than a plain one.
@@ -248,7 +246,7 @@ class Batcher:
             if job.disconnected():  # type: ignore[misc]
                 gone = ClientDisconnected("the client disconnected", code="client_disconnected")
                 with self._cond:
-                    if not (job.done or job.started):
+                    if not job.done:
                         self._cancel(job, gone)
                         cancelled += 1
         return cancelled
@@ -263,7 +261,8 @@ class Batcher:
 
     @property
     def admitted(self) -> int:
-        return self._admitted
+        """Inputs admitted: being tokenized, queued or on the device."""
+        return self.admission.used_inputs
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -283,16 +282,23 @@ class Batcher:
         return True
 
     def shutdown(self, timeout: float) -> ShutdownReport:
-        """Stop admitting, finish what is queued within ``timeout``, fail the rest with 503."""
+        """Stop admitting, finish what was admitted within ``timeout``, fail the rest with 503.
+
+        The report counts inputs: those computed while draining (a long request's included),
+        those of the requests that got no answer, and how many of these were never computed
+        (still queued at the timeout, or on the device when the thread did not end in time).
+        """
         deadline = time.monotonic() + timeout
+        self.admission.close()
         with self._cond:
-            self._accepting = False
-            queued_at_start = self._admitted
-            while self._admitted and time.monotonic() < deadline and self.alive:
+            computed_before = self._computed
+            while self.admission.used_inputs and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-            leftover = list({id(it.job): it.job for it in self._pending}.values())
-            failed = sum(len(job.inputs) for job in leftover)
-            for job in leftover:
+            leftover = {id(it.job): it.job for it in self._pending}
+            failed = sum(len(job.inputs) for job in leftover.values())
+            # their inputs on the device now will be computed for nobody
+            uncomputed = len(self._pending) + self._unanswered(lambda job: id(job) in leftover)
+            for job in leftover.values():
                 self._cancel(job, Unavailable("the server shut down before this request ran",
                                               code="draining"))
             self._stopping = True
@@ -300,10 +306,18 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         clean = not self.alive
+        with self._cond:
+            if not clean:  # the requests on the stuck batch will never be answered
+                cut = {id(it.job): it.job for it in self._current
+                       if not it.answered and id(it.job) not in leftover}
+                failed += sum(len(job.inputs) for job in cut.values())
+                uncomputed += self._unanswered(lambda job: id(job) in cut)
+            completed = self._computed - computed_before
         self.metrics.batcher_alive.set(0)
-        report = ShutdownReport(max(0, queued_at_start - failed), failed, clean)
-        log.info("batcher stopped: %d inputs completed while draining, %d failed, clean=%s",
-                 report.completed, report.failed, report.clean)
+        report = ShutdownReport(completed, failed, clean, uncomputed)
+        log.info("batcher stopped: %d inputs completed while draining; requests with %d "
+                 "inputs failed, %d of them never computed; clean=%s",
+                 report.completed, report.failed, report.uncomputed, report.clean)
         return report
 
     # -- the batcher thread -------------------------------------------------------------------
@@ -333,7 +347,7 @@ class Batcher:
                     if not job.done:
                         self._cancel(job, BatchFailed("the batcher stopped while computing this "
                                                       "request; retry it", code="batcher_died"))
-                self._admitted -= len(self._current) - self._current_released
+                self._release([it for it in self._current if not it.answered])
                 self._current = []
                 self._in_flight = 0
             self.metrics.batcher_alive.set(0)
@@ -379,7 +393,6 @@ class Batcher:
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
-        self._current_released = 0
         return batch
 
     def _compute(self, batch: list[_Item]) -> None:
@@ -409,9 +422,9 @@ class Batcher:
         self._scatter(batch, rows, elapsed)
 
     def _record(self, batch: list[_Item], elapsed: float) -> None:
-        self.metrics.observe_batch([len(it.ids) for it in batch], elapsed)
-        rate = len(batch) / max(elapsed, 1e-6)
-        self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
+        lengths = [len(it.ids) for it in batch]
+        self.metrics.observe_batch(lengths, elapsed)
+        self.admission.observe(sum(lengths), len(batch), elapsed)
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
         with self._cond:
@@ -421,15 +434,16 @@ class Batcher:
                 if id(job) not in seen:
                     seen.add(id(job))
                     job.inference_s += elapsed
-                if job.done:  # failed meanwhile (another of its batches)
+                if job.done:  # failed meanwhile (another of its batches), or its client left
                     continue
+                self._computed += 1
                 if job.rows is None:
                     job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
                 job.rows[it.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
                     job._finish()
-            self._release(len(batch))
+            self._release(batch)
 
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
@@ -437,24 +451,29 @@ class Batcher:
             for job in {id(it.job): it.job for it in batch}.values():
                 if not job.done:
                     self._cancel(job, BatchFailed(message, code="batch_failed"))
-            self._release(len(batch))
+            self._release(batch)
 
     # -- bookkeeping, under self._cond --------------------------------------------------------
 
     def _cancel(self, job: Job, error: ApiError) -> None:
-        """Fail ``job`` and take its queued inputs out of the queue."""
-        before = len(self._pending)
-        self._pending = [it for it in self._pending if it.job is not job]
-        removed = before - len(self._pending)
-        self._admitted -= removed
-        if removed:
-            self.metrics.dropped_inputs.labels(reason=error.reason).inc(removed)
+        """Fail ``job`` and take its queued inputs out of the queue (counted as dropped)."""
+        mine = [it for it in self._pending if it.job is job]
+        if mine:
+            self._pending = [it for it in self._pending if it.job is not job]
+            self._release(mine)
+            self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
         self._cond.notify_all()
 
-    def _release(self, n: int) -> None:
-        self._admitted -= n
-        self._current_released += n
+    def _unanswered(self, which: Callable[[Job], bool]) -> int:
+        """Inputs on the device, not yet answered, of the jobs ``which`` picks."""
+        return sum(1 for it in self._current if not it.answered and which(it.job))
+
+    def _release(self, items: list[_Item]) -> None:
+        """Give back the admission of inputs answered or dropped."""
+        for it in items:
+            it.answered = True
+        self.admission.release(len(items), sum(len(it.ids) for it in items))
         self._cond.notify_all()
 
     def _cancel_late(self, now: float) -> int:
@@ -468,25 +487,14 @@ class Batcher:
         self._earliest_deadline = min((it.job.deadline for it in self._pending), default=math.inf)
         return len(due)
 
-    def _retry_after(self) -> int:
-        if self._rate <= 0:
-            return 1
-        return max(1, min(60, math.ceil(self._admitted / self._rate)))
-
     def _warn_if_deep(self, now: float) -> None:
-        if self._admitted < _DEEP_QUEUE_SHARE * self.limits.max_queue:
+        admitted, limit = self.admission.used_inputs, self.admission.limit
+        if admitted < _DEEP_QUEUE_SHARE * limit:
             return
         if now - self._last_deep_log >= _DEEP_QUEUE_LOG_EVERY_S:
             self._last_deep_log = now
             log.warning(
                 "queue is deep: %d of %d inputs admitted; add a replica or raise MAX_QUEUE "
-                "if latency allows", self._admitted, self.limits.max_queue,
+                "if latency allows", admitted, limit,
             )
 
-
-def deadline_error() -> DeadlineExceeded:
-    return DeadlineExceeded(
-        "the request waited past its deadline (REQUEST_TIMEOUT_S) before reaching the model; "
-        "retry, or send fewer inputs at once",
-        code="timeout",
-    )

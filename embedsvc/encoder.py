@@ -11,8 +11,10 @@ thread calls ``encode``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -22,7 +24,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .window import token_window
+
 log = logging.getLogger(__name__)
+_WORD = re.compile(r"\S+")
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,22 @@ class Encoder(Protocol):
     info: ModelInfo
     special_tokens: int  # how many ids ``wrap`` adds
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text, without special tokens and without truncation."""
+    def tokenize(self, texts: Sequence[str], limit: int | None = None,
+                 direction: str = "right") -> list[list[int]]:
+        """Token ids of each text, without special tokens.
+
+        With ``limit``: only the first (``right``) or last (``left``) ``limit`` ids, exactly
+        those of tokenizing in full and then cutting, at a cost that follows ``limit`` rather
+        than the text's length (``window.token_window``). The engine asks for one more than
+        the room to learn, just as cheaply, that a text is too long.
+        """
 
     def wrap(self, ids: Sequence[int]) -> list[int]:
         """``ids`` with the model's special tokens added: what ``encode`` takes."""
 
     def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
-        """The tokens the model sees for each text: special tokens in, truncated to its limit."""
+        """The tokens the model sees for each text: special tokens in, truncated to its limit
+        at the same bounded cost as ``tokenize``."""
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         """One row per sequence of wrapped ids, in order."""
@@ -141,7 +154,8 @@ class SentenceTransformerEncoder:
         self.source = source  # the model's directory, when it was loaded from one
         tokenizer = model.tokenizer
         self._tokenizer = _plain_tokenizer(tokenizer)
-        self._truncating = _plain_tokenizer(tokenizer, truncate_at=int(model.max_seq_length))
+        self._margin = max((len(t.content) for t in
+                            self._tokenizer.get_added_tokens_decoder().values()), default=0)
         self._prefix, self._suffix = _special_tokens(self._tokenizer)
         self._pad_id = tokenizer.pad_token_id or 0
         self._with_token_types = "token_type_ids" in tokenizer.model_input_names
@@ -176,16 +190,24 @@ class SentenceTransformerEncoder:
         self.info = self._describe()
         self.encode([self.wrap(self.tokenize(["warm up"])[0])])
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [e.ids for e in encodings]
+    def tokenize(self, texts: Sequence[str], limit: int | None = None,
+                 direction: str = "right") -> list[list[int]]:
+        if limit is None:
+            encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+            return [e.ids for e in encodings]
+        return [ids for ids, _ in token_window(self._tokenizer, texts, limit, direction,
+                                               self._margin, offsets=False)]
 
     def wrap(self, ids: Sequence[int]) -> list[int]:
         return [*self._prefix, *ids, *self._suffix]
 
     def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
-        encodings = self._truncating.encode_batch(list(texts), add_special_tokens=True)
-        return [_pieces(text, e) for text, e in zip(texts, encodings, strict=True)]
+        room = self.info.max_input_tokens - self.special_tokens
+        windows = token_window(self._tokenizer, texts, room, "right", self._margin)
+        return [[*map(self._special_piece, self._prefix),
+                 *(Piece(i, text[a:b], False, a, b) for i, (a, b) in zip(*window, strict=True)),
+                 *map(self._special_piece, self._suffix)]
+                for text, window in zip(texts, windows, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         return self._run(self._pipeline, batch)
@@ -251,6 +273,9 @@ class SentenceTransformerEncoder:
     def special_tokens(self) -> int:
         return len(self._prefix) + len(self._suffix)
 
+    def _special_piece(self, token_id: int) -> Piece:
+        return Piece(token_id, self._tokenizer.id_to_token(token_id), True, None, None)
+
     def features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
         """The padded tensors the first module reads for ``batch`` (wrapped ids)."""
         import torch
@@ -301,8 +326,8 @@ def _pooling(model: Any) -> str | None:
     return None
 
 
-def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
-    """A private copy of the fast tokenizer: no padding, truncation fixed once here.
+def _plain_tokenizer(hf_tokenizer: Any) -> Any:
+    """A private copy of the fast tokenizer: no padding, no truncation (``token_window`` cuts).
 
     ``encode_batch`` on it only reads shared state, so request threads can call it at once;
     the tokenizer's own call API changes truncation state per call and is not safe that way.
@@ -311,23 +336,8 @@ def _plain_tokenizer(hf_tokenizer: Any, truncate_at: int | None = None) -> Any:
 
     tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
     tok.no_padding()
-    if truncate_at:
-        tok.enable_truncation(truncate_at)
-    else:
-        tok.no_truncation()
+    tok.no_truncation()
     return tok
-
-
-def _pieces(text: str, encoding: Any) -> list[Piece]:
-    out = []
-    for token_id, token, (start, stop), special in zip(
-        encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
-    ):
-        if special:
-            out.append(Piece(token_id, token, True, None, None))
-        else:
-            out.append(Piece(token_id, text[start:stop], False, start, stop))
-    return out
 
 
 def _special_tokens(tok: Any) -> tuple[list[int], list[int]]:
@@ -389,8 +399,10 @@ class FakeEncoder:
 
     special_tokens = 2
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return [[_word_id(w) for w in text.split()] for text in texts]
+    def tokenize(self, texts: Sequence[str], limit: int | None = None,
+                 direction: str = "right") -> list[list[int]]:
+        return [[_word_id(text[a:b]) for a, b in _words(text, limit, direction)]
+                for text in texts]
 
     def wrap(self, ids: Sequence[int]) -> list[int]:
         return [1, *ids, 2]
@@ -398,12 +410,8 @@ class FakeEncoder:
     def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
         out = []
         for text in texts:
-            words, start = [], 0
-            for word in text.split():
-                start = text.index(word, start)
-                words.append(Piece(_word_id(word), word, False, start, start + len(word)))
-                start += len(word)
-            words = words[: self.info.max_input_tokens - 2]
+            words = [Piece(_word_id(text[a:b]), text[a:b], False, a, b)
+                     for a, b in _words(text, self.info.max_input_tokens - 2, "right")]
             out.append([Piece(1, "[CLS]", True, None, None), *words,
                         Piece(2, "[SEP]", True, None, None)])
         return out
@@ -452,6 +460,22 @@ class FakeEncoder:
         """The normalised vector the service should return for ``text``."""
         v = self.vector(self.wrap(self.tokenize([text])[0]))
         return v / np.linalg.norm(v)
+
+
+def _words(text: str, limit: int | None, direction: str) -> list[tuple[int, int]]:
+    """Offsets of the first or last ``limit`` words (runs of non-space), at a cost that
+    follows ``limit``: the last ones from a suffix that grows until it holds enough."""
+    if direction == "right" or limit is None:
+        return [m.span() for m in itertools.islice(_WORD.finditer(text), limit)]
+    span = 8 * (limit + 1)
+    while True:
+        start = max(0, len(text) - span)
+        spans = [m.span() for m in _WORD.finditer(text, start)]
+        if spans and start and spans[0][0] == start and not text[start - 1].isspace():
+            spans = spans[1:]  # a word cut by the window's edge
+        if len(spans) >= limit or not start:
+            return spans[len(spans) - limit:] if len(spans) > limit else spans
+        span *= 4
 
 
 def _word_id(word: str) -> int:

@@ -25,14 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rules
+from .admission import deadline_error
 from .batcher import Batcher, BatchLimits
 from .encoder import Encoder, ModelInfo, Piece
-from .errors import DeadlineExceeded, InvalidRequest
+from .errors import InvalidRequest
 from .metrics import Metrics
 from .rules import Inputs
 from .settings import Settings
 
 Disconnected = Callable[[], bool] | None
+_CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
+_TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline
 
 
 @dataclass(slots=True)
@@ -77,16 +80,24 @@ class Engine:
     ) -> Embedded:
         """Embed ``inputs`` (strings, or token-id lists without special tokens).
 
-        ``disconnected`` (waitress's ``waitress.client_disconnected``) lets queued inputs of a
-        client that went away be dropped before they reach the model.
+        Checked, then admitted (``Batcher.admit``), then tokenized within ``deadline``, then
+        queued. ``disconnected`` (waitress's ``waitress.client_disconnected``) lets the queued
+        inputs of a client that went away be dropped before they reach the model.
         """
         arrived = time.monotonic()
         deadline = deadline or arrived + self.settings.request_timeout_s
         rules.check_dimensions(dimensions, self.encoder.info.dimension)
-        ids = self.prepare(inputs, truncate=truncate, direction=direction)
-        tokenize_s = time.monotonic() - arrived
-        self.metrics.tokenization.observe(tokenize_s)
-        job = self.batcher.submit(ids, deadline, disconnected)
+        self.check(inputs)
+        asked = time.monotonic()
+        ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
+        try:
+            tokenizing = time.monotonic()  # the wait for admission counts as queue time
+            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
+            tokenize_s = time.monotonic() - tokenizing
+            self.metrics.tokenization.observe(tokenize_s)
+            job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket)
+        finally:
+            self.batcher.admission.cancel(ticket)  # a no-op once the batcher took it over
         rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
         if dimensions is not None:
             rows = rows[:, :dimensions]
@@ -96,29 +107,60 @@ class Engine:
             vectors=rows,
             tokens=sum(len(x) for x in ids),
             tokenize_s=tokenize_s,
-            queue_s=job.queue_s,
+            queue_s=job.queue_s + tokenizing - asked,
             inference_s=job.inference_s,
             total_s=time.monotonic() - arrived,
         )
 
     def prepare(
-        self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right"
+        self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right",
+        deadline: float | None = None,
     ) -> list[list[int]]:
         """Token ids with special tokens, truncated (or refused) to the model's limit."""
-        s, encoder = self.settings, self.encoder
+        self.check(inputs)
+        return self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
+
+    def check(self, inputs: Inputs) -> None:
+        """The input rules (count, type, emptiness, characters): before any admission."""
+        s = self.settings
         rules.check_inputs(inputs, max_inputs=s.max_inputs_per_request,
                            max_chars=s.max_input_chars)
+
+    def estimate(self, inputs: Inputs) -> int:
+        """Tokens ``inputs`` will hold with special tokens, for admission before tokenizing."""
+        most = self.encoder.info.max_input_tokens
+        special = self.encoder.special_tokens
         if isinstance(inputs[0], str):
-            content = encoder.tokenize(inputs)  # type: ignore[arg-type]
+            return sum(min(most, len(t) // _CHARS_PER_TOKEN + 1 + special) for t in inputs)
+        return sum(min(most, len(ids) + special) for ids in inputs)
+
+    def tokens(
+        self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right",
+        deadline: float | None = None,
+    ) -> list[list[int]]:
+        """Checked ``inputs`` as wrapped token ids; texts are cut before tokenizing (the cost
+        follows the model's limit, not the body) and tokenized within ``deadline`` (504)."""
+        encoder = self.encoder
+        special = encoder.special_tokens
+        room = encoder.info.max_input_tokens - special
+        truncate = self.settings.auto_truncate if truncate is None else truncate
+        if isinstance(inputs[0], str):
+            # Not truncating: one token past the room is enough to know an input is too long.
+            limit = room if truncate else room + 1
+            content: list[list[int]] = []
+            for start in range(0, len(inputs), _TOKENIZE_CHUNK):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise deadline_error()
+                chunk = inputs[start:start + _TOKENIZE_CHUNK]
+                content.extend(encoder.tokenize(chunk, limit, direction))  # type: ignore[arg-type]
+            exact = False
         else:
             vocab = encoder.info.vocab_size
             content = [self._unwrap(rules.check_token_ids(i, ids, vocab))
                        for i, ids in enumerate(inputs)]
-        special = encoder.special_tokens
-        room = encoder.info.max_input_tokens - special
-        truncate = s.auto_truncate if truncate is None else truncate
+            exact = True
         return [encoder.wrap(rules.fit(i, ids, room, special=special, truncate=truncate,
-                                       direction=direction))
+                                       direction=direction, exact=exact))
                 for i, ids in enumerate(content)]
 
     def embed_all(
@@ -128,28 +170,34 @@ class Engine:
         truncate: bool | None = None,
         direction: str = "right",
         deadline: float | None = None,
+        disconnected: Disconnected = None,
     ) -> tuple[list[np.ndarray], int]:
         """Per-token vectors of each input (POST /embed_all) and the tokens computed.
 
-        A debugging route, not batched with other requests: it runs in the request thread,
-        in slices within the batch limits, each holding the device between two batches.
+        A debugging route, admitted like ``embed`` but not batched with other requests: it
+        runs in the request thread, in slices within the batch limits, each holding the
+        device between two batches.
         """
         encode_tokens = getattr(self.encoder, "encode_tokens", None)
         if encode_tokens is None:
             raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
                                  code="not_supported")
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
-        ids = self.prepare(inputs, truncate=truncate, direction=direction)
-        rows: list[np.ndarray] = []
-        for part in _slices(ids, self.batcher.limits):
-            lock = self.batcher.device_lock
-            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise DeadlineExceeded("the device stayed busy past this request's deadline",
-                                       code="timeout")
-            try:
-                rows.extend(encode_tokens(part))
-            finally:
-                lock.release()
+        self.check(inputs)
+        ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
+        try:
+            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
+            rows: list[np.ndarray] = []
+            for part in _slices(ids, self.batcher.limits):
+                lock = self.batcher.device_lock
+                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise deadline_error()
+                try:
+                    rows.extend(encode_tokens(part))
+                finally:
+                    lock.release()
+        finally:
+            self.batcher.admission.cancel(ticket)
         return rows, sum(len(x) for x in ids)
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
@@ -173,12 +221,22 @@ class Engine:
             return ids[head:len(ids) - tail]
         return ids
 
-    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
-        """The tokens the model sees for each text (POST /tokenize)."""
-        s = self.settings
-        rules.check_inputs(texts, max_inputs=s.max_inputs_per_request,
-                           max_chars=s.max_input_chars)
-        return self.encoder.pieces(texts)
+    def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
+               disconnected: Disconnected = None) -> list[list[Piece]]:
+        """The tokens the model sees for each text (POST /tokenize), under the same
+        admission and deadline as ``embed``."""
+        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
+        self.check(texts)
+        ticket = self.batcher.admit(len(texts), self.estimate(texts), deadline, disconnected)
+        try:
+            out: list[list[Piece]] = []
+            for start in range(0, len(texts), _TOKENIZE_CHUNK):
+                if time.monotonic() > deadline:
+                    raise deadline_error()
+                out.extend(self.encoder.pieces(texts[start:start + _TOKENIZE_CHUNK]))
+            return out
+        finally:
+            self.batcher.admission.cancel(ticket)
 
 
 def _slices(ids: list[list[int]], limits: BatchLimits) -> list[list[list[int]]]:

@@ -215,6 +215,9 @@ class ThreadWorker(gthread.ThreadWorker):
             util.write(conn.sock, json_error(refused.status, refused.reason, refused.message))
             self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path,
                           refused.status)
+            engine = self._engine()
+            if engine is not None:
+                engine.metrics.count_request("unmatched", refused.status, 0.0)
             return False
         return super().handle_request(req, conn)
 

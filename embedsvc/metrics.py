@@ -103,7 +103,8 @@ class Metrics:
         )
         self.model_info = Info("embedsvc_model", "The served model", registry=r)
         self.admission_limit = Gauge(
-            "embedsvc_admission_limit_inputs", "MAX_QUEUE: inputs admitted before 429",
+            "embedsvc_admission_limit_inputs",
+            "MAX_QUEUE in effect: inputs admitted at once (derived from the rate when unset)",
             registry=r,
         )
         self.connections_closed = Counter(

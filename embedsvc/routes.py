@@ -134,7 +134,7 @@ def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
     req = parse(TokenizeRequest, call.body)
     texts = as_list(req.inputs)
-    pieces = call.engine().pieces(texts)
+    pieces = call.engine().pieces(texts, deadline=call.deadline, disconnected=call.disconnected)
     reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)
     return reply
@@ -159,12 +159,12 @@ def info(call: Call) -> Reply:
         "device": model.device if model else None,
         "dtype": model.dtype if model else None,
         "parameters": model.parameters if model else None,
-        "max_concurrent_requests": s.max_queue,  # TEI's: inputs admitted at once
+        "max_concurrent_requests": service.queue_limit,  # TEI's: inputs admitted at once
         "max_batch_tokens": s.max_batch_tokens,
         "max_batch_requests": s.max_batch_size,
         "max_batch_size": s.max_batch_size,
         "max_wait_ms": s.max_wait_ms,
-        "max_queue": s.max_queue,
+        "max_queue": service.queue_limit,
         "max_client_batch_size": s.max_inputs_per_request,
         "auto_truncate": s.auto_truncate,
         "tokenization_workers": s.threads,  # request threads tokenize their own inputs

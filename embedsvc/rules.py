@@ -81,15 +81,20 @@ def check_dimensions(dimensions: int | None, model_dimension: int) -> None:
         )
 
 
-def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, direction: str
-        ) -> list[int]:
-    """``ids`` cut to ``room`` tokens from the right or the left, or a 400 if not truncating."""
+def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, direction: str,
+        exact: bool = True) -> list[int]:
+    """``ids`` cut to ``room`` tokens from the right or the left, or a 400 if not truncating.
+
+    ``exact`` is False when ``ids`` are only a text's first tokens (the engine tokenizes one
+    past the room), so that the message does not claim a count it never made.
+    """
     if len(ids) <= room:
         return ids
     if not truncate:
+        count = f"{len(ids) + special} tokens, more" if exact else "more tokens"
         raise InvalidRequest(
-            f"input {i} has {len(ids) + special} tokens, more than this model's limit of "
-            f"{room + special}; shorten it or ask for truncation",
+            f"input {i} has {count} than this model's limit of {room + special}; "
+            "shorten it or ask for truncation",
             param="input", code="input_too_long",
         )
     return ids[:room] if direction == "right" else ids[len(ids) - room:]

@@ -99,6 +99,12 @@ class Service:
         engine = self._engine
         return engine.info if engine is not None else None
 
+    @property
+    def queue_limit(self) -> int | None:
+        """MAX_QUEUE in effect (derived from the measured rate when unset)."""
+        engine = self._engine
+        return engine.batcher.admission.limit if engine is not None else self.settings.max_queue
+
     def deadline(self) -> float:
         """The deadline of a request arriving now (REQUEST_TIMEOUT_S)."""
         return time.monotonic() + self.settings.request_timeout_s
@@ -129,7 +135,7 @@ class Service:
             encoder = self._given or self._loader()
         except Exception as exc:
             log.exception("the model failed to load")
-            self.failure = f"the model failed to load: {type(exc).__name__}"
+            self.failure = f"the model failed to load: {exc}"
             self._loaded.set()
             return
         batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),
@@ -145,7 +151,6 @@ class Service:
 
     def _announce(self, info: ModelInfo, seconds: float) -> None:
         self.metrics.model_load.set(seconds)
-        self.metrics.admission_limit.set(self.settings.max_queue)
         self.metrics.model_info.info({
             "model": info.name, "device": info.device, "dtype": info.dtype,
             "version": __version__, "dimension": str(info.dimension),

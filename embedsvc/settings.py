@@ -121,14 +121,17 @@ class Settings:
     max_wait_ms: float = _setting(
         0.0, _non_negative(float), "how long a partial batch may wait for more while idle"
     )
-    max_queue: int = _setting(
-        2048, _positive(int), "inputs admitted (queued + in flight) before 429"
+    max_queue: int | None = _setting(
+        None, _positive(int),
+        "inputs admitted (tokenizing, queued, in flight) at once; more wait in FIFO order; "
+        "unset: what the device starts within REQUEST_TIMEOUT_S at its measured rate, at "
+        "least MAX_INPUTS_PER_REQUEST and at most 16 times it",
     )
     request_timeout_s: float = _setting(
         30.0, _positive(float), "deadline from arrival to reaching the model, else 504"
     )
     max_inputs_per_request: int = _setting(
-        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if lower"
+        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if set lower"
     )
     max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body")
     max_input_chars: int = _setting(
@@ -183,6 +186,11 @@ class Settings:
     onnx_threads: int = _setting(
         0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use"
     )
+    max_queue_tokens: int = _setting(
+        1 << 20, _positive(int),
+        "tokens admitted at once (the memory budget of work in progress); a larger request "
+        "runs alone",
+    )
     token_ids: str = _setting(
         "openai",
         _choice("openai", "model"),
@@ -199,8 +207,8 @@ class Settings:
                 text = str(value).lower() if isinstance(value, bool) else str(value)
                 object.__setattr__(self, f.name, _parse(f, text))
         if self.max_inputs_per_request is None:
-            object.__setattr__(self, "max_inputs_per_request", min(2048, self.max_queue))
-        elif self.max_inputs_per_request > self.max_queue:
+            object.__setattr__(self, "max_inputs_per_request", min(2048, self.max_queue or 2048))
+        elif self.max_queue is not None and self.max_inputs_per_request > self.max_queue:
             raise SettingsError(
                 f"MAX_INPUTS_PER_REQUEST ({self.max_inputs_per_request}) is larger than "
                 f"MAX_QUEUE ({self.max_queue}), so the largest requests could never be "

@@ -109,7 +109,7 @@ def test_embed_truncates_left_or_right_like_the_cut_text(real_app, reference):
 
 
 def test_the_backend_asked_for_is_the_one_serving(real_app):
-    info = real_app.extensions["embedsvc"].encoder.info
+    info = real_app.extensions["embedsvc"].model
     assert info.backend == real_app.extensions["embedsvc"].settings.backend
 
 
@@ -127,6 +127,26 @@ def test_tokenize_matches_the_tokenizer(real_app, reference):
     assert [p["id"] for p in body[0]] == reference.tokenizer("Hello, wörld")["input_ids"]
     assert [p["text"] for p in body[0][1:-1]] == ["Hello", ",", "wörld"]
     assert body[0][3]["start"] == 7 and body[0][3]["stop"] == 12
+
+
+LONG = "Tokenizers cut 😀 中文 e\u0301t\u00e9 [MASK]   long   " * 400 + "!" * 5000
+
+
+def test_long_inputs_are_cut_exactly_as_the_tokenizer_truncates(real_app, reference):
+    """The engine tokenizes only a window of LONG; the answer is the tokenizer's own."""
+    tok = reference.tokenizer
+    body = post(real_app, "/tokenize", {"inputs": LONG})
+    want = tok(LONG, truncation=True, max_length=256, return_offsets_mapping=True)
+    assert [p["id"] for p in body[0]] == want["input_ids"]
+    assert [(p["start"], p["stop"]) for p in body[0][1:-1]] == want["offset_mapping"][1:-1]
+    for side in ("right", "left"):
+        tok.truncation_side = side
+        try:
+            ids = tok(LONG, truncation=True, max_length=256)["input_ids"]
+        finally:
+            tok.truncation_side = "right"
+        engine = real_app.extensions["embedsvc"].ready()
+        assert engine.prepare([LONG], direction=side) == [ids]
 
 
 def test_info_describes_the_model(real_app):

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from embedsvc.encoder import bundled_model_path
-from embedsvc.engine import Engine
 from embedsvc.metrics import Metrics
+from embedsvc.service import Service
 from embedsvc.settings import Settings
 
 from .conftest import cosine
@@ -22,19 +22,19 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings map text to
          "short", "Ein Satz auf Deutsch, mit Umlauten: äöü."]
 
 
-def started(**settings) -> Engine:
-    """An engine on the real model; the run's shared cache unless ``cache_dir`` says."""
+def started(**settings) -> Service:
+    """A service on the real model; the run's shared cache unless ``cache_dir`` says."""
     settings = Settings.from_env(os.environ, device="cpu", **settings)
-    engine = Engine(settings, metrics=Metrics(CollectorRegistry()))
-    engine.start(background=False)
-    return engine
+    service = Service(settings, metrics=Metrics(CollectorRegistry()))
+    service.start(background=False)
+    return service
 
 
-def vectors(engine: Engine, texts) -> np.ndarray:
+def vectors(service: Service, texts) -> np.ndarray:
     try:
-        return engine.embed(texts).vectors
+        return service.ready().embed(texts).vectors
     finally:
-        engine.drain(timeout=5)
+        service.drain(timeout=5)
 
 
 def graphs(cache: Path) -> list[Path]:
@@ -86,7 +86,7 @@ def test_int8_reports_its_quality_and_keeps_neighbours(caplog):
                     for _ in range(400)})
     fp32 = started(backend="onnx")
     int8 = started(backend="onnx", quantize="int8")
-    assert int8.encoder.info.dtype == "int8"
+    assert int8.model.dtype == "int8"
     line = next(r.getMessage() for r in caplog.records if "QUANTIZE=int8" in r.getMessage())
     assert "cosine to float32 on 24 texts: mean 0.99" in line, line
     queries = 30
@@ -132,7 +132,7 @@ def test_cls_pooling_and_a_dense_layer_give_pytorchs_vectors(cls_dense_model, tm
     reference = SentenceTransformer(cls_dense_model, device="cpu")
     texts = [*TEXTS, " ".join(["truncated at forty-eight tokens"] * 30)]
     engine = started(backend="onnx", model=cls_dense_model, cache_dir=str(tmp_path))
-    assert (engine.encoder.info.backend, engine.encoder.info.dimension) == ("onnx", 24)
+    assert (engine.model.backend, engine.model.dimension) == ("onnx", 24)
     assert (cosine(vectors(engine, texts), reference.encode(texts)) > 0.9999).all()
 
 

@@ -4,13 +4,12 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.batcher import Batcher, BatchLimits, plan_batch
+from embedsvc.batcher import Batcher, BatchLimits, ShutdownReport, plan_batch
 from embedsvc.encoder import DeviceOutOfMemory, FakeEncoder
 from embedsvc.errors import (
     BatchFailed,
     ClientDisconnected,
     DeadlineExceeded,
-    Overloaded,
     PayloadTooLarge,
     Unavailable,
 )
@@ -34,7 +33,8 @@ def metrics(registry):
 
 def start(encoder, metrics, **limits) -> Batcher:
     values = {"max_batch_size": 256, "max_batch_tokens": 16384, "max_wait_s": 0.0,
-              "max_queue": 2048, **limits}
+              "max_queue": 2048, "max_queue_tokens": 1 << 20, "timeout_s": 30.0,
+              "max_request": 1, **limits}
     b = Batcher(encoder.encode, BatchLimits(**values), metrics=metrics)
     b.start()
     return b
@@ -149,18 +149,93 @@ def test_rows_out_must_equal_rows_in(metrics):
     b.shutdown(1)
 
 
-def test_admission_limit_gives_429_with_retry_after(metrics):
+def test_a_full_admission_makes_the_next_request_wait_for_room_not_fail(metrics):
     enc = GatedEncoder()
     b = start(enc, metrics, max_queue=4, max_batch_size=4)
     occupy(b, enc)  # 1 input in flight
     queued = b.submit([ids(3), ids(4), ids(5)], later())  # 4 admitted
-    with pytest.raises(Overloaded) as info:
-        b.submit([ids(6)], later())
-    assert info.value.status == 429 and int(info.value.headers["Retry-After"]) >= 1
+    assert (b.admitted, b.admission.used_tokens) == (4, 3 + 3 * 3)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(b.submit([ids(6)], later()).result(5)))
+    waiter.start()
+    time.sleep(0.05)
+    assert b.admission.waiting == 1 and not done
     enc.gate.set()
     queued.result(5)
-    b.submit([ids(6)], later()).result(5)  # admission freed
+    waiter.join(5)
+    np.testing.assert_array_equal(done[0][0], enc.vector(ids(6)))
+    assert (b.admitted, b.admission.used_tokens) == (0, 0)
     b.shutdown(1)
+
+
+def test_a_departed_client_loses_its_queued_inputs_even_after_some_were_computed(metrics,
+                                                                                  registry):
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_size=2)
+    enc.hold()
+    gone = threading.Event()
+    job = b.submit([ids(10 + i) for i in range(8)], later(), disconnected=gone.is_set)
+    assert enc.entered.wait(5)  # its first two inputs are on the device: the job has started
+    gone.set()
+    assert b.cancel_due() == 1
+    with pytest.raises(ClientDisconnected):
+        job.result(1)
+    enc.gate.set()
+    b.submit([ids(5)], later()).result(5)
+    assert registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                     {"reason": "disconnected"}) == 6
+    assert sum(len(batch) for batch in enc.batches) == 2 + 1  # the six queued never ran
+    assert (b.admitted, b.admission.used_tokens) == (0, 0)
+    b.shutdown(1)
+
+
+@pytest.mark.parametrize("stalled_batch_ends", ["after the report", "during the join"])
+def test_the_drain_report_counts_inputs_computed_and_failed_of_a_long_request(
+        metrics, stalled_batch_ends):
+    class Stalling(FakeEncoder):
+        """Holds its 2nd batch until ``resume``, its 4th until ``finish``."""
+
+        def __init__(self):
+            super().__init__()
+            self.resume, self.finish = threading.Event(), threading.Event()
+            self.calls = 0
+
+        def encode(self, batch):
+            self.calls += 1
+            if self.calls in (2, 4):
+                assert (self.resume if self.calls == 2 else self.finish).wait(10)
+            return super().encode(batch)
+
+    enc = Stalling()
+    b = start(enc, metrics, max_batch_size=2)
+    job = b.submit([ids(10 + i) for i in range(10)], later())  # five batches of two
+    while enc.calls < 2:
+        time.sleep(0.005)
+    reports = []
+    drain = threading.Thread(target=lambda: reports.append(b.shutdown(0.5)))
+    drain.start()
+    enc.resume.set()  # batches 2 and 3 finish while draining; 4 stalls; 5 stays queued
+    joining = stalled_batch_ends == "during the join"
+    if joining:  # after the 0.5 s timeout, within the thread join's 1 s of slack
+        threading.Timer(0.8, enc.finish.set).start()
+    drain.join(5)
+    enc.finish.set()
+    # the request (10 inputs) failed with 503; batches 4 and 5 were never computed for it
+    assert reports[0] == ShutdownReport(completed=4, failed=10, clean=joining, uncomputed=2 + 2)
+    with pytest.raises(Unavailable):
+        job.result(1)
+    b._thread.join(5)
+
+
+def test_a_drain_that_ends_with_a_batch_stuck_on_the_device_counts_its_request(metrics):
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    job = occupy(b, enc)  # one input, on the device until the gate opens
+    report = b.shutdown(0.1)
+    enc.gate.set()
+    assert report == ShutdownReport(completed=0, failed=1, clean=False, uncomputed=1)
+    job.result(5)  # it does finish afterwards, but the process would have exited by now
+    b._thread.join(5)
 
 
 def test_a_request_larger_than_the_admission_limit_is_413_not_an_eternal_429(metrics):

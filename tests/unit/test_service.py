@@ -43,12 +43,13 @@ def test_requests_wait_for_the_model_to_load_then_succeed(registry):
 
 def test_a_model_that_never_loads_gives_503(registry):
     def broken():
-        raise OSError("no such model")
+        raise OSError("no such model: /srv/private/models/x")
 
     service = Service(Settings(request_timeout_s=1), loader=broken, metrics=Metrics(registry))
     app = create_app(service.settings, service=service)
     service.start(background=True)
     client = app.test_client()
     err = assert_error(client.post("/embed", json={"inputs": "x"}), 503, "service_unavailable")
-    assert "failed to load" in err["message"]
+    assert "failed to load" in err["message"] and "/srv/private" not in err["message"]
     assert assert_error(client.get("/health"), 503, "service_unavailable")["code"] == "unhealthy"
+    assert "/srv/private" in service.failure  # the log and `embedsvc serve` say why

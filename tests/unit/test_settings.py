@@ -9,7 +9,8 @@ from embedsvc.settings import Settings, SettingsError
 def test_defaults_follow_the_contract():
     s = Settings()
     assert (s.device, s.dtype, s.max_batch_tokens, s.max_batch_size) == ("auto", "auto", 16384, 256)
-    assert (s.max_wait_ms, s.max_queue, s.request_timeout_s) == (0.0, 2048, 30.0)
+    assert (s.max_wait_ms, s.max_queue, s.request_timeout_s) == (0.0, None, 30.0)
+    assert s.max_queue_tokens == 1 << 20
     assert (s.max_inputs_per_request, s.max_body_bytes, s.auto_truncate) == (2048, 16 << 20, True)
     assert (s.api_key, s.host, s.port, s.threads) == (None, "127.0.0.1", 8080, 16)
 

@@ -37,20 +37,23 @@ def test_api_key_guards_all_but_health_and_metrics(fake, registry):
     assert client.post("/embed", json={"inputs": "a"}, headers=ok).status_code == 200
 
 
-def test_full_admission_gives_429_with_retry_after(fake, registry):
-    app = make_app(fake, registry, max_queue=2, max_inputs_per_request=2, max_batch_size=2)
+def test_work_that_cannot_start_before_its_deadline_gets_429_with_retry_after(registry):
+    fake = FakeEncoder(per_token_s=0.005)  # 200 tokens/s
+    app = make_app(fake, registry, request_timeout_s=1, max_batch_size=4)
     client = app.test_client()
-    fake.hold()
+    assert client.post("/embed", json={"inputs": "warm up"}).status_code == 200  # a rate
+    batcher = app.extensions["embedsvc"].ready().batcher
     done = []
-    t = threading.Thread(target=lambda: done.append(
-        app.test_client().post("/v1/embeddings", json={"input": ["x", "y"]})))
+    t = threading.Thread(target=lambda: done.append(  # 80 x 4 tokens: 1.6 s of work
+        app.test_client().post("/embed", json={"inputs": ["x y"] * 80})))
     t.start()
-    assert fake.entered.wait(5)
-    resp = client.post("/v1/embeddings", json={"input": "z"})
+    deadline = time.monotonic() + 5
+    while not batcher.admitted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    resp = client.post("/embed", json={"inputs": "z"})
     assert_error(resp, 429, "rate_limit_error")
     assert int(resp.headers["Retry-After"]) >= 1
-    fake.gate.set()
-    t.join(5)
+    t.join(10)
     assert done[0].status_code == 200
     assert_still_serving(client, fake)
     assert registry.get_sample_value("embedsvc_rejections_total", {"reason": "overloaded"}) == 1

@@ -1,0 +1,166 @@
+"""Admission rules, each with an exact answer: FIFO order, deadlines, budgets, Retry-After."""
+
+import threading
+import time
+
+import pytest
+
+from embedsvc.admission import Admission
+from embedsvc.errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
+from embedsvc.metrics import Metrics
+
+
+def later(seconds: float = 10.0) -> float:
+    return time.monotonic() + seconds
+
+
+def gate(registry=None, **kw) -> Admission:
+    values = {"max_inputs": 4, "max_tokens": 1000, "timeout_s": 30.0, "floor_inputs": 4, **kw}
+    return Admission(metrics=Metrics(registry), **values)
+
+
+def admit_in_thread(a: Admission, inputs: int, tokens: int, order: list, name: str,
+                    **kw) -> threading.Thread:
+    def run():
+        try:
+            a.admit(inputs, tokens, kw.pop("deadline", later()), **kw)
+            order.append(name)
+        except Exception as exc:  # noqa: BLE001 - the test reads what happened
+            order.append((name, type(exc).__name__))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert condition()
+
+
+def test_freed_room_goes_to_the_oldest_waiter_and_nobody_overtakes_it():
+    a = gate()
+    a.admit(3, 30, later())  # 3 of 4 inputs in use
+    order: list = []
+    big = admit_in_thread(a, 4, 40, order, "big")  # needs all four: waits
+    wait_for(lambda: a.waiting == 1)
+    small = admit_in_thread(a, 1, 10, order, "small")  # would fit now, but is behind "big"
+    wait_for(lambda: a.waiting == 2)
+    time.sleep(0.05)
+    assert order == [] and a.used_inputs == 3
+    a.release(3, 30)
+    big.join(5)
+    assert order == ["big"] and (a.used_inputs, a.used_tokens) == (4, 40)
+    a.release(4, 40)
+    small.join(5)
+    assert order == ["big", "small"] and (a.used_inputs, a.used_tokens) == (1, 10)
+
+
+def test_work_that_cannot_reach_the_model_before_its_deadline_gets_429_at_once():
+    a = gate(max_inputs=100, max_tokens=10_000)
+    a.observe(tokens=1000, inputs=10, seconds=1.0)  # the device does 1000 tokens/s
+    a.admit(50, 5000, later())  # 5 s of work ahead
+    started = time.monotonic()
+    with pytest.raises(Overloaded) as info:
+        a.admit(1, 10, time.monotonic() + 2.5)
+    assert time.monotonic() - started < 1  # refused at once, not after waiting
+    assert info.value.status == 429
+    assert info.value.headers["Retry-After"] == "3"  # 5 s ahead - 2.5 s of deadline, rounded up
+    ticket = a.admit(1, 10, time.monotonic() + 6)  # a later deadline fits: admitted
+    assert ticket.open and a.used_inputs == 51
+
+
+def test_retry_after_counts_the_waiting_requests_too():
+    a = gate(max_inputs=10)
+    a.observe(tokens=100, inputs=1, seconds=1.0)  # 100 tokens/s
+    a.admit(10, 100, later())  # full: 1 s ahead
+    order: list = []
+    waiter = admit_in_thread(a, 10, 300, order, "waiter", deadline=later(30))  # +3 s, waits
+    wait_for(lambda: a.waiting == 1)
+    with pytest.raises(Overloaded) as info:
+        a.admit(1, 1, time.monotonic() + 1.5)
+    assert info.value.headers["Retry-After"] == "3"  # (100 + 300) / 100 - 1.5, rounded up
+    a.close()
+    waiter.join(5)
+    assert order == [("waiter", "Unavailable")]
+
+
+def test_the_token_budget_holds_and_a_larger_request_runs_alone():
+    a = gate(max_inputs=100, max_tokens=100)
+    a.admit(1, 60, later())
+    order: list = []
+    second = admit_in_thread(a, 1, 60, order, "second")  # 120 > 100 tokens: waits
+    wait_for(lambda: a.waiting == 1)
+    time.sleep(0.05)
+    assert order == []
+    a.release(1, 60)
+    second.join(5)
+    assert order == ["second"]
+    a.release(1, 60)
+    huge = a.admit(1, 5000, later())  # larger than the whole budget: admitted when alone
+    assert huge.tokens == 100 and a.used_tokens == 100
+
+
+def test_settle_swaps_the_estimate_for_the_exact_count_and_cancel_is_idempotent():
+    a = gate()
+    ticket = a.admit(2, 50, later())
+    a.settle(ticket, 12)
+    assert (a.used_inputs, a.used_tokens, ticket.open) == (2, 12, False)
+    a.cancel(ticket)  # the batcher owns it now: nothing to free
+    assert (a.used_inputs, a.used_tokens) == (2, 12)
+    other = a.admit(1, 7, later())
+    a.cancel(other)
+    a.cancel(other)
+    assert (a.used_inputs, a.used_tokens) == (2, 12)
+
+
+def test_a_waiter_whose_client_left_goes_and_its_inputs_count_as_dropped(registry):
+    a = gate(registry)
+    a.admit(4, 10, later())
+    gone = threading.Event()
+    order: list = []
+    t = admit_in_thread(a, 3, 10, order, "leaver", disconnected=gone.is_set)
+    wait_for(lambda: a.waiting == 1)
+    gone.set()
+    t.join(5)
+    assert order == [("leaver", ClientDisconnected.__name__)] and a.waiting == 0
+    assert registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                     {"reason": "disconnected"}) == 3
+
+
+def test_a_waiter_still_waiting_at_its_deadline_gets_504():
+    a = gate()  # no measured rate yet: nothing to predict with, so it waits
+    a.admit(4, 10, later())
+    with pytest.raises(DeadlineExceeded):
+        a.admit(1, 1, time.monotonic() + 0.1)
+    assert a.waiting == 0 and a.used_inputs == 4
+
+
+def test_draining_refuses_new_requests_with_503():
+    a = gate()
+    a.close()
+    with pytest.raises(Unavailable):
+        a.admit(1, 1, later())
+
+
+def test_more_inputs_than_max_queue_is_413_not_an_eternal_wait():
+    with pytest.raises(PayloadTooLarge, match="MAX_QUEUE"):
+        gate().admit(5, 5, later())
+
+
+def test_unset_max_queue_follows_the_measured_rate_within_its_bounds():
+    a = gate(max_inputs=None, floor_inputs=100, timeout_s=30.0)
+    assert a.limit == 100  # nothing measured: MAX_INPUTS_PER_REQUEST
+    a.observe(tokens=100, inputs=10, seconds=1.0)  # 10 inputs/s x 30 s
+    assert a.limit == 300
+    a.observe(tokens=100, inputs=1010, seconds=1.0)  # now 10 + 0.2 x 1000 = 210 inputs/s
+    assert a.limit == 1600  # 6300, capped at 16 x 100
+    assert gate(max_inputs=50).limit == 50  # an explicit MAX_QUEUE is kept
