@@ -101,7 +101,8 @@ def embed_all(call: Call) -> Reply:
     engine = call.engine()
     inputs = prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
     rows, tokens = engine.embed_all(inputs, truncate=req.truncate,
-                                    direction=req.truncation_direction, deadline=call.deadline)
+                                    direction=req.truncation_direction, deadline=call.deadline,
+                                    disconnected=call.disconnected)
     reply = json_reply(rows, headers=[("x-compute-tokens", str(tokens))])
     reply.inputs, reply.tokens = len(inputs), tokens
     return reply
