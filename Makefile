@@ -12,6 +12,9 @@ PYTHON ?= $(or $(INSTALLED_PYTHON),python3)
 # torch is installed first and pinned, so that the rest of the install keeps it. Where pip
 # finds no local CPU build, plain PyPI gives Linux the multi-GB CUDA build; a CPU-only box
 # asks for the CPU build with TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+# A second, small environment for the TEI clients that need huggingface_hub 1.x
+# (langchain-huggingface pins it below 2); tests/integration/test_clients.py runs them in it.
+HUB1_VENV ?= .venv-hub1
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?= $(INSTALLED_TORCH_PIP_ARGS)
 export HF_HUB_OFFLINE ?= 1
@@ -26,7 +29,7 @@ quote = '$(subst ','\'',$(1))'
 
 .PHONY: setup tools serve test lint clean FORCE
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(HUB1_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(REINSTALL)
 	$(PYTHON) -m venv $(if $(REINSTALL),--clear) $(VENV)
@@ -35,6 +38,12 @@ $(VENV)/.installed: pyproject.toml $(REINSTALL)
 	printf '%s\n' $(call quote,INSTALLED_PYTHON := $(PYTHON)) \
 	  $(call quote,INSTALLED_TORCH_PIP_ARGS := $(TORCH_PIP_ARGS)) \
 	  $(call quote,INSTALLED_KEY := $(INSTALL_KEY)) > $(INSTALLED)
+	touch $@
+
+$(HUB1_VENV)/.installed: tests/clients/requirements-hub1.txt
+	rm -rf $(HUB1_VENV)
+	$(PYTHON) -m venv $(HUB1_VENV)
+	$(HUB1_VENV)/bin/python -m pip install -q -r tests/clients/requirements-hub1.txt
 	touch $@
 
 serve: setup
@@ -63,8 +72,8 @@ tools:
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
 
-test: lint tools
+test: lint tools $(HUB1_VENV)/.installed
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache

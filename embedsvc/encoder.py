@@ -43,6 +43,7 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
     labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
+    pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
     backend: str = "torch"
 
 
@@ -82,6 +83,11 @@ class Encoder(Protocol):
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         """One row per sequence of wrapped ids, in order."""
+
+    # Optional (/embed_all and /decode answer 400 for an encoder without them):
+    # def encode_tokens(self, batch) -> list[np.ndarray]: one (tokens, dimension) array per
+    #     sequence of wrapped ids: the token vectors before pooling, special tokens included.
+    # def decode(self, batch, skip_special_tokens) -> list[str]: ids back to text.
 
 
 class DeviceOutOfMemory(RuntimeError):
@@ -248,6 +254,22 @@ class SentenceTransformerEncoder:
              batch: Sequence[Sequence[int]]) -> np.ndarray:
         return torch_forward(modules, self.features(batch), "sentence_embedding")
 
+    def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        import torch
+
+        features = self.features(batch)
+        with torch.inference_mode():
+            # the first module (the transformer, or the ONNX graph standing in for it) gives
+            # the token vectors; pooling comes after
+            tokens = torch.as_tensor(self._pipeline[0](features)["token_embeddings"])
+            rows = tokens.float().cpu().numpy()
+        return [rows[row, : len(ids)] for row, ids in enumerate(batch)]
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        return self._tokenizer.decode_batch([list(ids) for ids in batch],
+                                            skip_special_tokens=skip_special_tokens)
+
     @property
     def special_tokens(self) -> int:
         return len(self._prefix) + len(self._suffix)
@@ -296,6 +318,7 @@ class SentenceTransformerEncoder:
             prompts=dict(getattr(self._model, "prompts", None) or {}),
             kind=self.kind,
             labels=self._labels(),
+            pooling=_pooling(self._model),
             backend=self._backend,
         )
 
@@ -308,6 +331,15 @@ class SentenceTransformerEncoder:
 
     def _labels(self) -> tuple[str, ...]:
         return ()
+
+
+def _pooling(model: Any) -> str | None:
+    """The pooling module's mode, spelled as TEI spells it in /info (``last_token``)."""
+    for module in model:
+        mode = getattr(module, "pooling_mode", None)
+        if isinstance(mode, str):
+            return "last_token" if mode == "lasttoken" else mode
+    return None
 
 
 def torch_forward(modules: Sequence[Any], features: dict[str, Any], output: str) -> np.ndarray:
@@ -437,6 +469,18 @@ class FakeEncoder:
             if error is not None:
                 raise error
         return self._rows(batch)
+
+    def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per-token vectors whose sum is the row ``encode`` returns for the same ids."""
+        positions = np.arange(1, max(len(ids) for ids in batch) + 1, dtype=np.float32)[:, None]
+        return [self._weights[list(ids)] * positions[: len(ids)] for ids in batch]
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        """The fake cannot invert its word hash: ids come back spelled as ``w<id>``."""
+        special = {1: "[CLS]", 2: "[SEP]"}
+        return [" ".join(special.get(i, f"w{i}") for i in ids
+                         if not (skip_special_tokens and i in special)) for ids in batch]
 
     def vector(self, ids: Sequence[int]) -> np.ndarray:
         """The raw row for wrapped ``ids``: what ``encode`` returns for them."""

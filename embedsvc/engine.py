@@ -26,8 +26,9 @@ import numpy as np
 
 from . import rules
 from .admission import deadline_error
-from .batcher import Batcher
+from .batcher import Batcher, BatchLimits
 from .encoder import Encoder, ModelInfo, Piece
+from .errors import InvalidRequest
 from .metrics import Metrics
 from .rules import Inputs
 from .settings import Settings
@@ -58,6 +59,9 @@ class Engine:
         self.encoder = encoder
         self.batcher = batcher
         self.metrics = metrics or batcher.metrics
+        marked = encoder.wrap([-1])  # where the model's template puts the text
+        at = marked.index(-1)
+        self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
 
     @property
     def info(self) -> ModelInfo:
@@ -152,11 +156,70 @@ class Engine:
             exact = False
         else:
             vocab = encoder.info.vocab_size
-            content = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(inputs)]
+            content = [self._unwrap(rules.check_token_ids(i, ids, vocab))
+                       for i, ids in enumerate(inputs)]
             exact = True
         return [encoder.wrap(rules.fit(i, ids, room, special=special, truncate=truncate,
                                        direction=direction, exact=exact))
                 for i, ids in enumerate(content)]
+
+    def embed_all(
+        self,
+        inputs: Inputs,
+        *,
+        truncate: bool | None = None,
+        direction: str = "right",
+        deadline: float | None = None,
+        disconnected: Disconnected = None,
+    ) -> tuple[list[np.ndarray], int]:
+        """Per-token vectors of each input (POST /embed_all) and the tokens computed.
+
+        A debugging route, admitted like ``embed`` but not batched with other requests: it
+        runs in the request thread, in slices within the batch limits, each holding the
+        device between two batches.
+        """
+        encode_tokens = getattr(self.encoder, "encode_tokens", None)
+        if encode_tokens is None:
+            raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
+                                 code="not_supported")
+        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
+        self.check(inputs)
+        ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
+        try:
+            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
+            rows: list[np.ndarray] = []
+            for part in _slices(ids, self.batcher.limits):
+                lock = self.batcher.device_lock
+                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise deadline_error()
+                try:
+                    rows.extend(encode_tokens(part))
+                finally:
+                    lock.release()
+        finally:
+            self.batcher.admission.cancel(ticket)
+        return rows, sum(len(x) for x in ids)
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        """Token ids of the served model back to text (POST /decode)."""
+        decode = getattr(self.encoder, "decode", None)
+        if decode is None:
+            raise InvalidRequest("this model's backend cannot decode token ids",
+                                 code="not_supported")
+        rules.check_count(len(batch), self.settings.max_inputs_per_request)
+        vocab = self.encoder.info.vocab_size
+        checked = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(batch)]
+        return decode(checked, skip_special_tokens)
+
+    def _unwrap(self, ids: list[int]) -> list[int]:
+        """Ids that already carry the model's special tokens (as /tokenize gives them) lose
+        them here, so that they are not added twice."""
+        head, tail = len(self._prefix), len(self._suffix)
+        if (head or tail) and len(ids) >= head + tail and ids[:head] == self._prefix \
+                and ids[len(ids) - tail:] == self._suffix:
+            return ids[head:len(ids) - tail]
+        return ids
 
     def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
                disconnected: Disconnected = None) -> list[list[Piece]]:
@@ -174,6 +237,24 @@ class Engine:
             return out
         finally:
             self.batcher.admission.cancel(ticket)
+
+
+def _slices(ids: list[list[int]], limits: BatchLimits) -> list[list[list[int]]]:
+    """``ids`` cut, in order, into runs within the batch size and padded-token limits."""
+    out: list[list[list[int]]] = []
+    run: list[list[int]] = []
+    longest = 0
+    for seq in ids:
+        wider = max(longest, len(seq))
+        if run and (len(run) >= limits.max_batch_size
+                    or wider * (len(run) + 1) > limits.max_batch_tokens):
+            out.append(run)
+            run, wider = [], len(seq)
+        run.append(seq)
+        longest = wider
+    if run:
+        out.append(run)
+    return out
 
 
 def l2_normalize(rows: np.ndarray) -> np.ndarray:

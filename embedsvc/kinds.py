@@ -115,7 +115,8 @@ def tei_model_type(info: ModelInfo) -> dict[str, Any]:
         id2label = {str(i): name for i, name in enumerate(info.labels)}
         return {info.kind: {"id2label": id2label,
                             "label2id": {name: i for i, name in enumerate(info.labels)}}}
-    return {"embedding": {"pooling": "splade"} if info.kind == "sparse" else {}}
+    pooling = "splade" if info.kind == "sparse" else info.pooling
+    return {"embedding": {"pooling": pooling} if pooling else {}}
 
 
 def _cross_kind(config: dict[str, Any]) -> str:

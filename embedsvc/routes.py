@@ -26,15 +26,24 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from . import __version__, kind_routes, schemas
+from . import __version__, kind_routes, rules, schemas
 from .engine import Embedded
 from .errors import InvalidRequest, Unavailable
 from .kinds import tei_model_type
+from .openai_tokens import decode_ids
 from .openapi import openapi_document
-from .schemas import EmbeddingsRequest, EmbedRequest, Request, TokenizeRequest
+from .schemas import (
+    DecodeRequest,
+    EmbedAllRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    Request,
+    TokenizeRequest,
+)
 from .web import Call, Reply, Route, json_reply
 
 _INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+_TEXT_SHAPES = "a string or a list of strings"
 _openapi_body: bytes | None = None
 _HEALTH_REASONS = {
     "loading": "the model is loading",
@@ -51,6 +60,13 @@ def embeddings(call: Call) -> Reply:
     req = parse(EmbeddingsRequest, call.body)
     inputs = as_list(req.input)
     engine = call.engine()
+    if inputs and isinstance(inputs[0], list) and engine.settings.token_ids == "openai":
+        # OpenAI clients send ids of the tiktoken encoding of the model they name. The
+        # rules run on the ids as sent (count, empty lists) before they become texts.
+        s = engine.settings
+        rules.check_inputs(inputs, max_inputs=s.max_inputs_per_request,
+                           max_chars=s.max_input_chars)
+        inputs = decode_ids(inputs, req.model)
     out = engine.embed(inputs, normalize=True, dimensions=req.dimensions,
                        deadline=call.deadline, disconnected=call.disconnected)
     if req.encoding_format == "base64":
@@ -69,17 +85,36 @@ def embeddings(call: Call) -> Reply:
 
 
 def embed(call: Call) -> Reply:
-    """POST /embed: the TEI shape, one vector per input."""
+    """POST /embed: the TEI shape, one vector per input (texts or the model's token ids)."""
     req = parse(EmbedRequest, call.body)
-    texts = as_list(req.inputs)
     engine = call.engine()
-    if req.prompt_name is not None:
-        prefix = prompt(engine.info.prompts, req.prompt_name)
-        texts = [prefix + t for t in texts]
-    out = engine.embed(texts, normalize=req.normalize, dimensions=req.dimensions,
+    inputs = prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
+    out = engine.embed(inputs, normalize=req.normalize, dimensions=req.dimensions,
                        truncate=req.truncate, direction=req.truncation_direction,
                        deadline=call.deadline, disconnected=call.disconnected)
-    return embedded_reply(out.vectors, out, len(texts))
+    return embedded_reply(out.vectors, out, len(inputs))
+
+
+def embed_all(call: Call) -> Reply:
+    """POST /embed_all: the TEI shape, per input one raw vector per token."""
+    req = parse(EmbedAllRequest, call.body)
+    engine = call.engine()
+    inputs = prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
+    rows, tokens = engine.embed_all(inputs, truncate=req.truncate,
+                                    direction=req.truncation_direction, deadline=call.deadline,
+                                    disconnected=call.disconnected)
+    reply = json_reply(rows, headers=[("x-compute-tokens", str(tokens))])
+    reply.inputs, reply.tokens = len(inputs), tokens
+    return reply
+
+
+def decode(call: Call) -> Reply:
+    """POST /decode: the TEI shape, the served model's token ids back to text."""
+    req = parse(DecodeRequest, call.body)
+    batch = as_list(req.ids)
+    reply = json_reply(call.engine().decode(batch, req.skip_special_tokens))
+    reply.inputs = len(batch)
+    return reply
 
 
 def tokenize(call: Call) -> Reply:
@@ -96,28 +131,36 @@ def tokenize(call: Call) -> Reply:
 
 
 def info(call: Call) -> Reply:
-    """GET /info: the model, the limits and this process."""
+    """GET /info: the model, the limits and this process; TEI's fields among them."""
     service = call.service
     s, model = service.settings, service.model
     return json_reply({
         "model_id": model.name if model else None,
+        "model_sha": None,
+        "model_dtype": model.dtype if model else None,
+        "served_model_name": model.name if model else None,
+        "model_type": tei_model_type(model) if model else None,
+        "kind": model.kind if model else None,
+        "labels": list(model.labels) if model else None,
         "dimension": model.dimension if model else None,
         "max_input_length": model.max_input_tokens if model else None,
         "device": model.device if model else None,
         "dtype": model.dtype if model else None,
         "parameters": model.parameters if model else None,
+        "max_concurrent_requests": service.queue_limit,  # TEI's: inputs admitted at once
         "max_batch_tokens": s.max_batch_tokens,
+        "max_batch_requests": s.max_batch_size,
         "max_batch_size": s.max_batch_size,
         "max_wait_ms": s.max_wait_ms,
         "max_queue": service.queue_limit,
         "max_client_batch_size": s.max_inputs_per_request,
         "auto_truncate": s.auto_truncate,
+        "tokenization_workers": s.threads,  # request threads tokenize their own inputs
         "version": __version__,
+        "sha": None,
+        "docker_label": None,
         "pid": service.pid,
         "state": service.state,
-        "kind": model.kind if model else None,
-        "labels": list(model.labels) if model else None,
-        "model_type": tei_model_type(model) if model else None,
     })
 
 
@@ -152,6 +195,8 @@ _RERANKER = frozenset({"reranker"})
 _COHERE = ("Cohere/Jina rerank: the best documents for a query, with relevance scores "
            "(a reranker model)")
 
+_HEALTH_SUMMARY = ("200 once the model is loaded and the batcher runs; 503 with code loading, "
+                   "unhealthy or draining")
 _EMBEDDINGS = Route("/v1/embeddings", "POST", embeddings, "OpenAI-compatible embeddings",
                     EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING)
 
@@ -185,9 +230,18 @@ ROUTES: tuple[Route, ...] = (
           response=schemas.OBJECT),
     Route("/tokenize", "POST", tokenize, "The tokens the model sees for each input",
           TokenizeRequest, schemas.TOKENS),
-    Route("/info", "GET", info, "Model, device, limits, version and pid", response=schemas.OBJECT),
-    Route("/health", "GET", health, "200 once the model is loaded and the batcher runs; 503 "
-          "with code loading, unhealthy or draining", response=schemas.OBJECT, open=True),
+    Route("/embed_all", "POST", embed_all, "TEI-compatible per-token vectors: per input, one "
+          "raw vector per token", EmbedAllRequest, schemas.TOKEN_VECTORS,
+          kinds=frozenset({"embedding"})),
+    Route("/decode", "POST", decode, "TEI-compatible: the served model's token ids back to text",
+          DecodeRequest, schemas.TEXTS),
+    Route("/info", "GET", info, "Model, device, limits, version and pid, with TEI's fields",
+          response=schemas.INFO),
+    Route("/health", "GET", health, _HEALTH_SUMMARY, response=schemas.HEALTH, open=True),
+    Route("/", "GET", health, "TEI's health alias: as /health", response=schemas.HEALTH,
+          open=True),
+    Route("/ping", "GET", health, "SageMaker's health alias: as /health",
+          response=schemas.HEALTH, open=True),
     Route("/metrics", "GET", metrics, "Prometheus text exposition", open=True),
     Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
 )
@@ -212,7 +266,7 @@ def parse(model: type[Request], raw: bytes) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise _invalid(exc, model) from None
 
 
 def as_list(value: Any) -> list[Any]:
@@ -222,6 +276,17 @@ def as_list(value: Any) -> list[Any]:
     if value and isinstance(value[0], int):
         return [value]
     return value
+
+
+def prompted(prompts: dict[str, str], name: str | None, inputs: list[Any]) -> list[Any]:
+    """Texts with the named prompt put before each; token ids cannot take one."""
+    if name is None:
+        return inputs
+    prefix = prompt(prompts, name)
+    if inputs and not isinstance(inputs[0], str):
+        raise InvalidRequest("'prompt_name' applies to text inputs; with token ids, put the "
+                             "prompt's ids first", param="prompt_name", code="invalid_prompt_name")
+    return [prefix + t for t in inputs]
 
 
 def prompt(prompts: dict[str, str], name: str) -> str:
@@ -247,13 +312,13 @@ def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
     return reply
 
 
-def _invalid(exc: ValidationError) -> InvalidRequest:
+def _invalid(exc: ValidationError, model: type[Request]) -> InvalidRequest:
     first = exc.errors(include_url=False)[0]
     loc = [str(x) for x in first["loc"]]
     param = loc[0] if loc else None
     if param in ("input", "inputs") and first["type"] != "missing":
-        kinds = _INPUT_SHAPES if param == "input" else "a string or a list of strings"
-        message = f"'{param}' must be {kinds}"
+        texts_only = model is TokenizeRequest
+        message = f"'{param}' must be {_TEXT_SHAPES if texts_only else _INPUT_SHAPES}"
     elif first["type"] == "missing":
         message = f"'{param}' is required"
     else:

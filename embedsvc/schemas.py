@@ -17,10 +17,13 @@ class EmbeddingsRequest(Request):
 
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="Text, texts, token ids of one text, or token ids of several texts. Token "
-        "ids are this model's vocabulary ids without special tokens."
+        "ids are ids of the OpenAI tokenizer of 'model' (cl100k_base for text-embedding-* and "
+        "unknown names, o200k_base where tiktoken maps the name to it), decoded to text; with "
+        "the server setting TOKEN_IDS=model, ids of the served model without special tokens."
     )
     model: StrictStr | None = Field(
-        None, description="Accepted and ignored: the response names the served model."
+        None, description="Any name; it picks the OpenAI tokenizer of token-id input. The "
+        "response names the served model."
     )
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="'base64': the little-endian float32 bytes of each vector."
@@ -48,17 +51,39 @@ class _Truncation(Request):
         return value.lower() if isinstance(value, str) else value
 
 
-class EmbedRequest(_Truncation):
+_TEI_INPUTS = (
+    "Text, texts, token ids of one text, or token ids of several texts. Token ids are the "
+    "served model's own (see /tokenize); the model's special tokens are added unless the ids "
+    "already carry them."
+)
+TeiInputs = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class EmbedAllRequest(_Truncation):
+    """POST /embed_all, as text-embeddings-inference defines it: per-token vectors."""
+
+    inputs: TeiInputs = Field(description=_TEI_INPUTS)
+    prompt_name: StrictStr | None = Field(
+        None, description="Name of a prompt of the model, put before each input (texts only)."
+    )
+
+
+class EmbedRequest(EmbedAllRequest):
     """POST /embed, as text-embeddings-inference defines it."""
 
-    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
     normalize: StrictBool = Field(True, description="L2-normalise each vector.")
-    prompt_name: StrictStr | None = Field(
-        None, description="Name of a prompt of the model, put before each input."
-    )
     dimensions: StrictInt | None = Field(
         None, description="Keep the first N components (then normalise, if asked)."
     )
+
+
+class DecodeRequest(Request):
+    """POST /decode, as text-embeddings-inference defines it: token ids back to text."""
+
+    ids: list[StrictInt] | list[list[StrictInt]] = Field(
+        description="Token ids of the served model: one list, or a list of lists."
+    )
+    skip_special_tokens: StrictBool = Field(True, description="Leave out [CLS], [SEP] etc.")
 
 
 class TokenizeRequest(Request):
@@ -242,6 +267,39 @@ SPARSE_VECTORS: dict[str, Any] = {
         "properties": {"index": {"type": "integer"}, "value": {"type": "number"}},
     }},
     "description": "The non-zero entries of each input's vector, indices ascending.",
+}
+TOKEN_VECTORS: dict[str, Any] = {
+    "type": "array", "description": "Per input, one raw vector per token, special tokens "
+    "included", "items": {"type": "array", "items": VECTOR},
+}
+TEXTS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+HEALTH: dict[str, Any] = {"type": "object", "properties": {"status": {"const": "ok"}}}
+INFO: dict[str, Any] = {
+    "type": "object",
+    "description": "TEI's /info fields (model_id, model_sha, model_dtype, served_model_name, "
+    "model_type, max_concurrent_requests, max_input_length, max_batch_tokens, "
+    "max_batch_requests, max_client_batch_size, auto_truncate, tokenization_workers, "
+    "version, sha, docker_label) beside embedsvc's own.",
+    "properties": {
+        "model_id": {"type": ["string", "null"]},
+        "model_sha": {"type": ["string", "null"]},
+        "model_dtype": {"type": ["string", "null"]},
+        "served_model_name": {"type": ["string", "null"]},
+        "model_type": {"type": ["object", "null"],
+                       "examples": [{"embedding": {"pooling": "mean"}}]},
+        "kind": {"type": ["string", "null"]},
+        "dimension": {"type": ["integer", "null"]},
+        "max_input_length": {"type": ["integer", "null"]},
+        "max_concurrent_requests": {"type": "integer"},
+        "max_batch_tokens": {"type": "integer"},
+        "max_batch_requests": {"type": "integer"},
+        "max_client_batch_size": {"type": "integer"},
+        "auto_truncate": {"type": "boolean"},
+        "tokenization_workers": {"type": "integer"},
+        "version": {"type": "string"},
+        "pid": {"type": "integer"},
+        "state": {"type": "string"},
+    },
 }
 ERROR: dict[str, Any] = {
     "type": "object",

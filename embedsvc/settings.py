@@ -223,6 +223,12 @@ class Settings:
         _choice("auto", "embedding", "reranker", "classifier", "sparse"),
         "the model's kind; auto: read from its config files (see README, model kinds)",
     )
+    token_ids: str = _setting(
+        "openai",
+        _choice("openai", "model"),
+        "token-id input on /v1/embeddings: openai (ids of the OpenAI tokenizer of the requested "
+        "model, decoded to text) or model (ids of the served model's own vocabulary)",
+    )
 
     def __post_init__(self) -> None:
         # Keyword values pass through the same parsers as the environment's strings, so a

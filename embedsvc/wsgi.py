@@ -96,12 +96,14 @@ class Pipeline:
     def _route(self, environ: dict[str, Any], path: str, method: str,
                methods: dict[str, Route] | None) -> Route | None:
         """The table's route for this request (None: Flask's), after the key and method."""
-        is_open = methods is not None and all(r.open for r in methods.values())
+        route = methods.get("GET" if method == "HEAD" else method) if methods else None
+        # A path may be open for one method only (GET / is TEI's health check, POST / is not).
+        is_open = route.open if route is not None else (
+            methods is not None and all(r.open for r in methods.values()))
         if not is_open:
             check_api_key(self.service.settings.api_key, environ.get("HTTP_AUTHORIZATION"))
         if methods is None:
             return None
-        route = methods.get("GET" if method == "HEAD" else method)
         if route is None:
             allow = ", ".join(sorted(methods))
             raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allow}",

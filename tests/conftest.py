@@ -1,9 +1,28 @@
 import os
 from pathlib import Path
 
+import pytest
+
+from .tiktoken_files import write_cache
+
 # Never reach a model hub: the bundled model loads from site-packages.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Client libraries under test must not phone home: haystack sends telemetry unless told not to.
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
+
+
+@pytest.fixture(scope="session")
+def tiktoken_cache(tmp_path_factory):
+    """TIKTOKEN_CACHE_DIR holding cl100k_base and o200k_base, so tiktoken never downloads."""
+    directory = str(write_cache(tmp_path_factory.mktemp("tiktoken")))
+    before = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = directory
+    yield directory
+    if before is None:
+        os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+    else:
+        os.environ["TIKTOKEN_CACHE_DIR"] = before
 
 # ONNX graphs that the tests and the servers they start export go to a cache inside this
 # checkout's .pytest_cache (ignored by git), never a user's: kept between runs, so only the

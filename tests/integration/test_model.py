@@ -3,6 +3,12 @@
 import base64
 
 import numpy as np
+from prometheus_client import CollectorRegistry
+
+from embedsvc.metrics import Metrics
+from embedsvc.service import Service
+from embedsvc.settings import Settings
+from embedsvc.wsgi import create_app
 
 from .conftest import cosine
 
@@ -44,12 +50,30 @@ def test_base64_decodes_to_the_same_vectors(real_app, reference):
     assert (cosine(got, reference.encode(TEXTS)) > 0.9999).all()
 
 
-def test_token_ids_give_the_vector_of_their_text(real_app, reference):
-    ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
-    body = post(real_app, "/v1/embeddings", {"input": ids})
+def test_openai_token_ids_give_the_vector_of_their_text(real_app, reference, tiktoken_cache):
+    import tiktoken
+
+    enc = tiktoken.get_encoding("cl100k_base")
+    ids = [enc.encode_ordinary(t) for t in TEXTS]
+    body = post(real_app, "/v1/embeddings", {"input": ids, "model": "text-embedding-3-small"})
     assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
-    single = post(real_app, "/v1/embeddings", {"input": ids[1]})
-    assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
+    expected = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert body["usage"]["prompt_tokens"] == expected  # the served model's tokens
+
+
+def test_model_token_ids_with_token_ids_model(reference):
+    service = Service(Settings(device="cpu", token_ids="model"),
+                      metrics=Metrics(CollectorRegistry()))
+    service.start(background=False)
+    app = create_app(service.settings, service=service)
+    try:
+        ids = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+        body = post(app, "/v1/embeddings", {"input": ids})
+        assert (cosine(rows(body), reference.encode(TEXTS)) > 0.9999).all()
+        single = post(app, "/v1/embeddings", {"input": ids[1]})
+        assert cosine(rows(single), reference.encode(TEXTS[1]))[0] > 0.9999
+    finally:
+        service.drain(timeout=5)
 
 
 def test_embed_route(real_app, reference):
@@ -129,3 +153,36 @@ def test_info_describes_the_model(real_app):
     info = real_app.test_client().get("/info").get_json()
     assert (info["dimension"], info["max_input_length"], info["device"], info["dtype"]) == (
         384, 256, "cpu", "float32")
+
+
+def test_tei_token_ids_on_embed_with_and_without_special_tokens(real_app, reference):
+    pieces = post(real_app, "/tokenize", {"inputs": TEXTS})
+    wrapped = [[p["id"] for p in row] for row in pieces]  # [CLS] ... [SEP], as TEI gives them
+    bare = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    want = reference.encode(TEXTS)
+    for ids in (wrapped, bare):
+        assert (cosine(np.array(post(real_app, "/embed", {"inputs": ids})), want) > 0.9999).all()
+
+
+def test_embed_all_token_vectors_mean_to_the_pooled_vector(real_app, reference):
+    body = post(real_app, "/embed_all", {"inputs": TEXTS})
+    for rows, text in zip(body, TEXTS, strict=True):
+        rows = np.array(rows)
+        assert rows.shape == (len(reference.tokenizer(text)["input_ids"]), 384)
+        # all-MiniLM-L6-v2 pools by the mean of its token vectors, special tokens included
+        assert cosine(rows.mean(axis=0), reference.encode(text))[0] > 0.9999
+
+
+def test_decode_matches_the_tokenizer(real_app, reference):
+    ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert post(real_app, "/decode", {"ids": ids}) == [
+        reference.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    kept = post(real_app, "/decode", {"ids": ids[0], "skip_special_tokens": False})
+    assert kept == [reference.tokenizer.decode(ids[0])]
+    assert kept[0].startswith("[CLS]") and kept[0].endswith("[SEP]")
+
+
+def test_info_model_type_names_the_pooling(real_app):
+    info = real_app.test_client().get("/info").get_json()
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["model_dtype"] == "float32" and info["max_input_length"] == 256

@@ -40,7 +40,8 @@ HOSTILE = [
     ("/v1/embeddings", j('{"input": ["a", 1]}'), 400),
     ("/v1/embeddings", j('{"input": [[[1]]]}'), 400),
     ("/v1/embeddings", j('{"input": [5, -1]}'), 400),
-    ("/v1/embeddings", j('{"input": [5, 1000]}'), 400),  # past the fake's vocabulary
+    ("/v1/embeddings", j('{"input": [5, 100256]}'), 400),  # not an id of cl100k_base
+    ("/embed", j('{"inputs": [5, 1000]}'), 400),  # past the fake's vocabulary
     ("/v1/embeddings", j('{"input": [5, 1.5]}'), 400),
     ("/v1/embeddings", j('{"input": [5, 1180591620717411303424]}'), 400),  # 2**70
     ("/v1/embeddings", j('{"input": [[5], []]}'), 400),

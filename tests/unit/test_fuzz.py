@@ -25,7 +25,8 @@ FIELDS = {
         "user": scalars,
     },
     "/embed": {
-        "inputs": texts | st.lists(texts, max_size=6) | scalars,
+        "inputs": texts | st.lists(texts, max_size=6) | token_ids | st.lists(token_ids, max_size=4)
+        | scalars,
         "normalize": st.booleans() | scalars,
         "truncate": st.booleans() | scalars,
         "truncation_direction": st.sampled_from(["right", "left", "Left", "up"]) | scalars,
@@ -33,6 +34,16 @@ FIELDS = {
         "dimensions": st.integers(-3, 12) | scalars,
     },
     "/tokenize": {"inputs": texts | st.lists(texts, max_size=6) | scalars},
+    "/embed_all": {
+        "inputs": texts | st.lists(texts, max_size=6) | token_ids | st.lists(token_ids, max_size=4),
+        "truncate": st.booleans() | scalars,
+        "truncation_direction": st.sampled_from(["right", "left", "Left", "up"]) | scalars,
+        "prompt_name": st.none() | st.text(max_size=8),
+    },
+    "/decode": {
+        "ids": token_ids | st.lists(token_ids, max_size=4) | scalars,
+        "skip_special_tokens": st.booleans() | scalars,
+    },
 }
 
 

