@@ -102,7 +102,8 @@ def on_ray(source: Path, target: Path, actors: int) -> tuple[float, list[float]]
     from embedsvc.bulk.cluster import embed_dataset
     from embedsvc.settings import Settings
 
-    ray.init(num_cpus=actors + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=actors + 1, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
     try:
         with ActorMemory() as memory:
             started = time.monotonic()

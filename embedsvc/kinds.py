@@ -100,12 +100,13 @@ def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
         encoder = cls.load(model)
     except Exception as exc:
         raise RuntimeError(
-            f"cannot load {model or 'the bundled model'!r} as a {found.kind} model "
-            f"({found.reason}): {exc}; check MODEL, or set KIND to the model's kind"
+            f"cannot load {model or 'the bundled model'!r} as {_article(found.kind)} "
+            f"{found.kind} model ({found.reason}): {exc}; check MODEL, or set KIND to the "
+            "model's kind"
         ) from exc
     if isinstance(encoder, CrossEncoderScorer):
         encoder.serve_as(found.kind)
-    log.info("model kind: %s (%s)", found.kind, found.reason)
+    log.debug("model kind: %s (%s)", found.kind, found.reason)  # "model ready" names it
     return encoder
 
 
@@ -151,3 +152,7 @@ def _hub_file(repo: str, name: str) -> str | None:
         return hf_hub_download(repo, name)
     except (EntryNotFoundError, LocalEntryNotFoundError):
         return None
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

@@ -93,8 +93,10 @@ def embed_dataset(
         owned = not ray.is_initialized()
         if owned:
             local = not (address or os.environ.get("RAY_ADDRESS"))
+            # A local Ray listens on loopback only, as embedsvc serve does by default.
             ray.init(address=address or None, logging_level="warning",
-                     **({"include_dashboard": False} if local else {}))
+                     **({"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+                        if local else {}))
         try:
             rows = _embed_files(dataset, pending, shards, settings, actors, actor_cpus,
                                 text_field, id_field, chunk_size)

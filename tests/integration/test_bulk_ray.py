@@ -22,7 +22,7 @@ from embedsvc.settings import Settings
 from .conftest import cosine
 from .test_bulk_resume import EMBEDSVC, texts
 
-FILES, ROWS = 4, 40
+FILES, ROWS = 8, 20
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def ray_address():
     import ray
 
     # Logical CPUs: two one-CPU actors, and room for the light read tasks beside them.
-    context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                       _node_ip_address="127.0.0.1")  # traffic stays on loopback
     yield context.address_info["address"]
     ray.shutdown()
 

@@ -65,9 +65,10 @@ CASES = [
     ("mps-device-absent", ["serve", "--device", "mps", "--port", "0"], {}, FAILURE,
      "DEVICE is 'mps' but torch sees no Apple GPU here"),
     ("hub-model-offline", ["serve", "--model", "no-such-org/no-such-model", "--port", "0"],
-     {"HF_HUB_OFFLINE": "1"}, FAILURE, "the model failed to load: OSError: "),
+     {"HF_HUB_OFFLINE": "1"}, FAILURE,
+     "the model failed to load: RuntimeError: cannot load 'no-such-org/no-such-model'"),
     ("directory-not-a-model", ["serve", "--model", "{directory}", "--port", "0"], {}, FAILURE,
-     "the model failed to load: ValueError: Unrecognized model in"),
+     "as an embedding model (config.json: no architecture): Unrecognized model in"),
 ]
 
 

@@ -67,11 +67,12 @@ def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(e
     from embedsvc.onnx_backend import RUN_TOKENS
 
     texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
-    engine = started(backend="onnx")
+    service = started(backend="onnx")
+    engine = service.ready()
     batch = engine.prepare(texts)
     assert len(batch) * max(map(len, batch)) > 2 * RUN_TOKENS  # three runs or more
     rows = engine.encoder.encode(batch)
-    engine.drain(timeout=5)
+    service.drain(timeout=5)
     assert (cosine(rows, reference.encode(texts)) > 0.9999).all()
 
 
