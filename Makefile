@@ -72,8 +72,9 @@ tools:
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
 
+# Test files run in 4 processes: most of their time is spent waiting on servers they start.
 test: lint tools $(HUB1_VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache
