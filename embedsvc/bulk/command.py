@@ -13,9 +13,9 @@ from typing import Any
 
 from ..logs import quiet_model_libraries
 from ..settings import Settings
-from .embedders import expected_kind, kind_problem
 from .errors import BulkError, UsageError
 from .job import Summary, embed_file, open_checkpoint
+from .kinds import SPARSE_ON_RAY, expected_kind, kind_problem
 from .parts import PARQUET, output_kind
 from .records import TABLES, count_records, input_kind, table_id_column
 
@@ -85,8 +85,7 @@ def _check_kind(kind: str | None, args: Any) -> None:
     output = PARQUET if args.ray is not None else output_kind(Path(args.output))
     problem = kind_problem(kind, output)
     if problem and args.ray is not None and kind == "sparse":
-        problem = ("MODEL is a sparse model: --ray writes dense vectors to Parquet shards; "
-                   "drop --ray and use an --output ending in .jsonl")
+        problem = SPARSE_ON_RAY
     if problem:
         raise UsageError(problem)
 

@@ -17,13 +17,12 @@ import numpy as np
 
 from .. import scoring
 from ..errors import ApiError
-from ..kinds import resolve
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
 from ..sparse import elements
 from .errors import BulkError, UsageError
-from .parts import JSONL
+from .kinds import expected_kind, kind_problem, served_kind
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
 
@@ -42,29 +41,6 @@ def local_identity(settings: Settings, kind: str | None = None) -> dict[str, Any
     """What the in-process vectors depend on, known before the model loads."""
     return {"model": settings.model or "bundled", "device": settings.device,
             "dtype": settings.dtype, "kind": kind or expected_kind(settings)}
-
-
-def expected_kind(settings: Settings) -> str | None:
-    """The kind the model will load as, from its config files (None: unreadable; the load
-    then says what is wrong)."""
-    try:
-        return resolve(settings.kind, settings.model).kind
-    except (OSError, ValueError):  # a bad path or hub id, a broken config: the load reports
-        return None
-
-
-def kind_problem(kind: str | None, output: str | None, serving: str = "MODEL is") -> str | None:
-    """Why ``embedsvc embed`` cannot write ``output`` (a format of parts.py; None: any) with a
-    model of ``kind``; None when it can."""
-    if kind in ("reranker", "classifier"):
-        return (f"{serving} a {kind} model: embedsvc embed writes embeddings; reranking and "
-                "classification are request/response jobs (serve the model and POST /rerank "
-                "or /predict)")
-    if kind == "sparse" and output not in (None, JSONL):
-        return (f"{serving} a sparse model, whose vectors are written as JSONL "
-                '({"id", "sparse": [{"index", "value"}]} per line), not as '
-                f"{output}: use an --output ending in .jsonl")
-    return None
 
 
 class LocalEmbedder:
@@ -124,7 +100,11 @@ class RemoteEmbedder:
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
         if self.kind == "sparse":
             resp = self._check(self._post("/embed_sparse", {"inputs": texts}), texts)
-            return resp.json(), int(resp.headers.get("x-compute-tokens", 0))
+            rows = resp.json()
+            if not isinstance(rows, list) or len(rows) != len(texts):
+                raise BulkError(f"{self.url}/embed_sparse answered something other than one "
+                                f"vector for each of {len(texts)} inputs")
+            return rows, int(resp.headers.get("x-compute-tokens", 0))
         body = {"input": texts, "encoding_format": "base64"}
         data = self._check(self._post("/v1/embeddings", body), texts).json()
         rows = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data["data"]]
@@ -155,27 +135,6 @@ class RemoteEmbedder:
 
     def close(self) -> None:
         self._client.close()
-
-
-def served_kind(resp: Any) -> str:
-    """The kind a GET /info answer names: embedsvc's ``kind``, else TEI's ``model_type``
-    (``{"reranker": ...}``, ``{"embedding": {"pooling": "splade"}}``); else embeddings."""
-    try:
-        info = resp.json() if resp.status_code == 200 else {}
-    except ValueError:
-        info = {}
-    if not isinstance(info, dict):
-        return "embedding"
-    if isinstance(info.get("kind"), str):
-        return str(info["kind"])
-    model_type = info.get("model_type")
-    if isinstance(model_type, dict) and len(model_type) == 1:
-        [(name, detail)] = model_type.items()
-        if name == "embedding":
-            splade = isinstance(detail, dict) and detail.get("pooling") == "splade"
-            return "sparse" if splade else "embedding"
-        return str(name)
-    return "embedding"
 
 
 def _error_message(resp: Any) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from embedsvc.bulk import BulkError, JobChanged, embed_file
 from embedsvc.bulk.checkpoint import parts_dir
-from embedsvc.bulk.embedders import served_kind
+from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.records import Position, read_records
 from embedsvc.cli import main
 from embedsvc.sparse import elements
