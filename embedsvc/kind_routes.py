@@ -30,6 +30,7 @@ from .schemas import (
     SimilarityRequest,
 )
 from .scoring import Scored
+from .sparse import elements
 from .web import Call, Reply
 
 
@@ -103,8 +104,7 @@ def embed_sparse(call: Call) -> Reply:
         engine, texts, truncate=req.truncate, direction=req.truncation_direction,
         deadline=call.deadline, disconnected=call.disconnected,
     )
-    body = [[{"index": int(i), "value": float(v)} for i, v in zip(idx, val, strict=True)]
-            for idx, val in vectors]
+    body = [elements(idx, val) for idx, val in vectors]
     return routes.embedded_reply(body, out, len(texts))
 
 

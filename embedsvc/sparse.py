@@ -67,3 +67,13 @@ def active(rows: np.ndarray, max_active_dims: int | None = None
         indices = np.flatnonzero(row)
         out.append((indices, row[indices]))
     return out
+
+
+def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
+    """One sparse vector in TEI's shape (``/embed_sparse``, ``embedsvc embed``'s JSONL).
+
+    >>> elements(np.array([1, 3]), np.array([1.5, 0.25], dtype=np.float32))
+    [{'index': 1, 'value': 1.5}, {'index': 3, 'value': 0.25}]
+    """
+    return [{"index": i, "value": v}
+            for i, v in zip(indices.tolist(), values.tolist(), strict=True)]

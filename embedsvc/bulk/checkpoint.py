@@ -10,8 +10,8 @@ again under the same name.
 The identity is what the output depends on: the input file (its absolute path, size,
 modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
 any write to the file changes its size or mtime), the output format, the fields read, and
-the model (name, device, dtype) or the server's URL. Chunk size, concurrency and part size
-change only how the work is cut, so they may change between runs.
+the model (name, device, dtype and kind) or the server's URL and kind. Chunk size,
+concurrency and part size change only how the work is cut, so they may change between runs.
 """
 
 from __future__ import annotations
@@ -113,14 +113,16 @@ class Checkpoint:
     def done(self) -> Position:
         return Position(**self._manifest["done"])
 
-    def write(self, records: list[Record], rows: np.ndarray, end: Position) -> None:
-        """Add rows in input order; commit a part once it holds ``part_size`` rows."""
+    def write(self, records: list[Record], rows: Any, end: Position) -> None:
+        """Add rows (dense or sparse: see parts.py) in input order; commit a part once it
+        holds ``part_size`` rows."""
         if self._part is None:
             name = f"part-{len(self._manifest['parts']):06d}{PART_SUFFIX[self.kind]}"
             self._part = PartWriter(self.dir / name, self.kind)
         self._part.write(records, rows)
         self._end = end
-        self._manifest["dimension"] = int(rows.shape[1])
+        if isinstance(rows, np.ndarray):  # sparse rows have no width; JSONL needs none
+            self._manifest["dimension"] = int(rows.shape[1])
         if self._part.rows >= self.part_size:
             self.commit()
 

@@ -25,6 +25,7 @@ from ..settings import Settings
 from .dataset import Dataset, list_dataset, read_files
 from .errors import BulkError, UsageError
 from .job import Summary
+from .kinds import SPARSE_ON_RAY
 from .records import PARQUET, table_id_column
 from .shards import ShardDirectory, ShardStream
 
@@ -39,6 +40,8 @@ class EmbedActor:
         from .embedders import LocalEmbedder
 
         self.embedder = LocalEmbedder(settings)
+        if self.embedder.kind != "embedding":  # the driver refuses it first where it can tell
+            raise BulkError(SPARSE_ON_RAY)
 
     def __call__(self, batch: Any) -> Any:
         from .parts import vectors_table

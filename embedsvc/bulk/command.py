@@ -15,13 +15,14 @@ from ..logs import quiet_model_libraries
 from ..settings import Settings
 from .errors import BulkError, UsageError
 from .job import Summary, embed_file, open_checkpoint
+from .kinds import SPARSE_ON_RAY, expected_kind, kind_problem
 from .parts import PARQUET, output_kind
 from .records import TABLES, count_records, input_kind, table_id_column
 
 # Settings that only shape the in-process model; with --url the server's own apply.
 _MODEL_SETTINGS = ("model", "device", "dtype", "max_batch_tokens", "max_batch_size",
                    "max_wait_ms", "max_queue", "max_inputs_per_request", "max_input_chars",
-                   "auto_truncate")
+                   "auto_truncate", "kind")
 _RAY_OPTIONS = ("actors", "actor_cpus")
 
 
@@ -76,6 +77,17 @@ def check_options(args: Any, settings: Settings) -> None:
     elif output_kind(Path(args.output)) not in (None, PARQUET):
         raise UsageError("with --ray, --output is a directory of Parquet shards, not "
                          f"{Path(args.output).name!r}")
+    if not args.url:  # the kind from the model's config files; a server's, once asked
+        _check_kind(expected_kind(settings), args)
+
+
+def _check_kind(kind: str | None, args: Any) -> None:
+    output = PARQUET if args.ray is not None else output_kind(Path(args.output))
+    problem = kind_problem(kind, output)
+    if problem and args.ray is not None and kind == "sparse":
+        problem = SPARSE_ON_RAY
+    if problem:
+        raise UsageError(problem)
 
 
 def check_limits(chunk_size: int, settings: Settings) -> None:
@@ -106,13 +118,18 @@ def _run_file(args: Any, settings: Settings) -> Summary:
     from .embedders import LocalEmbedder, RemoteEmbedder, local_identity
 
     source, target = Path(args.input), Path(args.output)
-    identity = {"url": args.url.rstrip("/")} if args.url else local_identity(settings)
-    checkpoint = open_checkpoint(source, target, identity, text_field=args.text_field,
-                                 id_field=args.id_field, part_size=args.part_size,
-                                 restart=args.restart)
-    embedder: Any = (RemoteEmbedder(args.url, settings.api_key) if args.url
-                     else LocalEmbedder(settings))
+    embedder: Any = RemoteEmbedder(args.url, settings.api_key) if args.url else None
     try:
+        if embedder is not None:  # its GET /info told the kind
+            _check_kind(embedder.kind, args)
+        # an unfinished job is checked before the model loads
+        identity = embedder.identity if embedder else local_identity(settings)
+        checkpoint = open_checkpoint(source, target, identity, text_field=args.text_field,
+                                     id_field=args.id_field, part_size=args.part_size,
+                                     restart=args.restart)
+        if embedder is None:
+            embedder = LocalEmbedder(settings)
+            _check_kind(embedder.kind, args)  # the config files may not have told it
         done = checkpoint.done.records
         with progress_bar(total=count_records(source), initial=done) as bar:
             return embed_file(source, target, embedder, text_field=args.text_field,
@@ -120,4 +137,5 @@ def _run_file(args: Any, settings: Settings) -> Summary:
                               concurrency=args.concurrency, progress=bar.update,
                               checkpoint=checkpoint)
     finally:
-        embedder.close()
+        if embedder is not None:
+            embedder.close()

@@ -1,7 +1,10 @@
 """What turns a chunk of texts into vectors: the engine in this process, or a running server.
 
-Each embedder also names what its vectors depend on (``identity``), so that a resumed job
-never mixes the vectors of two models.
+Each embedder also names what its vectors depend on (``identity``, the model's kind
+included), so that a resumed job never mixes the vectors of two models, nor dense rows with
+sparse ones. An embedding model gives dense rows (an array); a sparse model (SPLADE) gives
+each input's non-zero entries in TEI's shape, ``[{"index": i, "value": v}, ...]``.
+Rerankers and classifiers are refused: they answer requests, they do not fill files.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import scoring
 from ..errors import ApiError
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
-from .errors import BulkError
+from ..sparse import elements
+from .errors import BulkError, UsageError
+from .kinds import expected_kind, kind_problem, served_kind
+
+Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
 
 _BULK_DEADLINE_S = 24 * 3600.0  # chunks in flight are bounded, so no deadline is needed
 _RETRIES = 8
@@ -25,40 +33,40 @@ _RETRIES = 8
 class Embedder(Protocol):
     identity: dict[str, Any]
 
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
-        """Vectors (normalised, float32) and the tokens computed."""
+    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+        """Rows (dense: normalised float32; sparse: elements) and the tokens computed."""
 
 
-def local_identity(settings: Settings) -> dict[str, Any]:
+def local_identity(settings: Settings, kind: str | None = None) -> dict[str, Any]:
     """What the in-process vectors depend on, known before the model loads."""
     return {"model": settings.model or "bundled", "device": settings.device,
-            "dtype": settings.dtype}
+            "dtype": settings.dtype, "kind": kind or expected_kind(settings)}
 
 
 class LocalEmbedder:
     """The same engine as ``embedsvc serve``, in this process (loads the model)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.identity = local_identity(settings)
         self.service = Service(settings)
         try:
             self.service.start(background=False)
         except RuntimeError as exc:  # the service's message already says what failed
             raise BulkError(str(exc)) from None
         self.engine = self.service.ready()
-        kind = self.engine.info.kind
-        if kind != "embedding":
+        self.kind = self.engine.info.kind
+        problem = kind_problem(self.kind, None)
+        if problem:
             self.close()
-            raise BulkError(
-                f"MODEL is a {kind} model: embedsvc embed writes embeddings; reranking and "
-                "classification are request/response jobs (serve the model and POST /rerank "
-                "or /predict)" if kind != "sparse" else
-                "MODEL is a sparse model: embedsvc embed writes dense vectors only; serve it "
-                "and POST /embed_sparse")
+            raise BulkError(problem)
+        self.identity = local_identity(settings, self.kind)
 
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
+    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+        deadline = time.monotonic() + _BULK_DEADLINE_S
         try:
-            out = self.engine.embed(texts, deadline=time.monotonic() + _BULK_DEADLINE_S)
+            if self.kind == "sparse":
+                out, pairs = scoring.embed_sparse(self.engine, texts, deadline=deadline)
+                return [elements(i, v) for i, v in pairs], out.tokens
+            out = self.engine.embed(texts, deadline=deadline)
         except InputRefused:
             raise  # the job names the file and record it came from
         except ApiError as exc:
@@ -70,39 +78,60 @@ class LocalEmbedder:
 
 
 class RemoteEmbedder:
-    """A running embedsvc (or any OpenAI-compatible server), over HTTP."""
+    """A running embedsvc (or TEI, or any OpenAI-compatible server), over HTTP.
+
+    Asks GET /info which kind the server serves (a server without it: embeddings); a sparse
+    model's chunks go to /embed_sparse, others to /v1/embeddings.
+    """
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300) -> None:
         import httpx
 
         self.url = url.rstrip("/")
-        self.identity = {"url": self.url}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.kind = served_kind(self._send("GET", "/info"))
+        self.identity = {"url": self.url, "kind": self.kind}
+        problem = kind_problem(self.kind, None, serving=f"{self.url} serves")
+        if problem:
+            self.close()
+            raise UsageError(problem)
 
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
+    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+        if self.kind == "sparse":
+            resp = self._check(self._post("/embed_sparse", {"inputs": texts}), texts)
+            rows = resp.json()
+            if not isinstance(rows, list) or len(rows) != len(texts):
+                raise BulkError(f"{self.url}/embed_sparse answered something other than one "
+                                f"vector for each of {len(texts)} inputs")
+            return rows, int(resp.headers.get("x-compute-tokens", 0))
         body = {"input": texts, "encoding_format": "base64"}
-        resp = self._post(body)
-        if resp.status_code != 200:
-            raise BulkError(f"{self.url} answered {resp.status_code} to a chunk of {len(texts)} "
-                            f"inputs: {_error_message(resp)}")
-        data = resp.json()
+        data = self._check(self._post("/v1/embeddings", body), texts).json()
         rows = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data["data"]]
         return np.stack(rows), int(data["usage"]["prompt_tokens"])
 
-    def _post(self, body: dict[str, Any]) -> Any:
-        import httpx
+    def _check(self, resp: Any, texts: list[str]) -> Any:
+        if resp.status_code != 200:
+            raise BulkError(f"{self.url} answered {resp.status_code} to a chunk of {len(texts)} "
+                            f"inputs: {_error_message(resp)}")
+        return resp
 
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
         for attempt in range(_RETRIES):
-            try:
-                resp = self._client.post("/v1/embeddings", json=body)
-            except httpx.TransportError as exc:
-                raise BulkError(f"cannot reach {self.url} ({exc or type(exc).__name__}): "
-                                "start the server (embedsvc serve) or fix --url") from None
+            resp = self._send("POST", path, json=body)
             if resp.status_code not in (429, 503):
                 return resp
             time.sleep(float(resp.headers.get("retry-after", 1)) * (1 + attempt / 2))
         return resp
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        try:
+            return self._client.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise BulkError(f"cannot reach {self.url} ({exc or type(exc).__name__}): "
+                            "start the server (embedsvc serve) or fix --url") from None
 
     def close(self) -> None:
         self._client.close()

@@ -2,8 +2,9 @@
 so a part that exists is complete; ``assemble`` joins the parts into the final file.
 
 Formats, by the output's suffix: ``.npy`` (float32 rows in input order; a part holds raw
-little-endian float32 rows), JSONL (``{"id", "embedding"}`` per line) and Parquet (an ``id``
-column and an ``embedding`` column of ``fixed_size_list<float32>``).
+little-endian float32 rows), JSONL (``{"id", "embedding"}`` per line; a sparse model's rows,
+lists of ``{"index", "value"}``, as ``{"id", "sparse"}``) and Parquet (an ``id`` column and an
+``embedding`` column of ``fixed_size_list<float32>``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class PartWriter:
         if kind != PARQUET:
             self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
 
-    def write(self, records: list[Record], rows: np.ndarray) -> None:
-        if self._file is None:
+    def write(self, records: list[Record], rows: Any) -> None:
+        """Dense rows (an array), or sparse ones (each a list of ``{"index", "value"}``)."""
+        if not isinstance(rows, np.ndarray):
+            self._write_sparse(records, rows)
+        elif self._file is None:
             self._write_parquet(vectors_table([r.id for r in records], rows))
         elif self.kind == NPY:
             self._file.write(np.ascontiguousarray(rows, dtype="<f4").tobytes())
@@ -63,6 +67,14 @@ class PartWriter:
             for record, row in zip(records, rows, strict=True):
                 line = {"id": record.id, "embedding": row}
                 self._file.write(orjson.dumps(line, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self.rows += len(records)
+
+    def _write_sparse(self, records: list[Record], rows: list[Any]) -> None:
+        if self.kind != JSONL or self._file is None:
+            raise BulkError("sparse vectors are written as JSONL only: use an output ending "
+                            "in .jsonl")
+        for record, row in zip(records, rows, strict=True):
+            self._file.write(orjson.dumps({"id": record.id, "sparse": row}) + b"\n")
         self.rows += len(records)
 
     def _write_parquet(self, table: Any) -> None:

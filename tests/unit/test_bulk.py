@@ -11,8 +11,10 @@ import pytest
 
 from embedsvc.bulk import BulkError, JobChanged, embed_file
 from embedsvc.bulk.checkpoint import parts_dir
+from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.records import Position, read_records
 from embedsvc.cli import main
+from embedsvc.sparse import elements
 
 
 class HashEmbedder:
@@ -155,6 +157,83 @@ def test_mixed_id_types_cannot_go_into_parquet(tmp_path):
         embed_file(source, tmp_path / "out.parquet", HashEmbedder())
 
 
+class SparseHashEmbedder:
+    """Each text's elements from its hash, as a sparse model's embedder gives them."""
+
+    identity = {"model": "hash", "kind": "sparse"}
+
+    def __init__(self, fail_at=None):
+        self.calls, self.fail_at = 0, fail_at
+
+    def __call__(self, texts):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise BulkError("the device fell over")
+        rows = []
+        for t in texts:
+            rng = np.random.default_rng(zlib.crc32(t.encode()))
+            indices = np.sort(rng.choice(1000, size=5, replace=False))
+            rows.append(elements(indices, rng.random(5).astype(np.float32)))
+        return rows, len(texts)
+
+
+def test_a_sparse_job_resumes_to_the_uninterrupted_jsonl(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    embed_file(inputs["jsonl"], whole, SparseHashEmbedder(), chunk_size=3, part_size=6)
+    with pytest.raises(BulkError, match="fell over"):
+        embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(fail_at=9), chunk_size=3,
+                   part_size=6)
+    embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(), chunk_size=4, part_size=5)
+    assert resumed.read_bytes() == whole.read_bytes()
+    lines = [orjson.loads(line) for line in whole.read_bytes().splitlines()]
+    assert [line["id"] for line in lines] == [f"d{i}" for i in range(50)]
+    assert all(set(line) == {"id", "sparse"} and len(line["sparse"]) == 5 for line in lines)
+    assert set(lines[0]["sparse"][0]) == {"index", "value"}
+
+
+def test_a_dense_jobs_parts_are_never_continued_by_a_sparse_run(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.jsonl"
+    dense = HashEmbedder(fail_at=3)
+    dense.identity = {"model": "hash", "kind": "embedding"}
+    with pytest.raises(BulkError):
+        embed_file(inputs["jsonl"], target, dense, chunk_size=4, part_size=4)
+    with pytest.raises(JobChanged, match="different model .kind 'embedding' then, 'sparse' now"):
+        embed_file(inputs["jsonl"], target, SparseHashEmbedder())
+
+
+def test_sparse_rows_cannot_go_into_npy_or_parquet(tmp_path):
+    _, inputs = write_inputs(tmp_path, n=3)
+    for name in ("out.npy", "out.parquet"):
+        with pytest.raises(BulkError, match="sparse vectors are written as JSONL only"):
+            embed_file(inputs["txt"], tmp_path / name, SparseHashEmbedder())
+
+
+class Answer:
+    def __init__(self, status, body):
+        self.status_code, self._body = status, body
+
+    def json(self):
+        if isinstance(self._body, Exception):
+            raise self._body
+        return self._body
+
+
+@pytest.mark.parametrize(("status", "info", "kind"), [
+    (200, {"kind": "sparse", "model_type": {"embedding": {"pooling": "splade"}}}, "sparse"),
+    (200, {"kind": "reranker"}, "reranker"),
+    (200, {"model_type": {"embedding": {"pooling": "splade"}}}, "sparse"),  # TEI
+    (200, {"model_type": {"embedding": {"pooling": "cls"}}}, "embedding"),
+    (200, {"model_type": {"classifier": {"id2label": {"0": "a", "1": "b"}}}}, "classifier"),
+    (404, {"error": "not found"}, "embedding"),  # an OpenAI-compatible server without /info
+    (200, ValueError("not JSON"), "embedding"),
+    (200, ["a list"], "embedding"),
+])
+def test_the_served_kind_comes_from_get_info(status, info, kind):
+    assert served_kind(Answer(status, info)) == kind
+
+
 class NoModel:
     def __init__(self, *args, **kwargs):
         raise AssertionError("the model was loaded before the command was checked")
@@ -182,6 +261,17 @@ class NoModel:
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "0"],
      "argument --chunk-size: must be greater than 0 (see 'embedsvc embed --help')"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--port", "80"], "unrecognized arguments: --port"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--kind", "sparse"],
+     "MODEL is a sparse model, whose vectors are written as JSONL"),
+    (["embed", "{txt}", "-o", "{tmp}/o.parquet", "--kind", "sparse"],
+     "not as .parquet: use an --output ending in .jsonl"),
+    (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--kind", "sparse"],
+     "--ray writes dense vectors to Parquet shards; drop --ray"),
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "classifier"],
+     "MODEL is a classifier model: embedsvc embed writes embeddings; reranking and "
+     "classification are request/response jobs (serve the model and POST /rerank or /predict)"),
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--url", "http://127.0.0.1:9", "--kind",
+      "sparse"], "--kind shapes the in-process model"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatch, capsys,
                                                            argv, message):

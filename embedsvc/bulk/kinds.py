@@ -1,0 +1,62 @@
+"""Which model kinds ``embedsvc embed`` writes, and where: an embedding model's dense rows to
+any output, a sparse model's (SPLADE) elements to JSONL only; rerankers and classifiers not
+at all (they answer requests; they do not fill files). The kind comes from the model's
+config files before it loads, or from a server's GET /info.
+
+>>> kind_problem("sparse", ".npy", "MODEL is").split(":")[-1]
+' use an --output ending in .jsonl'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..kinds import resolve
+from ..settings import Settings
+from .parts import JSONL
+
+SPARSE_ON_RAY = ("MODEL is a sparse model: --ray writes dense vectors to Parquet shards; drop "
+                 "--ray and use an --output ending in .jsonl")
+
+def expected_kind(settings: Settings) -> str | None:
+    """The kind the model will load as, from its config files (None: unreadable; the load
+    then says what is wrong)."""
+    try:
+        return resolve(settings.kind, settings.model).kind
+    except (OSError, ValueError):  # a bad path or hub id, a broken config: the load reports
+        return None
+
+
+def kind_problem(kind: str | None, output: str | None, serving: str = "MODEL is") -> str | None:
+    """Why ``embedsvc embed`` cannot write ``output`` (a format of parts.py; None: any) with a
+    model of ``kind``; None when it can."""
+    if kind in ("reranker", "classifier"):
+        return (f"{serving} a {kind} model: embedsvc embed writes embeddings; reranking and "
+                "classification are request/response jobs (serve the model and POST /rerank "
+                "or /predict)")
+    if kind == "sparse" and output not in (None, JSONL):
+        return (f"{serving} a sparse model, whose vectors are written as JSONL "
+                '({"id", "sparse": [{"index", "value"}]} per line), not as '
+                f"{output}: use an --output ending in .jsonl")
+    return None
+
+
+def served_kind(resp: Any) -> str:
+    """The kind a GET /info answer names: embedsvc's ``kind``, else TEI's ``model_type``
+    (``{"reranker": ...}``, ``{"embedding": {"pooling": "splade"}}``); else embeddings."""
+    try:
+        info = resp.json() if resp.status_code == 200 else {}
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):
+        return "embedding"
+    if isinstance(info.get("kind"), str):
+        return str(info["kind"])
+    model_type = info.get("model_type")
+    if isinstance(model_type, dict) and len(model_type) == 1:
+        [(name, detail)] = model_type.items()
+        if name == "embedding":
+            splade = isinstance(detail, dict) and detail.get("pooling") == "splade"
+            return "sparse" if splade else "embedding"
+        return str(name)
+    return "embedding"
