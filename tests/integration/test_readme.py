@@ -77,7 +77,10 @@ def free_port() -> int:
 
 def newcomer_env(port: int) -> dict[str, str]:
     """This environment as a fresh terminal has it: no virtualenv on PATH."""
-    inherited = ("VIRTUAL_ENV", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")  # make test's
+    # make test's, and its HF_HUB_OFFLINE: a user's terminal has none (`make serve` sets it
+    # for the server), and huggingface_hub refuses every request, loopback too, under it
+    inherited = ("VIRTUAL_ENV", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
+                 "HF_HUB_OFFLINE")
     env = {k: v for k, v in os.environ.items()
            if k not in inherited and not k.startswith(("PYTEST", "EMBEDSVC_"))}
     venv_bins = {str(Path(sys.executable).parent), str(REPO / ".venv" / "bin")}
@@ -134,7 +137,8 @@ def test_the_readme_blocks_follow_the_conventions():
     assert background.code.strip() == "make serve"
 
 
-def test_quick_start_and_clients_run_as_typed(tmp_path):
+def test_quick_start_and_clients_run_as_typed(tmp_path, tiktoken_cache):
+    # tiktoken_cache: TIKTOKEN_CACHE_DIR, as the README tells a machine without internet
     found = blocks(README.read_text())
     if subprocess.run(["make", "-q", "setup"], cwd=REPO).returncode != 0:
         pytest.fail("the install in .venv is not up to date: run `make setup` (make test does)")
