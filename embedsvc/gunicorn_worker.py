@@ -33,7 +33,6 @@ import selectors
 import socket
 import time
 from functools import partial
-from importlib.metadata import version
 from typing import Any
 
 import orjson
@@ -42,6 +41,7 @@ from gunicorn.http.errors import NoMoreData
 from gunicorn.workers import gthread
 
 from .errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from .internals import missing_internals
 from .process import ensure_open_files
 from .settings import Settings
 
@@ -59,14 +59,7 @@ _CHUNK = 64 * 1024
 
 def check_internals() -> list[str]:
     """What this module needs from gunicorn and did not find; empty when all is there."""
-    missing = []
-    major_minor = tuple(int(p) for p in version("gunicorn").split(".")[:2])
-    if not SUPPORTED[0] <= major_minor < SUPPORTED[1]:
-        missing.append(f"gunicorn {version('gunicorn')} is outside the tested range {SUPPORTED}")
-    for owner, names in INTERNALS.items():
-        label = getattr(owner, "__name__", str(owner))
-        missing += [f"{label}.{n}" for n in names if not hasattr(owner, n)]
-    return missing
+    return missing_internals("gunicorn", SUPPORTED, INTERNALS)
 
 
 class DeadlinePassed(NoMoreData):

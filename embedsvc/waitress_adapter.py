@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import version
 from typing import Any
 
 import orjson
@@ -42,6 +41,7 @@ from waitress.utilities import Error
 from waitress.wasyncore import close_all, dispatcher
 
 from .errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from .internals import missing_internals
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,7 @@ SERVER_INSTANCE = ("_map", "active_channels", "task_dispatcher", "trigger", "eff
 
 def check_internals() -> list[str]:
     """What this module needs from waitress and did not find; empty when all is there."""
-    missing = []
-    major_minor = tuple(int(p) for p in version("waitress").split(".")[:2])
-    if not SUPPORTED[0] <= major_minor < SUPPORTED[1]:
-        missing.append(f"waitress {version('waitress')} is outside the tested range {SUPPORTED}")
-    for owner, names in INTERNALS.items():
-        missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
+    missing = missing_internals("waitress", SUPPORTED, INTERNALS)
     instances = {"ThreadedTaskDispatcher()": (ThreadedTaskDispatcher(), ("queue",)),
                  "Error()": (Error("x"), ("body",))}
     for label, (obj, names) in instances.items():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from embedsvc import gunicorn_worker
+from embedsvc import gunicorn_worker, internals
 from embedsvc.gunicorn_worker import DeadlinePassed, DeadlineSocket, json_error
 
 
@@ -16,7 +16,7 @@ def test_every_gunicorn_internal_the_worker_uses_is_there():
 
 
 def test_an_unknown_gunicorn_version_is_named(monkeypatch):
-    monkeypatch.setattr(gunicorn_worker, "version", lambda name: "30.1")
+    monkeypatch.setattr(internals, "version", lambda name: "30.1")
     assert any("30.1" in m for m in gunicorn_worker.check_internals())
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
 
-from embedsvc import waitress_adapter
+from embedsvc import internals, waitress_adapter
 from embedsvc.waitress_adapter import Bounds, RequestTimeout, error_body
 
 BOUNDS = Bounds(header_timeout_s=1, body_timeout_s=1, idle_timeout_s=1, max_connections=4,
@@ -36,7 +36,7 @@ def test_a_built_server_has_the_instance_state_the_drain_reads():
 
 
 def test_an_unknown_waitress_version_is_named(monkeypatch):
-    monkeypatch.setattr(waitress_adapter, "version", lambda name: "9.0.0")
+    monkeypatch.setattr(internals, "version", lambda name: "9.0.0")
     assert any("9.0.0" in m for m in waitress_adapter.check_internals())
     with pytest.raises(RuntimeError, match="waitress>=3.0,<3.1"):
         waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
