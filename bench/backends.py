@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -48,21 +49,21 @@ def sentences(n: int) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=10)) + f" {i}" for i in range(n)]
 
 
-def offline(seconds: float) -> dict[str, dict[int, float]]:
-    """Sentences/s per config and batch size, and int8's cosine to float32 (key 0: mean,
-    key -1: min)."""
+def offline(seconds: float) -> dict[str, dict[int | str, float]]:
+    """Sentences/s per config and batch size, of the transformer alone (key "alone"), and
+    int8's cosine to float32 (keys "mean", "min")."""
     from embedsvc.backend import load_encoder
     from embedsvc.settings import Settings
 
     texts = sentences(1024)
-    rates: dict[str, dict[int, float]] = {}
+    rates: dict[str, dict[int | str, float]] = {}
     rows = {}
     for label, env in CONFIGS.items():
         settings = Settings.from_env({**os.environ, **env}, device="cpu")
         encoder = load_encoder(settings)
         batch = [encoder.wrap(ids) for ids in encoder.tokenize(texts)]
         rows[label] = encoder.encode(batch[:256])
-        rates[label] = {}
+        rates[label] = {"alone": forward_rate(encoder, batch[:32], seconds)}
         for size in (32, 128):
             encoder.encode(batch[:size])
             done, started = 0, time.perf_counter()
@@ -71,12 +72,28 @@ def offline(seconds: float) -> dict[str, dict[int, float]]:
                 encoder.encode(batch[start:start + size])
                 done += size
             rates[label][size] = done / (time.perf_counter() - started)
-        print(f"  offline {label}: batch 32 {rates[label][32]:.0f}/s, "
-              f"batch 128 {rates[label][128]:.0f}/s", flush=True)
+        r = rates[label]
+        print(f"  offline {label}: transformer alone {r['alone']:.0f}/s, batch 32 {r[32]:.0f}/s,"
+              f" batch 128 {r[128]:.0f}/s", flush=True)
     a, b = rows["onnx fp32"], rows["onnx int8"]
     cos = (a * b).sum(1) / (((a * a).sum(1) * (b * b).sum(1)) ** 0.5)
-    rates["onnx int8"][0], rates["onnx int8"][-1] = float(cos.mean()), float(cos.min())
+    rates["onnx int8"]["mean"], rates["onnx int8"]["min"] = float(cos.mean()), float(cos.min())
     return rates
+
+
+def forward_rate(encoder: Any, batch: list[list[int]], seconds: float) -> float:
+    """Sentences/s of the transformer alone (the graph, or PyTorch's module) on one padded
+    batch: the compute ratio between backends, without tokenizing, pooling or copies."""
+    import torch
+
+    features = encoder.features(batch)
+    with torch.inference_mode():
+        encoder.forward(dict(features))
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            encoder.forward(dict(features))
+            done += len(batch)
+    return done / (time.perf_counter() - started)
 
 
 def sweep(seconds: float) -> str:
@@ -138,16 +155,18 @@ def served(seconds: float, infinity_engine: str | None) -> tuple[list[Result], d
     return results, startup
 
 
-def report(rates: dict[str, dict[int, float]], results: list[Result],
+def report(rates: dict[str, dict[int | str, float]], results: list[Result],
            startup: dict[str, float]) -> str:
     torch32 = rates["torch fp32"]
-    lines = ["| compute | offline batch 32 /s | offline batch 128 /s | vs torch fp32 (b32) |",
-             "|---|---:|---:|---:|"]
+    lines = ["| compute | transformer alone, batch 32 /s | vs torch fp32 | offline batch 32 /s "
+             "| offline batch 128 /s | vs torch fp32 (b32) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for label, r in rates.items():
-        lines.append(f"| {label} | {r[32]:.0f} | {r[128]:.0f} | {r[32] / torch32[32]:.2f}x |")
+        lines.append(f"| {label} | {r['alone']:.0f} | {r['alone'] / torch32['alone']:.2f}x | "
+                     f"{r[32]:.0f} | {r[128]:.0f} | {r[32] / torch32[32]:.2f}x |")
     q = rates["onnx int8"]
-    lines.append(f"\nint8 cosine to ONNX float32 on 256 bench sentences: mean {q[0]:.4f}, "
-                 f"min {q[-1]:.4f}.\n")
+    lines.append(f"\nint8 cosine to ONNX float32 on 256 bench sentences: mean {q['mean']:.4f}, "
+                 f"min {q['min']:.4f}.\n")
     lines += ["| scenario | server | inputs/s | p50 ms | p99 ms | errors | vs its offline "
               "(b32 for 32x1, b128 for 4x32) | vs embedsvc torch fp32 |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -163,6 +182,20 @@ def report(rates: dict[str, dict[int, float]], results: list[Result],
     lines.append("\nSeconds from launch to the first answer (warm cache, polled every 0.5 s): "
                  + ", ".join(f"{label} {s:.1f}" for label, s in startup.items()) + ".")
     return "\n".join(lines)
+
+
+def cpu() -> str:
+    """The CPU's name and the vector units that decide ONNX Runtime's rate, from /proc."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "CPU unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "CPU unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines()
+                      if line.startswith("flags")), []))
+    units = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    return f"{name}, {' '.join(units) or 'no AVX2'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(BENCH / "RESULTS.md", "a") as f:
             f.write(f"\n## {when}: `{command}`\n\n{os.cpu_count()} cores, "
-                    f"{platform.machine()}; wrk and the server share the cores; load average "
+                    f"{platform.machine()} ({cpu()}); wrk and the server share the cores; "
+                    f"load average "
                     f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above "
                     f"{os.cpu_count()}, other work shared the cores).\n\n{text}\n")
     return 0

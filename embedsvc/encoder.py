@@ -232,6 +232,11 @@ class SentenceTransformerEncoder:
                          batch)
 
     @property
+    def forward(self) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """What computes the transformer: the first module, or the forward that replaced it."""
+        return self._pipeline[0]
+
+    @property
     def input_module(self) -> Any:
         """The first module: the transformer that a replacement forward stands in for."""
         return self._modules[0] if self._modules else None
@@ -441,8 +446,7 @@ class FakeEncoder:
 
     def tokenize(self, texts: Sequence[str], limit: int | None = None,
                  direction: str = "right") -> list[list[int]]:
-        return [[_word_id(text[a:b]) for a, b in _words(text, limit, direction)]
-                for text in texts]
+        return [[_word_id(word) for word in _split(text, limit, direction)] for text in texts]
 
     def wrap(self, ids: Sequence[int]) -> list[int]:
         return [1, *ids, 2]
@@ -500,6 +504,18 @@ class FakeEncoder:
         """The normalised vector the service should return for ``text``."""
         v = self.vector(self.wrap(self.tokenize([text])[0]))
         return v / np.linalg.norm(v)
+
+
+def _split(text: str, limit: int | None, direction: str) -> list[str]:
+    """The first or last ``limit`` words (runs of non-space, as ``_WORD`` finds them);
+    str.split stops splitting at ``limit``, so the cost follows it."""
+    if limit is None:
+        return text.split()
+    if limit <= 0:
+        return []
+    if direction == "right":
+        return text.split(None, limit)[:limit]
+    return text.rsplit(None, limit)[-limit:]
 
 
 def _words(text: str, limit: int | None, direction: str) -> list[tuple[int, int]]:
