@@ -114,12 +114,13 @@ class Admission:
         with self._cond:
             self._refuse_if_closed()
             self._refuse_if_late(ticket, time.monotonic())
-            self._waiting.append(ticket)
-            try:
-                self._wait_turn(ticket, disconnected)
-            finally:
-                self._waiting.remove(ticket)
-                self._cond.notify_all()  # the next waiter may fit now
+            if self._waiting or not self._fits(ticket):  # in line behind others, or no room
+                self._waiting.append(ticket)
+                try:
+                    self._wait_turn(ticket, disconnected)
+                finally:
+                    self._waiting.remove(ticket)
+                    self._cond.notify_all()  # the next waiter may fit now
             self.used_inputs += ticket.inputs
             self.used_tokens += ticket.tokens
             ticket.open = True
@@ -135,6 +136,8 @@ class Admission:
 
     def cancel(self, ticket: Ticket) -> None:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
+        if not ticket.open:  # settled or cancelled: it never opens again, no lock needed
+            return
         with self._cond:
             if ticket.open:
                 ticket.open = False

@@ -209,7 +209,7 @@ class Batcher:
         Until its first input reaches the model, the job fails with 504 at ``deadline``; its
         inputs still queued are dropped once ``disconnected()`` is true (``cancel_due``).
         """
-        n, tokens = len(inputs), sum(len(ids) for ids in inputs)
+        n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
             ticket = self.admission.admit(n, tokens, deadline, disconnected)
         job = Job(inputs, deadline, disconnected)

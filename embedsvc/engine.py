@@ -105,7 +105,7 @@ class Engine:
             rows = l2_normalize(rows)
         return Embedded(
             vectors=rows,
-            tokens=sum(len(x) for x in ids),
+            tokens=sum(map(len, ids)),
             tokenize_s=tokenize_s,
             queue_s=job.queue_s + tokenizing - asked,
             inference_s=job.inference_s,
@@ -159,6 +159,8 @@ class Engine:
             content = [self._unwrap(rules.check_token_ids(i, ids, vocab))
                        for i, ids in enumerate(inputs)]
             exact = True
+        if max(map(len, content)) <= room:  # nothing to cut or refuse
+            return list(map(encoder.wrap, content))
         return [encoder.wrap(rules.fit(i, ids, room, special=special, truncate=truncate,
                                        direction=direction, exact=exact))
                 for i, ids in enumerate(content)]
