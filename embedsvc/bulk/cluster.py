@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -39,7 +40,7 @@ class EmbedActor:
     def __init__(self, settings: Settings) -> None:
         from .embedders import LocalEmbedder
 
-        self.embedder = LocalEmbedder(settings)
+        self.embedder = LocalEmbedder(_own_share(settings))
         if self.embedder.kind != "embedding":  # the driver refuses it first where it can tell
             raise BulkError(SPARSE_ON_RAY)
 
@@ -49,6 +50,18 @@ class EmbedActor:
         rows, _ = self.embedder(batch.column("text").to_pylist())
         table = vectors_table(batch.column("id"), rows)
         return table.append_column("path", batch.column("path"))
+
+
+def _own_share(settings: Settings) -> Settings:
+    """``settings`` with ONNX Runtime's threads set to this actor's CPUs (unless
+    ONNX_THREADS is set): an actor sees every core of its node, and actors that each took
+    them all would share the cores several times over."""
+    import ray
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    if settings.onnx_threads or not cpus:
+        return settings
+    return replace(settings, onnx_threads=max(1, int(cpus)))
 
 
 def embed_dataset(

@@ -355,3 +355,24 @@ def test_shards_are_written_per_input_file_and_listed_when_whole(tmp_path):
         2, 3]
     with pytest.raises(JobChanged, match="different job"):
         ShardDirectory(str(tmp_path / "out"), {"job": 2}, restart=False)
+
+
+@pytest.mark.parametrize(("assigned", "setting", "threads"), [
+    ({"CPU": 1.0}, 0, 1),  # a one-CPU actor: one ONNX Runtime thread, not every core
+    ({"CPU": 4.0}, 0, 4),
+    ({"CPU": 0.5}, 0, 1),
+    ({"CPU": 1.0}, 3, 3),  # ONNX_THREADS set: kept
+    ({}, 0, 0),  # no CPU share known: the default (this process's CPUs)
+])
+def test_a_ray_actor_runs_onnx_on_its_own_share_of_cpus(monkeypatch, assigned, setting, threads):
+    import ray
+
+    from embedsvc.bulk.cluster import _own_share
+    from embedsvc.settings import Settings
+
+    class Context:
+        def get_assigned_resources(self):
+            return assigned
+
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    assert _own_share(Settings(onnx_threads=setting)).onnx_threads == threads
