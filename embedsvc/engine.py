@@ -159,7 +159,7 @@ class Engine:
             content = [self._unwrap(rules.check_token_ids(i, ids, vocab))
                        for i, ids in enumerate(inputs)]
             exact = True
-        if max(map(len, content)) <= room:  # nothing to cut or refuse
+        if max(map(len, content), default=0) <= room:  # nothing to cut or refuse
             return list(map(encoder.wrap, content))
         return [encoder.wrap(rules.fit(i, ids, room, special=special, truncate=truncate,
                                        direction=direction, exact=exact))

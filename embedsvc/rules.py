@@ -63,7 +63,7 @@ def check_count(count: int, limit: int) -> None:
 
 
 def check_chars(texts: Sequence[str], limit: int) -> None:
-    if max(map(len, texts)) <= limit:
+    if max(map(len, texts), default=0) <= limit:
         return
     for i, text in enumerate(texts):
         if len(text) > limit:
