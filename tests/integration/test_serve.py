@@ -40,7 +40,13 @@ def batch_histogram(client) -> tuple[float, float]:
 
 
 def test_256_concurrent_requests_each_get_their_own_vector(served, reference):
-    texts = [f"request number {i} talks about topic {i * 7 % 13} and item {i}" for i in range(256)]
+    # Long inputs (about 80 tokens), so that computing one takes longer than a client takes to
+    # send its next: requests pile up while the model runs, however busy the machine is, and
+    # the batcher must coalesce them.
+    words = ["the", "service", "takes", "every", "queued", "input", "into", "one", "batch",
+             "while", "the", "model", "runs"]
+    texts = [f"request number {i} talks about topic {i * 7 % 13}: "
+             + " ".join(words[(i + k) % len(words)] for k in range(60)) for i in range(256)]
     expected = reference.encode(texts)
     results: dict[int, list[float]] = {}
     errors: list[str] = []
