@@ -91,6 +91,9 @@ def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path, ref
                         got = resp.json()["data"][0]["embedding"]
                         ok = cosine(got, expected[i])[0] > 0.9999
                         outcomes.append("ok" if ok else "wrong vector")
+                        # a steady stream (8 clients, about 100 requests/s) keeps requests in
+                        # flight through the drain and the restart without taking every core
+                        stop_load.wait(0.05)
 
             threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
             for t in threads:
