@@ -61,10 +61,12 @@ def test_deployment_agrees_with_the_app_settings(rendered):
     c = container(rendered)
     settings = Settings.from_env(env_of(c))  # every variable is a real, valid setting
     assert settings.host == "0.0.0.0" and settings.device == "cuda"
-    port = c["ports"][0]
-    assert port["name"] == "http" and port["containerPort"] == settings.port
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": settings.port, "probes": settings.health_port}
+    assert settings.health_port != settings.port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        # on HEALTH_PORT, answered while the main port is flooded
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "probes"}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # model load
     live = c["livenessProbe"]
@@ -90,8 +92,9 @@ def test_service_monitor_pdb_and_selectors_match_the_pods(rendered):
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service_labels.items()
     endpoint = monitor["spec"]["endpoints"][0]
     assert endpoint["path"] == "/metrics"
-    assert endpoint["port"] == rendered["Service"]["spec"]["ports"][0]["name"]
-    assert rendered["Service"]["spec"]["ports"][0]["targetPort"] == "http"
+    targets = {p["name"]: p["targetPort"] for p in rendered["Service"]["spec"]["ports"]}
+    assert targets == {"http": "http", "metrics": "probes"}
+    assert targets[endpoint["port"]] == "probes"  # scraped on HEALTH_PORT, like the probes
 
 
 def test_the_hpa_scales_on_a_metric_the_adapter_serves_and_the_app_exports(rendered):
