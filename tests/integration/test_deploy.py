@@ -135,4 +135,7 @@ def test_systemd_unit_drains_within_its_stop_timeout():
                if line and not line.startswith("#"))
     settings = Settings.from_env(env)
     assert int(service["TimeoutStopSec"]) > settings.drain_timeout_s
+    # ProtectSystem=strict leaves only the CacheDirectory writable for the ONNX graph
+    assert service["ProtectSystem"] == "strict"
+    assert f"EMBEDSVC_CACHE_DIR=/var/cache/{service['CacheDirectory']}" in service["Environment"]
     assert unit["Install"]["WantedBy"] == "multi-user.target"
