@@ -120,6 +120,8 @@ def test_dockerfile_passes_hadolint_and_serves_as_a_non_root_user():
     assert 'ENTRYPOINT ["embedsvc", "serve"]' in text
     assert "EMBEDSVC_HOST=0.0.0.0" in text and "HEALTHCHECK" in text and "/health" in text
     assert "ARG BASE=nvidia/cuda:" in text and "download.pytorch.org/whl/cpu" in text
+    # a CPU image carries its ONNX graph where its servers look for it
+    assert "ENV EMBEDSVC_CACHE_DIR=" in text and "embedsvc export --device cpu" in text
 
 
 def test_systemd_unit_drains_within_its_stop_timeout():
