@@ -146,6 +146,7 @@ def info(call: Call) -> Reply:
         "max_input_length": model.max_input_tokens if model else None,
         "device": model.device if model else None,
         "dtype": model.dtype if model else None,
+        "backend": model.backend if model else None,
         "parameters": model.parameters if model else None,
         "max_concurrent_requests": service.queue_limit,  # TEI's: inputs admitted at once
         "max_batch_tokens": s.max_batch_tokens,

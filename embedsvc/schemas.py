@@ -290,6 +290,11 @@ INFO: dict[str, Any] = {
         "kind": {"type": ["string", "null"]},
         "dimension": {"type": ["integer", "null"]},
         "max_input_length": {"type": ["integer", "null"]},
+        "device": {"type": ["string", "null"]},
+        "dtype": {"type": ["string", "null"], "description": "what the model computes in: "
+                  "float32, float16, bfloat16, or int8 (QUANTIZE=int8)"},
+        "backend": {"enum": ["torch", "onnx", None],
+                    "description": "PyTorch or ONNX Runtime (BACKEND, README: CPU backend)"},
         "max_concurrent_requests": {"type": "integer"},
         "max_batch_tokens": {"type": "integer"},
         "max_batch_requests": {"type": "integer"},

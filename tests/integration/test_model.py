@@ -111,6 +111,7 @@ def test_embed_truncates_left_or_right_like_the_cut_text(real_app, reference):
 def test_the_backend_asked_for_is_the_one_serving(real_app):
     info = real_app.extensions["embedsvc"].model
     assert info.backend == real_app.extensions["embedsvc"].settings.backend
+    assert real_app.test_client().get("/info").get_json()["backend"] == info.backend
 
 
 def test_dimensions_64_is_a_renormalised_prefix(real_app, reference):

@@ -123,6 +123,7 @@ def test_info_and_health(client):
     info = client.get("/info").get_json()
     assert info["dimension"] == 8 and info["model_id"] == "fake" and info["state"] == "ready"
     assert info["max_batch_tokens"] == 16384 and isinstance(info["pid"], int)
+    assert info["backend"] == "torch"
     assert client.get("/health").get_json() == {"status": "ok"}
 
 
