@@ -76,6 +76,8 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     else:
         log.info("backend: PyTorch on %s (%s)", device, choice.reason)
     encoder.place(device, settings.dtype)
+    if encoder.info.backend == "onnx":
+        encoder.release_replaced()  # the PyTorch copy of the transformer's weights
     return encoder
 
 

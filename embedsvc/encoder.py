@@ -231,6 +231,15 @@ class SentenceTransformerEncoder:
         return self._run(self._modules if forward is None else [forward, *self._modules[1:]],
                          batch)
 
+    def release_replaced(self) -> None:
+        """Free the weights of the transformer that ``use_forward`` replaced (ONNX Runtime
+        holds its own copy). Their shapes stay, so ``info`` still counts the parameters;
+        ``encode_with(None, ...)`` and ``place`` no longer work. Call after ``place``."""
+        import torch
+
+        if self._pipeline[0] is not self._modules[0]:
+            self._modules[0].to(torch.device("meta"))
+
     @property
     def forward(self) -> Callable[[dict[str, Any]], dict[str, Any]]:
         """What computes the transformer: the first module, or the forward that replaced it."""

@@ -112,6 +112,11 @@ def test_the_backend_asked_for_is_the_one_serving(real_app):
     info = real_app.extensions["embedsvc"].model
     assert info.backend == real_app.extensions["embedsvc"].settings.backend
     assert real_app.test_client().get("/info").get_json()["backend"] == info.backend
+    # ONNX Runtime holds the transformer's weights; the process keeps no PyTorch copy of them
+    transformer = real_app.extensions["embedsvc"].ready(0).encoder.input_module
+    on_device = {p.device.type for p in transformer.parameters()}
+    assert on_device == ({"meta"} if info.backend == "onnx" else {"cpu"})
+    assert info.parameters == 22_713_216  # still counted, from the shapes
 
 
 def test_dimensions_64_is_a_renormalised_prefix(real_app, reference):
