@@ -76,8 +76,7 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     else:
         log.info("backend: PyTorch on %s (%s)", device, choice.reason)
     encoder.place(device, settings.dtype)
-    if encoder.info.backend == "onnx":
-        encoder.release_replaced()  # the PyTorch copy of the transformer's weights
+    encoder.release_replaced()  # an ONNX-served transformer's PyTorch weights, if any
     return encoder
 
 

@@ -237,7 +237,7 @@ class SentenceTransformerEncoder:
         ``encode_with(None, ...)`` and ``place`` no longer work. Call after ``place``."""
         import torch
 
-        if self._pipeline[0] is not self._modules[0]:
+        if self._modules and self._pipeline[0] is not self._modules[0]:
             self._modules[0].to(torch.device("meta"))
 
     @property
@@ -463,8 +463,8 @@ class FakeEncoder:
     def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
         out = []
         for text in texts:
-            words = [Piece(_word_id(text[a:b]), text[a:b], False, a, b)
-                     for a, b in _words(text, self.info.max_input_tokens - 2, "right")]
+            spans = itertools.islice(_WORD.finditer(text), self.info.max_input_tokens - 2)
+            words = [Piece(_word_id(m[0]), m[0], False, *m.span()) for m in spans]
             out.append([Piece(1, "[CLS]", True, None, None), *words,
                         Piece(2, "[SEP]", True, None, None)])
         return out
@@ -525,22 +525,6 @@ def _split(text: str, limit: int | None, direction: str) -> list[str]:
     if direction == "right":
         return text.split(None, limit)[:limit]
     return text.rsplit(None, limit)[-limit:]
-
-
-def _words(text: str, limit: int | None, direction: str) -> list[tuple[int, int]]:
-    """Offsets of the first or last ``limit`` words (runs of non-space), at a cost that
-    follows ``limit``: the last ones from a suffix that grows until it holds enough."""
-    if direction == "right" or limit is None:
-        return [m.span() for m in itertools.islice(_WORD.finditer(text), limit)]
-    span = 8 * (limit + 1)
-    while True:
-        start = max(0, len(text) - span)
-        spans = [m.span() for m in _WORD.finditer(text, start)]
-        if spans and start and spans[0][0] == start and not text[start - 1].isspace():
-            spans = spans[1:]  # a word cut by the window's edge
-        if len(spans) >= limit or not start:
-            return spans[len(spans) - limit:] if len(spans) > limit else spans
-        span *= 4
 
 
 def _word_id(word: str) -> int:
