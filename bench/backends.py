@@ -52,7 +52,7 @@ def sentences(n: int) -> list[str]:
 def offline(seconds: float) -> dict[str, dict[int | str, float]]:
     """Sentences/s per config and batch size, of the transformer alone (key "alone"), and
     int8's cosine to float32 (keys "mean", "min")."""
-    from embedsvc.backend import load_encoder
+    from embedsvc.model.backend import load_encoder
     from embedsvc.settings import Settings
 
     texts = sentences(1024)
@@ -98,7 +98,7 @@ def forward_rate(encoder: Any, batch: list[list[int]], seconds: float) -> float:
 
 def sweep(seconds: float) -> str:
     """ONNX Runtime float32 sentences/s by batch shape: what MAX_BATCH_TOKENS should allow."""
-    from embedsvc.backend import load_encoder
+    from embedsvc.model.backend import load_encoder
     from embedsvc.settings import Settings
 
     encoder = load_encoder(Settings.from_env({**os.environ, **CONFIGS["onnx fp32"]},

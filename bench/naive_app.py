@@ -8,7 +8,7 @@ import os
 from flask import Flask, jsonify, request
 from sentence_transformers import SentenceTransformer
 
-from embedsvc.encoder import bundled_model_path
+from embedsvc.model.encoder import bundled_model_path
 
 
 def create() -> Flask:

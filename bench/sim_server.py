@@ -13,12 +13,12 @@ import argparse
 
 from flask import Flask
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.api.wsgi import create_app
 from embedsvc.logs import configure_logging
-from embedsvc.server import Server
+from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import Service
+from embedsvc.serving.server import Server
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 
 def build_service(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from embedsvc.encoder import bundled_model_path
-from embedsvc.window import token_window
+from embedsvc.model.encoder import bundled_model_path
+from embedsvc.model.window import token_window
 
 
 def main(mode: str) -> None:

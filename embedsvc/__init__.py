@@ -1,7 +1,7 @@
 """embedsvc: a self-hosted text-embedding service.
 
 ``embedsvc:app`` is the WSGI app for waitress-serve and gunicorn; importing this package loads
-no model and touches no accelerator (see ``embedsvc.process``).
+no model and touches no accelerator (see ``embedsvc.serving.process``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "app", "create_app"]
 
 if TYPE_CHECKING:
-    from .process import LazyApp
-    from .wsgi import create_app
+    from .api.wsgi import create_app
+    from .serving.process import LazyApp
 
     app: LazyApp
 
@@ -25,12 +25,12 @@ def __getattr__(name: str) -> Any:
     global _app
     if name == "app":
         if _app is None:
-            from .process import LazyApp
+            from .serving.process import LazyApp
 
             _app = LazyApp()
         return _app
     if name == "create_app":
-        from .wsgi import create_app
+        from .api.wsgi import create_app
 
         return create_app
     raise AttributeError(f"module 'embedsvc' has no attribute {name!r}")

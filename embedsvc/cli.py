@@ -115,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _export(settings: Settings) -> int:
-    from .backend import export
     from .logs import configure_logging
+    from .model.backend import export
 
     configure_logging(settings.log_level, settings.log_format)
     try:
@@ -129,12 +129,12 @@ def _export(settings: Settings) -> int:
 
 def _serve(settings: Settings) -> int:
     """``embedsvc serve``: a user's mistake is one line and exit 2 (usage) or 1 (failure)."""
-    from .preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
+    from .serving.preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
 
     try:
         check_serving(settings)  # before the imports below, which take seconds
-        from .process import serving_process
-        from .server import serve
+        from .serving.process import serving_process
+        from .serving.server import serve
 
         serving_process(settings)
         return serve(settings)

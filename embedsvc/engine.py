@@ -3,8 +3,8 @@
 An ``Engine`` exists only once its model is loaded (``service.Service`` builds it), so
 nothing on the request path is ever half-initialised.
 
->>> from embedsvc.batcher import Batcher, BatchLimits
->>> from embedsvc.encoder import FakeEncoder
+>>> from embedsvc.batching.batcher import Batcher, BatchLimits
+>>> from embedsvc.model.fake import FakeEncoder
 >>> from embedsvc.settings import Settings
 >>> encoder = FakeEncoder(dimension=4)
 >>> batcher = Batcher(encoder.encode, BatchLimits.from_settings(Settings()))
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import rules
-from .admission import deadline_error
-from .batcher import Batcher, BatchLimits
-from .encoder import Encoder, ModelInfo, Piece
+from .batching.admission import deadline_error
+from .batching.batcher import Batcher, BatchLimits
 from .errors import InvalidRequest
 from .metrics import Metrics
+from .model.encoder import Encoder, ModelInfo, Piece
 from .rules import Inputs
 from .settings import Settings
 

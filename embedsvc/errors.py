@@ -105,3 +105,7 @@ class DeadlineExceeded(ApiError):
 def internal_error() -> ApiError:
     """The error for a bug: it says nothing about the internals; the log has the traceback."""
     return ApiError("internal server error; the server log has the details", code="internal_error")
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device ran out of memory for this batch; a smaller batch may fit."""

@@ -107,3 +107,29 @@ def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, dire
             "shorten it or ask for truncation", "input_too_long")
     return ids[:room] if direction == "right" else ids[len(ids) - room:]
 
+
+def prompted(prompts: dict[str, str], name: str | None, inputs: list[Any]) -> list[Any]:
+    """Texts with the named prompt put before each; token ids cannot take one."""
+    if name is None:
+        return inputs
+    prefix = prompt(prompts, name)
+    if inputs and not isinstance(inputs[0], str):
+        raise InvalidRequest("'prompt_name' applies to text inputs; with token ids, put the "
+                             "prompt's ids first", param="prompt_name", code="invalid_prompt_name")
+    return [prefix + t for t in inputs]
+
+
+def prompt(prompts: dict[str, str], name: str) -> str:
+    if name not in prompts:
+        known = ", ".join(sorted(prompts)) or "none"
+        raise InvalidRequest(
+            f"'prompt_name' {name!r} is not one of this model's prompts ({known})",
+            param="prompt_name", code="invalid_prompt_name",
+        )
+    return prompts[name]
+
+
+def check_query(query: str) -> None:
+    """A rerank query must hold some text."""
+    if not query:
+        raise InvalidRequest("'query' must not be empty", param="query", code="empty_input")

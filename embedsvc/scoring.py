@@ -21,8 +21,8 @@ import numpy as np
 
 from . import rules
 from .errors import InvalidRequest
-from .scorer import CrossEncoderScorer, Sequenced
-from .sparse import SparseEmbedder, active
+from .model.scorer import CrossEncoderScorer, Sequenced
+from .model.sparse import SparseEmbedder, active
 
 if TYPE_CHECKING:
     from .engine import Embedded, Engine

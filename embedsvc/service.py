@@ -1,6 +1,6 @@
 """The life of one process's model: load, watch, drain; and the state ``/health`` reports.
 
->>> from embedsvc.encoder import FakeEncoder
+>>> from embedsvc.model.fake import FakeEncoder
 >>> service = Service(Settings(), encoder=FakeEncoder(dimension=4))
 >>> service.start(background=False)
 >>> service.ready().embed(["hello world"]).vectors.shape
@@ -17,12 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import __version__, backend
-from .batcher import Batcher, BatchLimits, ShutdownReport
-from .encoder import Encoder, ModelInfo, SentenceTransformerEncoder
+from . import __version__
+from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .engine import Engine
 from .errors import Unavailable
 from .metrics import Metrics
+from .model import backend
+from .model.encoder import Encoder, ModelInfo
+from .model.st_encoder import SentenceTransformerEncoder
 from .settings import Settings
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 import threading
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.model.fake import FakeEncoder
 
 
 class GatedEncoder(FakeEncoder):
@@ -33,7 +33,7 @@ class BundledTokenizerFake(FakeEncoder):
 
         from tokenizers import Tokenizer
 
-        from embedsvc.encoder import bundled_model_path
+        from embedsvc.model.encoder import bundled_model_path
 
         super().__init__(max_input_tokens=256, **kwargs)
         self.tokenizer = Tokenizer.from_file(str(Path(bundled_model_path()) / "tokenizer.json"))
@@ -41,7 +41,7 @@ class BundledTokenizerFake(FakeEncoder):
         self.tokenizer.no_padding()
 
     def tokenize(self, texts, limit=None, direction="right"):
-        from embedsvc.window import token_window
+        from embedsvc.model.window import token_window
 
         return [ids for ids, _ in token_window(self.tokenizer, texts, limit, direction, 6)]
 

@@ -15,7 +15,7 @@ MAX_LENGTH = 128
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from embedsvc.encoder import bundled_model_path
+    from embedsvc.model.encoder import bundled_model_path
 
     return AutoTokenizer.from_pretrained(bundled_model_path())
 

@@ -114,8 +114,8 @@ def _check_files(source: Path, target: Path, args: Any) -> None:
 
 
 def _run_file(args: Any, settings: Settings) -> Summary:
-    from ..progress import progress_bar
     from .embedders import LocalEmbedder, RemoteEmbedder, local_identity
+    from .progress import progress_bar
 
     source, target = Path(args.input), Path(args.output)
     embedder: Any = RemoteEmbedder(args.url, settings.api_key) if args.url else None

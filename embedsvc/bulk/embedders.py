@@ -17,10 +17,10 @@ import numpy as np
 
 from .. import scoring
 from ..errors import ApiError
+from ..model.sparse import elements
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
-from ..sparse import elements
 from .errors import BulkError, UsageError
 from .kinds import expected_kind, kind_problem, served_kind
 

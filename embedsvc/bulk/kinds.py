@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..kinds import resolve
+from ..model.kinds import resolve
 from ..settings import Settings
 from .parts import JSONL
 

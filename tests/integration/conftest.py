@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from embedsvc.api.wsgi import create_app
 from embedsvc.metrics import Metrics
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 from .servers import running
 
@@ -17,7 +17,7 @@ def reference():
     """sentence-transformers itself, on the bundled model: the answers to compare with."""
     from sentence_transformers import SentenceTransformer
 
-    from embedsvc.encoder import bundled_model_path
+    from embedsvc.model.encoder import bundled_model_path
 
     return SentenceTransformer(bundled_model_path(), device="cpu")
 

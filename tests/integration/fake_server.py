@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import httpx
 from prometheus_client import CollectorRegistry
 
-from embedsvc.encoder import Encoder
 from embedsvc.metrics import Metrics
-from embedsvc.server import Server
+from embedsvc.model.encoder import Encoder
 from embedsvc.service import Service
+from embedsvc.serving.server import Server
 from embedsvc.settings import Settings
 
 

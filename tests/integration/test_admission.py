@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.model.fake import FakeEncoder
 
 from ..fakes import BundledTokenizerFake
 from .fake_server import fake_server, healthy_answer

@@ -7,11 +7,11 @@ the same cases through all three on the real model.
 import orjson
 import pytest
 
+from embedsvc.api.wsgi import create_app
 from embedsvc.cli import main
 from embedsvc.errors import InvalidRequest
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 LIMITS = {"max_input_chars": 1000, "auto_truncate": False}
 CASES = {

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from embedsvc.batcher import Batcher, BatchLimits
-from embedsvc.kinds import Detected, detect, load_model, resolve
-from embedsvc.scorer import CrossEncoderScorer, Pair
+from embedsvc.batching.batcher import Batcher, BatchLimits
+from embedsvc.model.kinds import Detected, detect, load_model, resolve
+from embedsvc.model.scorer import CrossEncoderScorer, Pair
+from embedsvc.model.sparse import SparseEmbedder, active
 from embedsvc.settings import Settings, SettingsError
-from embedsvc.sparse import SparseEmbedder, active
 
 QUERY = "How many people live in Berlin?"
 DOCS = [
@@ -106,7 +106,7 @@ def test_tiny_models_are_detected_as_their_kind(kind_dirs, encoders):
 
 
 def test_the_bundled_model_directory_is_an_embedding_model():
-    from embedsvc.encoder import bundled_model_path
+    from embedsvc.model.encoder import bundled_model_path
 
     assert detect(bundled_model_path()).kind == "embedding"
 

@@ -5,10 +5,10 @@ import base64
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from embedsvc.api.wsgi import create_app
 from embedsvc.metrics import Metrics
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 from .conftest import cosine
 

@@ -9,7 +9,7 @@ import torch
 calls = []
 for name in ("is_available", "device_count", "_lazy_init", "init", "current_device"):
     setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
-from embedsvc.encoder import SentenceTransformerEncoder
+from embedsvc.model.st_encoder import SentenceTransformerEncoder
 enc = SentenceTransformerEncoder.load("")
 assert enc.info.dimension == 384, enc.info
 assert calls == [], calls

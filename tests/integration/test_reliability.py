@@ -7,7 +7,7 @@ import time
 import httpx
 import numpy as np
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.model.fake import FakeEncoder
 
 from ..fakes import GatedEncoder
 from .fake_server import fake_server, healthy_answer

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from embedsvc.api.wsgi import create_app
 from embedsvc.metrics import Metrics
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 from ..fakes import GatedEncoder
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from embedsvc.backend import choose_backend
+from embedsvc.model.backend import choose_backend
 from embedsvc.settings import Settings, SettingsError
 
 

@@ -4,16 +4,17 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.batcher import Batcher, BatchLimits, ShutdownReport, plan_batch
-from embedsvc.encoder import DeviceOutOfMemory, FakeEncoder
+from embedsvc.batching.batcher import Batcher, BatchLimits, ShutdownReport, plan_batch
 from embedsvc.errors import (
     BatchFailed,
     ClientDisconnected,
     DeadlineExceeded,
+    DeviceOutOfMemory,
     PayloadTooLarge,
     Unavailable,
 )
 from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
 
 from ..fakes import GatedEncoder
 

@@ -14,7 +14,7 @@ from embedsvc.bulk.checkpoint import parts_dir
 from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.records import Position, read_records
 from embedsvc.cli import main
-from embedsvc.sparse import elements
+from embedsvc.model.sparse import elements
 
 
 class HashEmbedder:

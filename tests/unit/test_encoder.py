@@ -4,7 +4,9 @@ import os
 
 import numpy as np
 
-from embedsvc.encoder import FakeEncoder, model_name, resolve_dtype
+from embedsvc.model.device import resolve_dtype
+from embedsvc.model.encoder import model_name
+from embedsvc.model.fake import FakeEncoder
 
 
 def test_fake_rows_do_not_depend_on_the_batch():

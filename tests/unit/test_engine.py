@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.batcher import Batcher, BatchLimits
-from embedsvc.encoder import FakeEncoder
+from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.engine import Engine, l2_normalize
 from embedsvc.errors import DeadlineExceeded, InvalidRequest
 from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
 from embedsvc.settings import Settings
 
 from .conftest import make_app

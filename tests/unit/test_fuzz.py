@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.model.fake import FakeEncoder
 
 from .conftest import build_app
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from embedsvc.graph_cache import GraphCache, cache_root
+from embedsvc.model.graph_cache import GraphCache, cache_root
 
 GOOD = "graph v1"
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from embedsvc import gunicorn_worker, internals
-from embedsvc.gunicorn_worker import DeadlinePassed, DeadlineSocket, json_error
+from embedsvc.serving import gunicorn_worker, internals
+from embedsvc.serving.gunicorn_worker import DeadlinePassed, DeadlineSocket, json_error
 
 
 def test_every_gunicorn_internal_the_worker_uses_is_there():

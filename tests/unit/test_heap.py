@@ -1,6 +1,6 @@
 """heap.py: freed pages go back to the OS."""
 
-from embedsvc import heap
+from embedsvc.batching import heap
 
 
 def test_heap_trim_works_on_this_linux():

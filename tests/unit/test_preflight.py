@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from embedsvc.preflight import (
+from embedsvc.serving.preflight import (
     FAILURE,
     USAGE,
     PreflightError,

@@ -5,9 +5,9 @@ import types
 
 import pytest
 
-from embedsvc import process
-from embedsvc.encoder import FakeEncoder
-from embedsvc.process import (
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.serving import process
+from embedsvc.serving.process import (
     BAD_FORK_MESSAGE,
     LazyApp,
     check_fork,
@@ -130,7 +130,7 @@ def test_a_forked_child_builds_its_own_service():
 def test_the_open_files_limit_is_raised_to_fit_the_connections():
     import resource
 
-    from embedsvc.process import ensure_open_files
+    from embedsvc.serving.process import ensure_open_files
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -4,7 +4,7 @@ import io
 
 from tqdm import tqdm
 
-from embedsvc.progress import FILE_INTERVAL_S, progress_bar
+from embedsvc.bulk.progress import FILE_INTERVAL_S, progress_bar
 
 
 class Terminal(io.StringIO):

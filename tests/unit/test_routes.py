@@ -183,7 +183,7 @@ def test_timing_headers_add_up(client):
 
 
 def test_openapi_describes_every_route_of_the_table(client):
-    from embedsvc.routes import ROUTES
+    from embedsvc.api.routes import ROUTES
 
     doc = client.get("/openapi.json").get_json()
     described = {(path, method.upper()) for path, ops in doc["paths"].items() for method in ops}

@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.api.wsgi import create_app
 from embedsvc.errors import Unavailable
 from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.wsgi import create_app
 
 from .conftest import assert_error
 

@@ -6,8 +6,8 @@ import time
 import pytest
 from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
 
-from embedsvc import internals, waitress_adapter
-from embedsvc.waitress_adapter import Bounds, RequestTimeout, error_body
+from embedsvc.serving import internals, waitress_adapter
+from embedsvc.serving.waitress_adapter import Bounds, RequestTimeout, error_body
 
 BOUNDS = Bounds(header_timeout_s=1, body_timeout_s=1, idle_timeout_s=1, max_connections=4,
                 max_body_bytes=100)

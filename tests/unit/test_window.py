@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from embedsvc.encoder import FakeEncoder, bundled_model_path
-from embedsvc.window import token_window
+from embedsvc.model.encoder import bundled_model_path
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.model.window import token_window
 
 # Pieces that stress a cut: whitespace runs, many-token characters, accents (composed and
 # combining), CJK (one word per character), punctuation (one word per mark), added tokens.

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import orjson
 
-from embedsvc.encoder import FakeEncoder
+from embedsvc.model.fake import FakeEncoder
 
 from .conftest import assert_error, assert_still_serving, make_app
 
@@ -85,7 +85,7 @@ def test_waiting_past_the_deadline_is_504(fake, registry):
 
 
 def test_every_route_answers_other_methods_with_405_and_allow(client, fake):
-    from embedsvc.routes import ROUTES
+    from embedsvc.api.routes import ROUTES
 
     allowed: dict[str, set[str]] = {}
     for route in ROUTES:
@@ -99,7 +99,7 @@ def test_every_route_answers_other_methods_with_405_and_allow(client, fake):
 
 
 def test_every_route_refuses_a_body_over_the_limit_with_413(fake, registry):
-    from embedsvc.routes import ROUTES
+    from embedsvc.api.routes import ROUTES
 
     client = make_app(fake, registry, max_body_bytes=64).test_client()
     for route in ROUTES:

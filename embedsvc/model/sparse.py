@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .encoder import SentenceTransformerEncoder, torch_forward
+from .st_encoder import SentenceTransformerEncoder, torch_forward
 
 
 class SparseEmbedder(SentenceTransformerEncoder):

@@ -92,7 +92,7 @@ class TokenizeRequest(Request):
     inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
 
 
-# -- rerankers, classifiers, sparse encoders, similarity (kind_routes.py) ---------------------
+# -- rerankers, classifiers, sparse encoders, similarity (tei.py, cohere.py) ---------------------
 
 
 class RerankRequest(_Truncation):

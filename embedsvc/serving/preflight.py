@@ -8,7 +8,7 @@ traceback.
 >>> check_model("/no/such/model")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-embedsvc.preflight.PreflightError: setting MODEL (...) cannot be '/no/such/model': no such directory
+embedsvc.serving.preflight.PreflightError: setting MODEL (...) cannot be '/no/such/model': ...
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import errno
 import os
 import socket
 
-from .settings import ENV_PREFIX, Settings
+from ..settings import ENV_PREFIX, Settings
 
 USAGE, FAILURE = 2, 1
 

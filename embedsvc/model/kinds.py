@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .encoder import ModelInfo, SentenceTransformerEncoder
+from .encoder import ModelInfo
+from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
 

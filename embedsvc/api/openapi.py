@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document served at /openapi.json, built from the route table.
 
->>> from embedsvc.routes import ROUTES
+>>> from embedsvc.api.routes import ROUTES
 >>> doc = openapi_document(ROUTES)
 >>> sorted(doc["paths"]["/embed"])
 ['post']
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from . import __version__
+from .. import __version__
 from .schemas import ERROR
 from .web import Route
 

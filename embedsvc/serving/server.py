@@ -16,14 +16,14 @@ import threading
 import time
 from typing import Any
 
+from ..api.wsgi import create_app
+from ..batching.batcher import ShutdownReport
+from ..logs import configure_logging
+from ..service import Service
+from ..settings import Settings
 from . import waitress_adapter
-from .batcher import ShutdownReport
-from .logs import configure_logging
 from .probe import ProbeListener
 from .process import ensure_open_files
-from .service import Service
-from .settings import Settings
-from .wsgi import create_app
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("embedsvc.access")

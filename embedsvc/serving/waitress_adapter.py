@@ -40,7 +40,7 @@ from waitress.task import ErrorTask, ThreadedTaskDispatcher
 from waitress.utilities import Error
 from waitress.wasyncore import close_all, dispatcher
 
-from .errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
 from .internals import missing_internals
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ One thread owns the model. Request threads ``submit`` their (already tokenized) 
 wait on the returned ``Job``; the thread forms each device batch from what is queued when
 the device frees up, runs it under the device lock and writes each row back to its job.
 
->>> from embedsvc.encoder import FakeEncoder
+>>> from embedsvc.model.fake import FakeEncoder
 >>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048, 1 << 20,
 ...                                                             30.0, 2048))
 >>> b.start()
@@ -27,11 +27,17 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import (
+    ApiError,
+    BatchFailed,
+    ClientDisconnected,
+    DeadlineExceeded,
+    DeviceOutOfMemory,
+    Unavailable,
+)
+from ..metrics import Metrics
 from . import heap
 from .admission import Admission, Ticket, deadline_error
-from .encoder import DeviceOutOfMemory
-from .errors import ApiError, BatchFailed, ClientDisconnected, DeadlineExceeded, Unavailable
-from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 

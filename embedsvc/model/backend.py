@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .encoder import SentenceTransformerEncoder, resolve_device
+from ..settings import Settings, SettingsError
+from .device import resolve_device
 from .kinds import load_model
-from .settings import Settings, SettingsError
+from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
 

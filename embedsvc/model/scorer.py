@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .encoder import SentenceTransformerEncoder, _plain_tokenizer, torch_forward
+from .st_encoder import SentenceTransformerEncoder, torch_forward
+from .tokenizer import plain_tokenizer
 
 Sequenced = str | tuple[str, str]  # one input of a cross-encoder: a text or a pair of texts
 
@@ -59,7 +60,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         super().__init__(model, name, source)
         limit = int(model.max_seq_length)
         self._truncating_to = {
-            side: _plain_tokenizer(model.tokenizer, truncate_at=limit, direction=side)
+            side: plain_tokenizer(model.tokenizer, truncate_at=limit, direction=side)
             for side in ("right", "left")
         }
 

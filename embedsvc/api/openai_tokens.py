@@ -23,7 +23,7 @@ import importlib.resources
 import threading
 from collections.abc import Sequence
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 DEFAULT_ENCODING = "cl100k_base"  # what LangChain falls back to for names tiktoken lacks
 

@@ -10,7 +10,7 @@ Why not Flask for everything: on the hot path its request context, proxies and r
 objects cost more CPU per request than the rest of the server outside the model
 (bench/RESULTS.md).
 
->>> from embedsvc.encoder import FakeEncoder
+>>> from embedsvc.model.fake import FakeEncoder
 >>> app = create_app(Settings(), encoder=FakeEncoder(dimension=4))
 >>> app.extensions["embedsvc"].start(background=False)
 >>> app.test_client().post("/embed", json={"inputs": "hi"}).status_code
@@ -33,8 +33,7 @@ from flask import Flask, Response, request
 from prometheus_client import CollectorRegistry
 from werkzeug.exceptions import HTTPException
 
-from .encoder import Encoder
-from .errors import (
+from ..errors import (
     ApiError,
     InvalidRequest,
     MethodNotAllowed,
@@ -43,10 +42,11 @@ from .errors import (
     Unauthorized,
     internal_error,
 )
-from .metrics import Metrics
+from ..metrics import Metrics
+from ..model.encoder import Encoder
+from ..service import Service
+from ..settings import Settings
 from .routes import ROUTES
-from .service import Service
-from .settings import Settings
 from .web import Call, Reply, Route, json_reply
 
 log = logging.getLogger(__name__)

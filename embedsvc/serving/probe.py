@@ -23,9 +23,9 @@ from typing import Any
 
 import orjson
 
+from ..errors import NotFound
+from ..settings import Settings
 from . import waitress_adapter
-from .errors import NotFound
-from .settings import Settings
 
 log = logging.getLogger(__name__)
 

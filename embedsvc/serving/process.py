@@ -25,11 +25,11 @@ from typing import Any
 
 from flask import Flask
 
-from .encoder import Encoder
-from .errors import Unavailable
-from .logs import configure_logging, quiet_model_libraries
-from .service import Service, load_encoder
-from .settings import Settings
+from ..errors import Unavailable
+from ..logs import configure_logging, quiet_model_libraries
+from ..model.encoder import Encoder
+from ..service import Service, load_encoder
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class LazyApp:
         return service
 
     def _build(self) -> Flask:
-        from .wsgi import create_app
+        from ..api.wsgi import create_app
 
         settings = Settings.from_env(self._env)
         serving_process(settings)
@@ -202,7 +202,7 @@ class LazyApp:
         return app
 
     def _preload(self, settings: Settings) -> None:
-        from .kinds import load_model
+        from ..model.kinds import load_model
 
         serving_process(settings)
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .encoder import SentenceTransformerEncoder
+from ..settings import Settings
 from .graph_cache import GraphCache, cache_root
-from .settings import Settings
+from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
 

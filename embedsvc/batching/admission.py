@@ -34,14 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import (
-    ClientDisconnected,
-    DeadlineExceeded,
-    Overloaded,
-    PayloadTooLarge,
-    Unavailable,
-)
-from .metrics import Metrics
+from ..errors import ClientDisconnected, DeadlineExceeded, Overloaded, PayloadTooLarge, Unavailable
+from ..metrics import Metrics
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
 _RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured rate

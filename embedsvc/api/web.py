@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .. import scoring
+
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .service import Service
+    from ..engine import Embedded, Engine
+    from ..service import Service
 
 JSON = "application/json"
 
@@ -77,3 +79,22 @@ class Route:
     response: dict[str, Any] | None = None  # the JSON schema of a 200 body
     open: bool = False
     kinds: frozenset[str] | None = None
+
+
+def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
+    reply = json_reply(body, headers=[
+        ("x-queue-time", f"{out.queue_s * 1000:.3f}"),
+        ("x-tokenization-time", f"{out.tokenize_s * 1000:.3f}"),
+        ("x-inference-time", f"{out.inference_s * 1000:.3f}"),
+        ("x-total-time", f"{out.total_s * 1000:.3f}"),
+        ("x-compute-tokens", str(out.tokens)),
+    ])
+    reply.inputs = inputs
+    reply.tokens = out.tokens
+    return reply
+
+
+def score(call: Call, inputs: list[Any], **options: Any) -> scoring.Scored:
+    """Score texts or pairs for a handler, under the call's deadline and departure check."""
+    return scoring.score(call.engine(), inputs, deadline=call.deadline,
+                         disconnected=call.disconnected, **options)

@@ -1,0 +1,65 @@
+"""The service's own routes: ``/info``, ``/health`` (and TEI's aliases) and ``/metrics``."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import __version__
+from ..errors import Unavailable
+from ..model.kinds import tei_model_type
+from .web import Call, Reply, json_reply
+
+_HEALTH_REASONS = {
+    "loading": "the model is loading",
+    "draining": "the server is shutting down",
+    "unhealthy": "the model failed to load or the batcher is not running; see the log",
+}
+
+
+def info(call: Call) -> Reply:
+    """GET /info: the model, the limits and this process; TEI's fields among them."""
+    service = call.service
+    s, model = service.settings, service.model
+    return json_reply({
+        "model_id": model.name if model else None,
+        "model_sha": None,
+        "model_dtype": model.dtype if model else None,
+        "served_model_name": model.name if model else None,
+        "model_type": tei_model_type(model) if model else None,
+        "kind": model.kind if model else None,
+        "labels": list(model.labels) if model else None,
+        "dimension": model.dimension if model else None,
+        "max_input_length": model.max_input_tokens if model else None,
+        "device": model.device if model else None,
+        "dtype": model.dtype if model else None,
+        "backend": model.backend if model else None,
+        "parameters": model.parameters if model else None,
+        "max_concurrent_requests": service.queue_limit,  # TEI's: inputs admitted at once
+        "max_batch_tokens": s.max_batch_tokens,
+        "max_batch_requests": s.max_batch_size,
+        "max_batch_size": s.max_batch_size,
+        "max_wait_ms": s.max_wait_ms,
+        "max_queue": service.queue_limit,
+        "max_client_batch_size": s.max_inputs_per_request,
+        "auto_truncate": s.auto_truncate,
+        "tokenization_workers": s.threads,  # request threads tokenize their own inputs
+        "version": __version__,
+        "sha": None,
+        "docker_label": None,
+        "pid": service.pid,
+        "state": service.state,
+    })
+
+
+def health(call: Call) -> Reply:
+    """GET /health: 200 once the model is loaded and the batcher runs, else 503 and why."""
+    state = call.service.state
+    if state != "ready":
+        raise Unavailable(_HEALTH_REASONS.get(state, state), code=state)
+    return json_reply({"status": "ok"})
+
+
+def metrics(call: Call) -> Reply:
+    """GET /metrics: the Prometheus text exposition."""
+    return Reply(200, generate_latest(call.service.metrics.registry),
+                 content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,87 @@
+"""The one route table: every route's path, method, handler, body and answer schemas, and
+the model kinds it serves. The pipeline (wsgi.py) and ``/openapi.json`` are built from it.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from . import cohere, openai, ops, schemas, tei
+from .openapi import openapi_document
+from .schemas import (
+    DecodeRequest,
+    EmbedAllRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    TokenizeRequest,
+)
+from .web import Call, Reply, Route
+
+_openapi_body: bytes | None = None
+
+
+def openapi(call: Call) -> Reply:
+    """GET /openapi.json: this table, as OpenAPI 3.1."""
+    global _openapi_body
+    if _openapi_body is None:
+        _openapi_body = orjson.dumps(openapi_document(ROUTES))
+    return Reply(200, _openapi_body)
+
+
+_EMBEDDING = frozenset({"embedding"})
+_MAIN_ROUTE = ("The served model's main route, by its kind, as TEI's: /embed (embedding), "
+               "/rerank (reranker), /predict (classifier), /embed_sparse (sparse)")
+_RERANKER = frozenset({"reranker"})
+_COHERE = ("Cohere/Jina rerank: the best documents for a query, with relevance scores "
+           "(a reranker model)")
+
+_HEALTH_SUMMARY = ("200 once the model is loaded and the batcher runs; 503 with code loading, "
+                   "unhealthy or draining")
+_EMBEDDINGS = Route("/v1/embeddings", "POST", openai.embeddings, "OpenAI-compatible embeddings",
+                    EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING)
+
+ROUTES: tuple[Route, ...] = (
+    _EMBEDDINGS,
+    Route("/embeddings", "POST", openai.embeddings, _EMBEDDINGS.summary, EmbeddingsRequest,
+          schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING),
+    Route("/embed", "POST", tei.embed, "TEI-compatible embeddings, one vector per input",
+          EmbedRequest, schemas.VECTORS, kinds=_EMBEDDING),
+    Route("/similarity", "POST", tei.similarity, "TEI's sentence similarity: the "
+          "cosine of each sentence to the source sentence (an embedding model)",
+          schemas.SimilarityRequest, {"type": "array", "items": {"type": "number"}},
+          kinds=_EMBEDDING),
+    Route("/rerank", "POST", tei.rerank, "TEI's rerank: texts scored against a query, "
+          "best first (a reranker model); a body with 'documents' instead of 'texts' is read "
+          "and answered in the Cohere/Jina shape of /v1/rerank", schemas.RerankRequest,
+          schemas.RANKS, kinds=_RERANKER),
+    Route("/v1/rerank", "POST", cohere.cohere_rerank, _COHERE,
+          schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),
+    Route("/v2/rerank", "POST", cohere.cohere_rerank, _COHERE + "; Cohere's v2 path",
+          schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),
+    Route("/predict", "POST", tei.predict, "TEI's predict: every label's score for a "
+          "text, a pair or a list of them (a classifier or reranker model)",
+          schemas.PredictRequest, schemas.PREDICTIONS,
+          kinds=frozenset({"classifier", "reranker"})),
+    Route("/embed_sparse", "POST", tei.embed_sparse, "TEI's sparse embeddings: the "
+          "non-zero vocabulary entries of each input (a sparse model such as SPLADE)",
+          schemas.EmbedSparseRequest, schemas.SPARSE_VECTORS, kinds=frozenset({"sparse"})),
+    Route("/", "POST", tei.main_route, _MAIN_ROUTE, response=schemas.OBJECT),
+    Route("/invocations", "POST", tei.main_route, _MAIN_ROUTE + " (SageMaker's path)",
+          response=schemas.OBJECT),
+    Route("/tokenize", "POST", tei.tokenize, "The tokens the model sees for each input",
+          TokenizeRequest, schemas.TOKENS),
+    Route("/embed_all", "POST", tei.embed_all, "TEI-compatible per-token vectors: per input, one "
+          "raw vector per token", EmbedAllRequest, schemas.TOKEN_VECTORS,
+          kinds=frozenset({"embedding"})),
+    Route("/decode", "POST", tei.decode, "TEI-compatible: the served model's token ids back to "
+          "text", DecodeRequest, schemas.TEXTS),
+    Route("/info", "GET", ops.info, "Model, device, limits, version and pid, with TEI's fields",
+          response=schemas.INFO),
+    Route("/health", "GET", ops.health, _HEALTH_SUMMARY, response=schemas.HEALTH, open=True),
+    Route("/", "GET", ops.health, "TEI's health alias: as /health", response=schemas.HEALTH,
+          open=True),
+    Route("/ping", "GET", ops.health, "SageMaker's health alias: as /health",
+          response=schemas.HEALTH, open=True),
+    Route("/metrics", "GET", ops.metrics, "Prometheus text exposition", open=True),
+    Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
+)

@@ -1,0 +1,2 @@
+"""The model: the ``Encoder`` interface and the encoders behind it, the device, the model
+kinds, the token window, and the runtimes that compute (PyTorch, ONNX Runtime)."""

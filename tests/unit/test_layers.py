@@ -1,0 +1,148 @@
+"""The package's layers, enforced: every import of embedsvc's own modules runs downward.
+
+    api -> service -> engine -> {batching, model, rules} -> foundation
+
+with serving/ and bulk/ above the api and the service, and the entry points (cli, the package
+face, __main__, the gunicorn worker's published path) above everything. Imports made inside
+functions and under TYPE_CHECKING count too: a lazy import upward is still an upward import.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[2] / "embedsvc"
+
+# (rank, group): a module may import its own group, or a group of lower rank.
+LAYERS = {
+    "settings": (0, "foundation"), "errors": (0, "foundation"),
+    "metrics": (0, "foundation"), "logs": (0, "foundation"),
+    "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
+    "engine": (2, "engine"), "scoring": (2, "engine"),
+    "service": (3, "service"),
+    "api": (4, "api"),
+    "serving": (5, "serving"), "bulk": (5, "bulk"),
+    "cli": (6, "entry"), "__main__": (6, "entry"), "gunicorn_worker": (6, "entry"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str) -> bool:
+    where = PACKAGE.parent.joinpath(*dotted.split("."))
+    return where.with_suffix(".py").exists() or where.is_dir()
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names) for every import of embedsvc's own code in ``path``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names
+                      if a.name.split(".")[0] == "embedsvc"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "embedsvc":
+                continue
+            modules = [n for n in (a.name for a in node.names) if is_module(f"{target}.{n}")]
+            found += [(node.lineno, f"{target}.{n}", []) for n in modules]
+            names = [a.name for a in node.names if a.name not in modules]
+            if names:
+                found.append((node.lineno, target, names))
+    return found
+
+
+def layer(module: str) -> tuple[int, str] | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package face
+    return LAYERS[parts[1]]
+
+
+def sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sources():
+        importer = module_name(path)
+        if importer == "embedsvc":
+            continue  # the package face hands out the entry points, lazily
+        own = layer(importer)
+        for line, target, names in imports(path):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+            theirs = layer(target)
+            if theirs is None:
+                if set(names) - {"__version__"}:
+                    found.append(f"{where} imports {names} from the package face; only "
+                                 "__version__ may come from there")
+                continue
+            if theirs[1] == own[1]:
+                continue
+            if theirs[0] >= own[0]:
+                found.append(f"{where}: {importer} ({own[1]}) imports {target} ({theirs[1]}), "
+                             "which is not below it")
+    return found
+
+
+def test_every_module_has_a_layer():
+    for path in sources():
+        name = module_name(path)
+        if name != "embedsvc":
+            assert name.split(".")[1] in LAYERS, f"{name}: give it a layer in this test"
+
+
+def test_no_import_runs_upward_or_sideways():
+    assert violations() == []
+
+
+def test_no_import_circle():
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        graph[module_name(path)] = {t for _, t, _ in imports(path)}
+    # a module's import of its package's face runs that package's __init__ first
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph or nxt == "embedsvc":
+                continue
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The walk itself: an engine module that imported the API would be reported."""
+    fake = tmp_path / "embedsvc"
+    (fake / "api").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "api" / "__init__.py").write_text("")
+    (fake / "api" / "routes.py").write_text("")
+    (fake / "engine.py").write_text("from .api import routes\nfrom . import rules\n")
+    (fake / "rules.py").write_text("")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert [v.split(": ", 1)[1] for v in violations()] == [
+        "embedsvc.engine (engine) imports embedsvc.api.routes (api), which is not below it"]
