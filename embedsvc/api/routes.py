@@ -65,9 +65,9 @@ ROUTES: tuple[Route, ...] = (
     Route("/embed_sparse", "POST", tei.embed_sparse, "TEI's sparse embeddings: the "
           "non-zero vocabulary entries of each input (a sparse model such as SPLADE)",
           schemas.EmbedSparseRequest, schemas.SPARSE_VECTORS, kinds=frozenset({"sparse"})),
-    Route("/", "POST", tei.main_route, _MAIN_ROUTE, response=schemas.OBJECT),
+    Route("/", "POST", tei.main_route, _MAIN_ROUTE, response=schemas.MAIN_ROUTE),
     Route("/invocations", "POST", tei.main_route, _MAIN_ROUTE + " (SageMaker's path)",
-          response=schemas.OBJECT),
+          response=schemas.MAIN_ROUTE),
     Route("/tokenize", "POST", tei.tokenize, "The tokens the model sees for each input",
           TokenizeRequest, schemas.TOKENS),
     Route("/embed_all", "POST", tei.embed_all, "TEI-compatible per-token vectors: per input, one "

@@ -273,6 +273,11 @@ TOKEN_VECTORS: dict[str, Any] = {
     "included", "items": {"type": "array", "items": VECTOR},
 }
 TEXTS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+MAIN_ROUTE: dict[str, Any] = {
+    "description": "The answer of the served kind's main route: /embed's, /rerank's, "
+    "/predict's or /embed_sparse's.",
+    "anyOf": [VECTORS, RANKS, PREDICTIONS, SPARSE_VECTORS],
+}
 HEALTH: dict[str, Any] = {"type": "object", "properties": {"status": {"const": "ok"}}}
 INFO: dict[str, Any] = {
     "type": "object",
@@ -287,7 +292,10 @@ INFO: dict[str, Any] = {
         "served_model_name": {"type": ["string", "null"]},
         "model_type": {"type": ["object", "null"],
                        "examples": [{"embedding": {"pooling": "mean"}}]},
-        "kind": {"type": ["string", "null"]},
+        "kind": {"type": ["string", "null"],
+                 "description": "embedding, reranker, classifier or sparse"},
+        "labels": {"type": ["array", "null"], "items": {"type": "string"},
+                   "description": "A cross-encoder's output labels, in output order."},
         "dimension": {"type": ["integer", "null"]},
         "max_input_length": {"type": ["integer", "null"]},
         "device": {"type": ["string", "null"]},
@@ -295,13 +303,19 @@ INFO: dict[str, Any] = {
                   "float32, float16, bfloat16, or int8 (QUANTIZE=int8)"},
         "backend": {"enum": ["torch", "onnx", None],
                     "description": "PyTorch or ONNX Runtime (BACKEND, README: CPU backend)"},
+        "parameters": {"type": ["integer", "null"], "description": "The model's weights."},
         "max_concurrent_requests": {"type": "integer"},
         "max_batch_tokens": {"type": "integer"},
         "max_batch_requests": {"type": "integer"},
+        "max_batch_size": {"type": "integer", "description": "MAX_BATCH_SIZE"},
+        "max_wait_ms": {"type": "number", "description": "MAX_WAIT_MS"},
+        "max_queue": {"type": "integer", "description": "Inputs admitted at once (MAX_QUEUE)."},
         "max_client_batch_size": {"type": "integer"},
         "auto_truncate": {"type": "boolean"},
         "tokenization_workers": {"type": "integer"},
         "version": {"type": "string"},
+        "sha": {"type": "null", "description": "TEI's build sha; none here."},
+        "docker_label": {"type": "null", "description": "TEI's image label; none here."},
         "pid": {"type": "integer"},
         "state": {"type": "string"},
     },
