@@ -107,10 +107,6 @@ class Service:
         engine = self._engine
         return engine.batcher.admission.limit if engine is not None else self.settings.max_queue
 
-    def deadline(self) -> float:
-        """The deadline of a request arriving now (REQUEST_TIMEOUT_S)."""
-        return time.monotonic() + self.settings.request_timeout_s
-
     def ready(self, timeout: float | None = None) -> Engine:
         """The engine, waiting up to ``timeout`` for the model; 503 if it is not there."""
         if self._engine is None and not self.failure:

@@ -3,11 +3,11 @@
 With dozens of request threads, glibc's malloc keeps one arena per thread, and memory freed
 in one thread but allocated in another (rows computed on the batcher thread and freed by
 request threads) stays in those arenas: a soak test saw the resident size climb by 500 MiB
-in ten minutes. ``malloc_trim(0)`` returns the free pages of every arena; the engine's
-watchdog calls it every few seconds, which kept the same load flat.
+in ten minutes. ``malloc_trim(0)`` returns the free pages of every arena; the batcher
+thread calls it after 5 s without a batch, which kept the same load flat.
 
 Batches of varying shapes also fragment the heap: the activations freed after each batch
-left pages resident, and a bulk run's peak grew with its length. The engine therefore also
+left pages resident, and a bulk run's peak grew with its length. The batcher therefore also
 trims right after a batch, at most twice a second (a few milliseconds after a large batch).
 """
 
