@@ -65,8 +65,8 @@ class Vocabulary:
             if line:
                 token, rank = line.split()
                 pieces[int(rank)] = base64.b64decode(token)
-        for rank, token in special.items():
-            pieces[rank] = token
+        for special_rank, special_token in special.items():
+            pieces[special_rank] = special_token
         return cls(name, pieces)
 
     def decode(self, ids: Sequence[int]) -> str | int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import BaseModel
 
 from .. import scoring
 
@@ -75,7 +76,7 @@ class Route:
     method: str
     handler: Handler
     summary: str
-    request: type | None = None  # the pydantic model of the body, for /openapi.json
+    request: type[BaseModel] | None = None  # the body's pydantic model, for /openapi.json
     response: dict[str, Any] | None = None  # the JSON schema of a 200 body
     open: bool = False
     kinds: frozenset[str] | None = None

@@ -47,7 +47,9 @@ class Encoder(Protocol):
     """What the engine needs of a model. ``encode`` returns raw (unnormalised) float32 rows."""
 
     info: ModelInfo
-    special_tokens: int  # how many ids ``wrap`` adds
+    @property
+    def special_tokens(self) -> int:
+        """How many ids ``wrap`` adds."""
 
     def tokenize(self, texts: Sequence[str], limit: int | None = None,
                  direction: str = "right") -> list[list[int]]:

@@ -79,18 +79,18 @@ class FakeEncoder:
         return out
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
-        batch = [list(ids) for ids in batch]
+        rows = [list(ids) for ids in batch]
         if self.record:
             with self._lock:
-                self.batches.append(batch)
-        padded = max(len(ids) for ids in batch) * len(batch)
+                self.batches.append(rows)
+        padded = max(len(ids) for ids in rows) * len(rows)
         if self.delay_s or self.per_token_s:
             time.sleep(self.delay_s + self.per_token_s * padded)
         if self.fail is not None:
-            error = self.fail(batch)
+            error = self.fail(rows)
             if error is not None:
                 raise error
-        return self._rows(batch)
+        return self._rows(rows)
 
     def encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-token vectors whose sum is the row ``encode`` returns for the same ids."""

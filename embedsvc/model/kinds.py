@@ -136,9 +136,10 @@ def _reader(model: str) -> ReadJson:
             if not os.path.isfile(path):
                 return None
         else:
-            path = _hub_file(model, name)
-            if path is None:
+            found = _hub_file(model, name)
+            if found is None:
                 return None
+            path = found
         with open(path, encoding="utf-8") as f:
             return json.load(f)
 

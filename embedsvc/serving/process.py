@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
+from types import FrameType
 from typing import Any
 
 from flask import Flask
@@ -125,7 +126,7 @@ def preloading_in_gunicorn_master() -> bool:
     setup = getattr(getattr(arbiter, "Arbiter", None), "setup", None)
     if setup is None:
         return False
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is setup.__code__:
             return True
