@@ -354,7 +354,8 @@ def settings_page() -> str:
         "Each setting has one name, used three ways: a keyword of "
         "`embedsvc.settings.Settings`, an environment variable `EMBEDSVC_<NAME>`, and a flag "
         "`--<name>` (the flag wins over the variable). A bad value stops the command at "
-        "startup with one line naming the setting, its variable and its flag.",
+        "startup with one line naming the setting, its variable and its flag. What the "
+        "one-line meanings leave out: [operations.md](operations.md#settings-in-practice).",
         "",
         *[f"- *{c.replace('_', ' ')}*: {_COLUMN_NOTES[c]}." for c in columns
           if c in _COLUMN_NOTES],
