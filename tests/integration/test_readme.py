@@ -126,6 +126,16 @@ def ci_commands() -> list[str]:
     return [ln for ln in lines if ln and not ln.startswith(("#", "set ", "cd "))]
 
 
+def installed_checkout() -> Path:
+    """The checkout whose code .venv's embedsvc runs (its editable install's source)."""
+    found = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c",
+                            "import embedsvc; print(embedsvc.__file__)"],
+                           cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                           text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    return Path(found.stdout.strip()).resolve().parents[1]
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -158,6 +168,10 @@ def test_quick_start_and_clients_run_as_typed(tmp_path):
     found = blocks()
     if subprocess.run(["make", "-q", "setup"], cwd=REPO).returncode != 0:
         pytest.fail("the install in .venv is not up to date: run `make setup` (make test does)")
+    if installed_checkout() != REPO.resolve():
+        pytest.fail(f".venv runs the embedsvc of {installed_checkout()}, not of this checkout "
+                    f"({REPO}), so the blocks would test that code: run `make setup` here, "
+                    "into a .venv of this checkout's own")
     port = free_port()
     env = newcomer_env(port, tmp_path)
     server_log = tmp_path / "background.log"
@@ -204,3 +218,64 @@ def check_session(result: subprocess.CompletedProcess, runnable: list[Block]) ->
         expected = block.expected_output()
         if expected:
             assert out.strip().splitlines() == expected, (block.code, out)
+
+
+# -- the launcher lines the docs print --------------------------------------------------------
+
+LAUNCHERS = ("embedsvc serve", "gunicorn ", "waitress-serve ", "EMBEDSVC_PORT=")
+_PORTS = ((re.compile(r"127\.0\.0\.1:80\d\d"), "127.0.0.1:0"),
+          (re.compile(r"--port 80\d\d"), "--port 0"),
+          (re.compile(r"EMBEDSVC_PORT=80\d\d"), "EMBEDSVC_PORT=0"))
+
+
+def launch_lines() -> list[str]:
+    """Each launcher command of the README's launch modes and of docs/deployment.md's
+    gunicorn section, once, without its comment."""
+    readme = section_text((REPO / "README.md").read_text(), "Launch modes") or ""
+    lines = re.findall(r"^\| `([^`]+)` \|", readme, re.M)
+    deploy = section_text((REPO / "docs" / "deployment.md").read_text(),
+                          "Running under gunicorn, waitress and friends") or ""
+    fence = _FENCE.search(deploy)
+    lines += fence[2].splitlines() if fence else []
+    found = [ln.split("  #")[0].strip() for ln in lines]
+    return list(dict.fromkeys(ln for ln in found if ln.startswith(LAUNCHERS)))
+
+
+def test_the_launcher_lines_use_the_recommended_flags():
+    lines = launch_lines()
+    assert len(lines) >= 4, lines  # embedsvc serve, gunicorn -c, plain gunicorn, waitress
+    for line in lines:
+        # embedsvc serve and deploy/gunicorn.conf.py bind HOST, 127.0.0.1 unless told
+        assert "0.0.0.0" not in line and ("127.0.0.1:" in line or "serve" in line
+                                          or "-c deploy/gunicorn.conf.py" in line), line
+        if "gunicorn " in line and "-c deploy/gunicorn.conf.py" not in line:
+            assert "--no-control-socket" in line, line
+            assert "-k embedsvc.gunicorn_worker.ThreadWorker" in line, line
+        if line.startswith("waitress-serve"):
+            for flag in ("--channel-timeout=", "--connection-limit=",
+                         "--max-request-body-size="):
+                assert flag in line, (flag, line)
+
+
+@pytest.mark.parametrize("line", launch_lines())
+def test_a_launcher_line_serves_on_loopback_as_printed(line, tmp_path):
+    from .servers import BIN, running
+
+    command = line
+    for pattern, port_zero in _PORTS:
+        command = pattern.sub(port_zero, command)
+    # a HOME and runtime dir of its own, where gunicorn would open its control socket
+    home, runtime = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    runtime.mkdir()
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
+           "XDG_RUNTIME_DIR": str(runtime),
+           "EMBEDSVC_PORT": "0"}  # for a line that names no port: not 8080, maybe in use
+    with running(["bash", "-c", command], tmp_path / "server.log", env=env,
+                 cwd=str(REPO)) as server, server.client() as client:
+        # the port came from its own line "... http://127.0.0.1:PORT": loopback only
+        vectors = client.post("/embed", json={"inputs": ["a", "b"]})
+        assert vectors.status_code == 200 and len(vectors.json()) == 2, vectors.text
+        # gunicorn removes its control socket at exit: look while it runs
+        assert not (runtime / "gunicorn.ctl").exists() and not (home / ".gunicorn").exists()
+        assert "Control socket listening" not in server.output()
