@@ -221,7 +221,7 @@ class Settings:
     kind: str = _setting(
         "auto",
         _choice("auto", "embedding", "reranker", "classifier", "sparse"),
-        "the model's kind; auto: read from its config files (see README, model kinds)",
+        "the model's kind; auto: read from its config files (see docs/api.md, model kinds)",
     )
     token_ids: str = _setting(
         "openai",
