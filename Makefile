@@ -1,5 +1,7 @@
 # Two entry points, each working on a fresh machine: `make serve` and `make test`.
-# `make setup` only installs; every target installs first when needed.
+# Two installs into $(VENV): `make setup-serve` (the package and its runtime dependencies,
+# what `make serve` needs) and `make setup` (that plus the `test` extra and $(HUB1_VENV),
+# what `make test` needs). Every target installs first when needed.
 VENV ?= .venv
 BIN := $(VENV)/bin
 # What the install in $(VENV) was made with (INSTALLED_PYTHON, INSTALLED_TORCH_PIP_ARGS,
@@ -27,18 +29,35 @@ REINSTALL := FORCE
 endif
 quote = '$(subst ','\'',$(1))'
 
-.PHONY: setup tools serve test lint clean FORCE
+# The install stamps: serving only, or serving and testing.
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed
+# A venv that holds the test install serves as it is: `make serve` after `make test` installs
+# nothing more, and a rebuild (changed pyproject.toml or torch source) keeps the test extra.
+SERVE_INSTALL := $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP))
 
-setup: $(VENV)/.installed $(HUB1_VENV)/.installed
+.PHONY: setup setup-serve tools serve test lint clean FORCE
 
-$(VENV)/.installed: pyproject.toml $(REINSTALL)
+setup-serve: $(SERVE_INSTALL)
+
+setup: $(TEST_STAMP) $(HUB1_VENV)/.installed
+
+# $(call install,PIP_TARGET): torch first, pinned, then the package; remember the inputs.
+define install
 	$(PYTHON) -m venv $(if $(REINSTALL),--clear) $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e "$(1)"
 	printf '%s\n' $(call quote,INSTALLED_PYTHON := $(PYTHON)) \
 	  $(call quote,INSTALLED_TORCH_PIP_ARGS := $(TORCH_PIP_ARGS)) \
 	  $(call quote,INSTALLED_KEY := $(INSTALL_KEY)) > $(INSTALLED)
 	touch $@
+endef
+
+$(SERVE_STAMP): pyproject.toml $(REINSTALL)
+	$(call install,.)
+
+$(TEST_STAMP): pyproject.toml $(REINSTALL)
+	$(call install,.[test])
 
 $(HUB1_VENV)/.installed: tests/clients/requirements-hub1.txt
 	rm -rf $(HUB1_VENV)
@@ -46,7 +65,7 @@ $(HUB1_VENV)/.installed: tests/clients/requirements-hub1.txt
 	$(HUB1_VENV)/bin/python -m pip install -q -r tests/clients/requirements-hub1.txt
 	touch $@
 
-serve: setup
+serve: $(SERVE_INSTALL)
 	$(BIN)/embedsvc serve
 
 # System tools the tests run for real, as apt packages: promtool (Debian's prometheus), nginx

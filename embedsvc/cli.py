@@ -1,4 +1,5 @@
-"""The command line: ``embedsvc serve``, ``embed`` and ``export``; ``main(argv)`` -> exit code."""
+"""The command line: ``embedsvc serve``, ``embed``, ``export`` and ``tiktoken-cache``;
+``main(argv)`` -> exit code."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         "servers will read.",
     )
     Settings.add_arguments(export, serving=False)
+    tokens = commands.add_parser("tiktoken-cache", help="write tiktoken's cl100k_base and "
+                                 "o200k_base files where OpenAI clients find them offline")
+    tokens.add_argument("directory", nargs="?", help="default: TIKTOKEN_CACHE_DIR, else "
+                        "tiktoken's own default ($TMPDIR/data-gym-cache)")
     return parser
 
 
@@ -100,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # argparse would point at the top-level --help; the command's says more
         parser.exit(2, f"embedsvc: unrecognized arguments: {' '.join(extra)} "
                     f"(see 'embedsvc {args.command} --help')\n")
+    if args.command == "tiktoken-cache":  # no setting applies
+        from .api.openai_tokens import cache_command
+
+        return cache_command(args.directory, os.environ)
     try:
         settings = Settings.from_args(args, os.environ)
     except SettingsError as exc:

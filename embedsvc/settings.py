@@ -221,7 +221,7 @@ class Settings:
     kind: str = _setting(
         "auto",
         _choice("auto", "embedding", "reranker", "classifier", "sparse"),
-        "the model's kind; auto: read from its config files (see README, model kinds)",
+        "the model's kind; auto: read from its config files (see docs/api.md, model kinds)",
     )
     token_ids: str = _setting(
         "openai",
@@ -309,3 +309,68 @@ def _flag_parser(f: dataclasses.Field) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
+
+
+# The settings page, docs/settings.md, is this table rendered; tests/unit/test_docs.py fails
+# when the two differ. Regenerate: python -m embedsvc.settings > docs/settings.md
+SETTINGS_PAGE = "docs/settings.md"
+REGENERATE = f"python -m embedsvc.settings > {SETTINGS_PAGE}"
+# What the metadata columns mean, for the page's key; a column without a line here is shown
+# with its name only.
+_COLUMN_NOTES = {
+    "serve_only": "a setting of the HTTP server, which `embedsvc embed` and `embedsvc "
+    "export` do not use: they offer no flag for it (its variable is still checked)",
+}
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(map(str, value))
+    return str(value).replace("|", "\\|")
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if value == "":
+        return "empty"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def settings_page() -> str:
+    """The markdown of docs/settings.md: one row per field of ``Settings``, every column of
+    its metadata (but the parser) after the name, variable, flag, default and meaning."""
+    fields = dataclasses.fields(Settings)
+    columns = list(dict.fromkeys(k for f in fields for k in f.metadata if k not in
+                                 ("parse", "help")))
+    names = [c.replace("_", " ") for c in columns]
+    lines = [
+        "# Settings",
+        "",
+        f"<!-- generated from embedsvc/settings.py by `{REGENERATE}`; edit the table there -->",
+        "",
+        "Each setting has one name, used three ways: a keyword of "
+        "`embedsvc.settings.Settings`, an environment variable `EMBEDSVC_<NAME>`, and a flag "
+        "`--<name>` (the flag wins over the variable). A bad value stops the command at "
+        "startup with one line naming the setting, its variable and its flag. What the "
+        "one-line meanings leave out: [operations.md](operations.md#settings-in-practice).",
+        "",
+        *[f"- *{c.replace('_', ' ')}*: {_COLUMN_NOTES[c]}." for c in columns
+          if c in _COLUMN_NOTES],
+        "",
+        "| name | variable | flag | default | meaning |" + "".join(f" {n} |" for n in names),
+        "|---|---|---|---|---|" + "---|" * len(columns),
+    ]
+    for f in fields:
+        name = f.name.upper()
+        cells = [f"`{name}`", f"`{ENV_PREFIX}{name}`", f"`--{f.name.replace('_', '-')}`",
+                 _default(f.default), _cell(f.metadata["help"]),
+                 *(_cell(f.metadata.get(c, "")) for c in columns)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_page(), end="")

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from .tiktoken_files import write_cache
+from embedsvc.api.openai_tokens import write_tiktoken_cache
 
 # Never reach a model hub: the bundled model loads from site-packages.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,7 +15,8 @@ os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
 @pytest.fixture(scope="session")
 def tiktoken_cache(tmp_path_factory):
     """TIKTOKEN_CACHE_DIR holding cl100k_base and o200k_base, so tiktoken never downloads."""
-    directory = str(write_cache(tmp_path_factory.mktemp("tiktoken")))
+    directory = str(tmp_path_factory.mktemp("tiktoken"))
+    write_tiktoken_cache(Path(directory))  # what `embedsvc tiktoken-cache DIR` writes
     before = os.environ.get("TIKTOKEN_CACHE_DIR")
     os.environ["TIKTOKEN_CACHE_DIR"] = directory
     yield directory

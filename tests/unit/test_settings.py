@@ -68,14 +68,6 @@ def test_the_request_limit_follows_a_lowered_queue_unless_both_are_set():
         Settings(max_queue=64, max_inputs_per_request=128)
 
 
-def test_readme_documents_every_setting():
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    for name in Settings.__dataclass_fields__:
-        assert f"| `{name.upper()}` |" in readme, f"README's settings table lacks {name.upper()}"
-
-
 @pytest.mark.parametrize(
     ("env", "says"),
     [
