@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedsvc.bulk import BulkError, JobChanged, embed_file
+from embedsvc.bulk import BulkError, BulkOptions, JobChanged, embed_file
 from embedsvc.bulk.checkpoint import parts_dir
 from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.records import Position, read_records
@@ -35,6 +35,10 @@ class HashEmbedder:
         rows = np.stack([np.random.default_rng(zlib.crc32(t.encode())).standard_normal(8)
                          for t in texts]).astype(np.float32)
         return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def run_job(source, target, embedder, **options):
+    return embed_file(BulkOptions(str(source), str(target), **options), embedder)
 
 
 def write_inputs(tmp_path, n=50):
@@ -67,14 +71,14 @@ def read_output(path):
 def test_a_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, source, suffix):
     _, inputs = write_inputs(tmp_path)
     whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
-    embed_file(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
+    run_job(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
     with pytest.raises(BulkError, match="fell over"):
-        embed_file(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
+        run_job(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
     manifest = orjson.loads((parts_dir(resumed) / "manifest.json").read_bytes())
     assert manifest["done"]["records"] == 24  # 8 chunks of 3 done, in 4 committed parts of 6
     assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
     embedder = HashEmbedder()
-    summary = embed_file(inputs[source], resumed, embedder, chunk_size=4, part_size=5)
+    summary = run_job(inputs[source], resumed, embedder, chunk_size=4, part_size=5)
     assert (summary.inputs, summary.resumed, embedder.calls) == (26, 24, 7)
     assert not parts_dir(resumed).exists()
     ids, rows = read_output(resumed)
@@ -105,12 +109,12 @@ def test_a_changed_input_is_refused_until_restart(tmp_path):
     _, inputs = write_inputs(tmp_path)
     source, target = inputs["txt"], tmp_path / "out.npy"
     with pytest.raises(BulkError):
-        embed_file(source, target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(source, target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     with open(source, "a") as f:
         f.write("one more line\n")
     with pytest.raises(JobChanged, match=r"different input \(.*size .*--restart"):
-        embed_file(source, target, HashEmbedder(), chunk_size=4)
-    embed_file(source, target, HashEmbedder(), chunk_size=4, restart=True)
+        run_job(source, target, HashEmbedder(), chunk_size=4)
+    run_job(source, target, HashEmbedder(), chunk_size=4, restart=True)
     assert np.load(target).shape == (51, 8)
 
 
@@ -118,13 +122,13 @@ def test_a_changed_model_or_field_is_refused(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.jsonl"
     with pytest.raises(BulkError):
-        embed_file(inputs["jsonl"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(inputs["jsonl"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     other = HashEmbedder()
     other.identity = {"model": "another"}
     with pytest.raises(JobChanged, match="different model"):
-        embed_file(inputs["jsonl"], target, other)
+        run_job(inputs["jsonl"], target, other)
     with pytest.raises(JobChanged, match="different fields"):
-        embed_file(inputs["jsonl"], target, HashEmbedder(), id_field="text")
+        run_job(inputs["jsonl"], target, HashEmbedder(), id_field="text")
 
 
 def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
@@ -132,24 +136,24 @@ def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.npy"
     with pytest.raises(BulkError):
-        embed_file(inputs["txt"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(inputs["txt"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     stat = inputs["txt"].stat()
     os.utime(inputs["txt"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     with pytest.raises(JobChanged, match="mtime_ns"):
-        embed_file(inputs["txt"], target, HashEmbedder())
+        run_job(inputs["txt"], target, HashEmbedder())
 
 
 def test_a_kill_between_a_part_and_the_manifest_rewrites_that_part(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.parquet"
     with pytest.raises(BulkError):
-        embed_file(inputs["txt"], target, HashEmbedder(fail_at=5), chunk_size=4, part_size=8)
+        run_job(inputs["txt"], target, HashEmbedder(fail_at=5), chunk_size=4, part_size=8)
     directory = parts_dir(target)
     (directory / "part-000002.parquet").write_bytes(b"not listed in the manifest")
     (directory / "part-000002.parquet.tmp").write_bytes(b"cut short")
-    embed_file(inputs["txt"], target, HashEmbedder(), chunk_size=4, part_size=8)
+    run_job(inputs["txt"], target, HashEmbedder(), chunk_size=4, part_size=8)
     whole = tmp_path / "whole.parquet"
-    embed_file(inputs["txt"], whole, HashEmbedder(), chunk_size=50)
+    run_job(inputs["txt"], whole, HashEmbedder(), chunk_size=50)
     assert pq.read_table(target).equals(pq.read_table(whole))
 
 
@@ -157,7 +161,7 @@ def test_mixed_id_types_cannot_go_into_parquet(tmp_path):
     source = tmp_path / "mixed.jsonl"
     source.write_text('{"id": 1, "text": "a"}\n{"id": "two", "text": "b"}\n')
     with pytest.raises(BulkError, match="ids mix types"):
-        embed_file(source, tmp_path / "out.parquet", HashEmbedder())
+        run_job(source, tmp_path / "out.parquet", HashEmbedder())
 
 
 class SparseHashEmbedder(HashEmbedder):
@@ -177,11 +181,11 @@ class SparseHashEmbedder(HashEmbedder):
 def test_a_sparse_job_resumes_to_the_uninterrupted_jsonl(tmp_path):
     _, inputs = write_inputs(tmp_path)
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    embed_file(inputs["jsonl"], whole, SparseHashEmbedder(), chunk_size=3, part_size=6)
+    run_job(inputs["jsonl"], whole, SparseHashEmbedder(), chunk_size=3, part_size=6)
     with pytest.raises(BulkError, match="fell over"):
-        embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(fail_at=9), chunk_size=3,
+        run_job(inputs["jsonl"], resumed, SparseHashEmbedder(fail_at=9), chunk_size=3,
                    part_size=6)
-    embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(), chunk_size=4, part_size=5)
+    run_job(inputs["jsonl"], resumed, SparseHashEmbedder(), chunk_size=4, part_size=5)
     assert resumed.read_bytes() == whole.read_bytes()
     lines = [orjson.loads(line) for line in whole.read_bytes().splitlines()]
     assert [line["id"] for line in lines] == [f"d{i}" for i in range(50)]
@@ -195,16 +199,16 @@ def test_a_dense_jobs_parts_are_never_continued_by_a_sparse_run(tmp_path):
     dense = HashEmbedder(fail_at=3)
     dense.identity = {"model": "hash", "kind": "embedding"}
     with pytest.raises(BulkError):
-        embed_file(inputs["jsonl"], target, dense, chunk_size=4, part_size=4)
+        run_job(inputs["jsonl"], target, dense, chunk_size=4, part_size=4)
     with pytest.raises(JobChanged, match="different model .kind 'embedding' then, 'sparse' now"):
-        embed_file(inputs["jsonl"], target, SparseHashEmbedder())
+        run_job(inputs["jsonl"], target, SparseHashEmbedder())
 
 
 def test_sparse_rows_cannot_go_into_npy_or_parquet(tmp_path):
     _, inputs = write_inputs(tmp_path, n=3)
     for name in ("out.npy", "out.parquet"):
         with pytest.raises(BulkError, match="sparse vectors are written as JSONL only"):
-            embed_file(inputs["txt"], tmp_path / name, SparseHashEmbedder())
+            run_job(inputs["txt"], tmp_path / name, SparseHashEmbedder())
 
 
 class Answer:
