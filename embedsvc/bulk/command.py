@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from .job import Summary, embed_file, open_checkpoint
 from .kinds import SPARSE_ON_RAY, expected_kind, kind_problem
 from .options import BulkOptions
 from .parts import PARQUET, output_kind
-from .records import TABLES, count_records, input_kind, table_id_column
+from .records import TABLES, check_table, count_records, input_kind
 
 # Settings that a job through --url sends along or uses itself; the others shape the
 # in-process model, and with --url the server's own apply.
@@ -121,17 +123,58 @@ def check_limits(chunk_size: int, settings: Settings) -> None:
 
 def _check_files(options: BulkOptions) -> None:
     source, target = Path(options.input), Path(options.output)
-    if not source.is_file():
-        what = "is a directory (a directory needs --ray)" if source.is_dir() else "not found"
-        raise UsageError(f"input file {str(source)!r} {what}")
+    _check_input(source)
+    _check_output(target)
+    if target.exists() and target.resolve() == source.resolve():
+        raise UsageError("--output is the input file: choose another output")
+    if input_kind(source) in TABLES:
+        check_table(source, options.text_field, options.id_field)
+
+
+def _check_input(source: Path) -> None:
+    name = str(source)
+    try:
+        mode = source.stat().st_mode
+    except FileNotFoundError:
+        dangling = " (a symbolic link to nothing)" if source.is_symlink() else ""
+        raise UsageError(f"input file {name!r} not found{dangling}") from None
+    except OSError as exc:  # a loop of symbolic links, a path through a file
+        raise UsageError(f"input file {name!r} cannot be opened: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"input file {name!r} is a directory (a directory needs --ray)")
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"input {name!r} is {_special(mode)}, not a file: the job reads its "
+                         "input twice (to count it, then to embed it) and seeks in it to "
+                         "resume; save the data to a file and embed that")
+    if not os.access(source, os.R_OK):
+        raise UsageError(f"input file {name!r} cannot be read (permission denied)")
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "a socket" if stat.S_ISSOCK(mode) else "a special file"
+
+
+def _check_output(target: Path) -> None:
+    """Refused now what would otherwise fail once the whole job has run."""
     if output_kind(target) is None:
         raise UsageError(f"--output must end in .npy, .jsonl or .parquet, not {target.name!r}")
     if not target.parent.is_dir():
         raise UsageError(f"the output's directory {str(target.parent)!r} does not exist")
-    if target.exists() and target.resolve() == source.resolve():
-        raise UsageError("--output is the input file: choose another output")
-    if input_kind(source) in TABLES:
-        table_id_column(source, options.text_field, options.id_field)
+    if target.is_dir():
+        raise UsageError(f"--output {str(target)!r} is a directory: name a file, such as "
+                         f"{str(target / ('vectors' + target.suffix))!r}")
+    try:  # the parts and the output are written beside it
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write in the output's directory {str(target.parent)!r} "
+                         f"({exc.strerror}): choose another --output") from None
 
 
 def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Summary:

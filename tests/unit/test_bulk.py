@@ -243,6 +243,23 @@ class NoModel:
 @pytest.mark.parametrize(("argv", "message"), [
     (["embed", "{tmp}/missing.txt", "-o", "{tmp}/o.npy"],
      "input file '{tmp}/missing.txt' not found"),
+    (["embed", "{tmp}/dangling.txt", "-o", "{tmp}/o.npy"],
+     "input file '{tmp}/dangling.txt' not found (a symbolic link to nothing)"),
+    (["embed", "{tmp}/loop.txt", "-o", "{tmp}/o.npy"],
+     "input file '{tmp}/loop.txt' cannot be opened: Too many levels of symbolic links"),
+    (["embed", "{tmp}/fifo.txt", "-o", "{tmp}/o.npy"],
+     "input '{tmp}/fifo.txt' is a named pipe (FIFO), not a file: the job reads its input twice"),
+    (["embed", "/dev/zero", "-o", "{tmp}/o.npy"],
+     "input '/dev/zero' is a character device, not a file"),
+    (["embed", "{tmp}/truncated.parquet", "-o", "{tmp}/o.npy"],
+     "{tmp}/truncated.parquet: not a whole Parquet file (Parquet magic bytes not found in "
+     "footer."),
+    (["embed", "{tmp}/damaged.parquet", "-o", "{tmp}/o.npy"],
+     "{tmp}/damaged.parquet: damaged Parquet data, which does not decode past its first"),
+    (["embed", "{txt}", "-o", "{tmp}/taken.npy"],
+     "--output '{tmp}/taken.npy' is a directory: name a file, such as "
+     "'{tmp}/taken.npy/vectors.npy'"),
+    (["embed", "{txt}", "-o", "/proc/o.npy"], "cannot write in the output's directory '/proc' ("),
     (["embed", "{tmp}", "-o", "{tmp}/o.npy"], "is a directory (a directory needs --ray)"),
     (["embed", "{txt}", "-o", "{tmp}/o.csv"], "--output must end in .npy, .jsonl or .parquet"),
     (["embed", "{txt}", "-o", "{tmp}/nowhere/o.npy"], "does not exist"),
@@ -278,12 +295,29 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
                                                            argv, message):
     monkeypatch.setattr("embedsvc.bulk.embedders.LocalEmbedder.__init__", NoModel.__init__)
     _, inputs = write_inputs(tmp_path, n=3)
+    write_bad_files(tmp_path)
     names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"]}
     argv = [a.format(**names) for a in argv]
     assert exit_code(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("embedsvc: ") and err.count("\n") == 1, err
     assert message.format(**names) in err
+
+
+def write_bad_files(tmp_path):
+    """Inputs that are no regular readable file, Parquet cut short or damaged, an output
+    that is a directory."""
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    (tmp_path / "loop.txt").symlink_to(tmp_path / "loop.txt")
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "taken.npy").mkdir()
+    texts = [f"row {i} of a table with a few words in it" for i in range(5000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "whole.parquet", row_group_size=1000)
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    middle = len(data) // 3
+    damaged = data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 200])
+    (tmp_path / "damaged.parquet").write_bytes(damaged + data[middle + 200:])
 
 
 def exit_code(argv):
@@ -377,3 +411,30 @@ def test_a_ray_actor_runs_onnx_on_its_own_share_of_cpus(monkeypatch, assigned, s
 
     monkeypatch.setattr(ray, "get_runtime_context", Context)
     assert _own_share(Settings(onnx_threads=setting)).onnx_threads == threads
+
+
+def test_integer_ids_beyond_64_bits_stay_exact_in_jsonl(tmp_path):
+    import json
+
+    ids = [2**64 + 1, 10**30 + 7, -(2**70) - 3, 2**63, 5]
+    source = tmp_path / "big.jsonl"
+    source.write_bytes(b"".join(b'{"id": %d, "text": "text %d"}\n' % (v, i)
+                                for i, v in enumerate(ids)))
+    assert [r.id for r, _ in read_records(source)] == ids
+    for name, key in (("dense.jsonl", "embedding"), ("sparse.jsonl", "sparse")):
+        embedder = HashEmbedder() if key == "embedding" else SparseHashEmbedder()
+        run_job(source, tmp_path / name, embedder, chunk_size=2, part_size=3)
+        lines = [json.loads(line) for line in (tmp_path / name).read_bytes().splitlines()]
+        assert [line["id"] for line in lines] == ids  # exact: the stdlib reads big integers
+        assert all(set(line) == {"id", key} for line in lines)
+
+
+def test_parquet_ids_hold_64_bits_and_refuse_more_in_one_line(tmp_path):
+    source = tmp_path / "ids.jsonl"
+    source.write_bytes(b'{"id": %d, "text": "a"}\n{"id": %d, "text": "b"}\n' % (2**63, 2**64 - 1))
+    run_job(source, tmp_path / "out.parquet", HashEmbedder())
+    assert pq.read_table(tmp_path / "out.parquet").column("id").to_pylist() == [2**63, 2**64 - 1]
+    source.write_bytes(b'{"id": %d, "text": "a"}\n' % 2**64)
+    with pytest.raises(BulkError, match="an id is an integer beyond 64 bits, which a Parquet "
+                       "integer column cannot hold: write JSONL"):
+        run_job(source, tmp_path / "big.parquet", HashEmbedder())
