@@ -11,7 +11,8 @@ The identity is what the output depends on: the input file (its absolute path, s
 modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
 any write to the file changes its size or mtime), the output format, the fields read, and
 the model (name, device, dtype and kind) or the server's URL and kind. Chunk size,
-concurrency and part size change only how the work is cut, so they may change between runs.
+concurrency, part size and part seconds change only how the work is cut, so they may change
+between runs.
 """
 
 from __future__ import annotations

@@ -438,3 +438,33 @@ def test_parquet_ids_hold_64_bits_and_refuse_more_in_one_line(tmp_path):
     with pytest.raises(BulkError, match="an id is an integer beyond 64 bits, which a Parquet "
                        "integer column cannot hold: write JSONL"):
         run_job(source, tmp_path / "big.parquet", HashEmbedder())
+
+
+class SlowHashEmbedder(HashEmbedder):
+    def __call__(self, texts):
+        import time
+
+        time.sleep(0.05)
+        return super().__call__(texts)
+
+
+def test_a_part_is_committed_after_part_seconds_even_below_part_size(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.npy"
+    with pytest.raises(BulkError, match="fell over"):
+        run_job(inputs["txt"], target, SlowHashEmbedder(fail_at=9), chunk_size=3,
+                concurrency=1, part_size=10_000, part_seconds=0.01)
+    manifest = orjson.loads((parts_dir(target) / "manifest.json").read_bytes())
+    # A part opens with a chunk's rows; the next chunk comes 50 ms later, past the 10 ms, and
+    # is committed with it: parts of two chunks, though 10,000 rows were never reached.
+    assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
+    run_job(inputs["txt"], target, HashEmbedder(), chunk_size=7)
+    whole = tmp_path / "whole.npy"
+    run_job(inputs["txt"], whole, HashEmbedder())
+    assert np.array_equal(np.load(target), np.load(whole))
+
+
+def test_options_refuse_what_cannot_cut_a_job():
+    for name in ("chunk_size", "concurrency", "part_size", "part_seconds"):
+        with pytest.raises(BulkError, match=f"--{name.replace('_', '-')} must be greater"):
+            BulkOptions("in.txt", "out.npy", **{name: 0})
