@@ -188,17 +188,19 @@ def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Su
         # an unfinished job is checked before the model loads
         identity = embedder.identity if embedder else local_identity(settings)
         checkpoint = open_checkpoint(options, identity)
-        if embedder is None:
-            embedder = LocalEmbedder(settings)
-            _check_kind(embedder.kind, options)  # the config files may not have told it
-        total = count_records(Path(options.input))
-        with progress_bar(total=total, initial=checkpoint.done.records) as bar:
-            try:
+        total: int | None = None
+        try:
+            if embedder is None:
+                embedder = LocalEmbedder(settings)
+                _check_kind(embedder.kind, options)  # the config files may not have told it
+            total = count_records(Path(options.input))
+            with progress_bar(total=total, initial=checkpoint.done.records) as bar:
                 return embed_file(options, embedder, progress=bar.update,
                                   checkpoint=checkpoint, stop=stop)
-            except Interrupted as exc:
-                exc.saved = f"{checkpoint.saved} of {total} inputs saved in {checkpoint.dir}"
-                raise
+        except Interrupted as exc:  # rows of earlier runs count too, whenever it came
+            of = "" if total is None else f" of {total}"
+            exc.saved = f"{checkpoint.saved}{of} inputs saved in {checkpoint.dir}"
+            raise
     finally:
         if embedder is not None and stop.signum is None:  # interrupted: the process ends
             embedder.close()
