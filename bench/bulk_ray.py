@@ -99,6 +99,7 @@ def _descends_from(pid: int, root: int) -> bool:
 def on_ray(source: Path, target: Path, actors: int) -> tuple[float, list[float]]:
     import ray
 
+    from embedsvc.bulk import BulkOptions
     from embedsvc.bulk.cluster import embed_dataset
     from embedsvc.settings import Settings
 
@@ -107,7 +108,8 @@ def on_ray(source: Path, target: Path, actors: int) -> tuple[float, list[float]]
     try:
         with ActorMemory() as memory:
             started = time.monotonic()
-            embed_dataset(str(source), str(target), Settings(device="cpu"), actors=actors)
+            embed_dataset(BulkOptions(str(source), str(target), ray="", actors=actors),
+                          Settings(device="cpu"))
             seconds = time.monotonic() - started
     finally:
         ray.shutdown()

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from .bulk.options import BulkOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the model, then serve HTTP with waitress",
         description="Every flag also reads from EMBEDSVC_<NAME>; a flag wins over the variable.",
     )
-    Settings.add_arguments(serve)
+    Settings.add_arguments(serve, command="serve")
     _add_embed(commands)
     export = commands.add_parser(
         "export",
@@ -43,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as a start does. Point --cache-dir (EMBEDSVC_CACHE_DIR) at the directory the "
         "servers will read.",
     )
-    Settings.add_arguments(export, serving=False)
+    Settings.add_arguments(export, command="export")
     tokens = commands.add_parser("tiktoken-cache", help="write tiktoken's cl100k_base and "
                                  "o200k_base files where OpenAI clients find them offline")
     tokens.add_argument("directory", nargs="?", help="default: TIKTOKEN_CACHE_DIR, else "
@@ -52,13 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_embed(commands: argparse._SubParsersAction) -> None:
+    from .bulk.options import option_default as default
+
     embed = commands.add_parser(
         "embed",
         help="embed a file (text, JSONL, Parquet, Arrow) in this process, via --url or on Ray",
-        description="Embeds every input of INPUT into --output, in committed parts: rerun the "
-        "same command after a crash to continue, or add --restart. The settings flags "
-        "shape the in-process model (also read from EMBEDSVC_<NAME>); --api-key is sent "
-        "to --url.",
+        description="Embeds every input of INPUT into --output, in committed parts: Ctrl-C "
+        "keeps what is computed, and rerunning the same command after an interrupt or a "
+        "crash continues (--restart starts over). The settings flags shape the in-process "
+        "model (also read from EMBEDSVC_<NAME>); with --url the server's settings apply.",
     )
     embed.add_argument("input", help="a text file (one input per line), .jsonl/.ndjson, "
                        ".parquet or .arrow/.feather; with --ray a Parquet or JSONL file, "
@@ -66,40 +72,52 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
     embed.add_argument("--output", "-o", required=True,
                        help=".npy, .jsonl or .parquet file; with --ray a directory of Parquet "
                        "shards")
-    embed.add_argument("--text-field", default="text",
+    embed.add_argument("--text-field", default=default("text_field"),
                        help="JSONL field or table column holding the text (default: %(default)s)")
     embed.add_argument("--id-field", default=None,
                        help="JSONL field or column copied to the output's id (default: 'id' "
                        "where present, else the line or row number)")
     embed.add_argument("--url", help="send to a running server at this URL instead")
-    embed.add_argument("--chunk-size", type=_positive_int, default=256,
+    embed.add_argument("--chunk-size", type=_positive(int), default=default("chunk_size"),
                        help="inputs per call to the model or server (default: %(default)s)")
-    embed.add_argument("--concurrency", type=_positive_int, default=4,
+    embed.add_argument("--concurrency", type=_positive(int), default=default("concurrency"),
                        help="chunks in flight (default: %(default)s)")
-    embed.add_argument("--part-size", type=_positive_int, default=10_000,
-                       help="rows per committed part; a crash loses at most one part's work "
+    embed.add_argument("--part-size", type=_positive(int), default=default("part_size"),
+                       help="commit a part of the output after this many rows... "
                        "(default: %(default)s)")
+    embed.add_argument("--part-seconds", type=_positive(float), default=default("part_seconds"),
+                       help="...or this many seconds after it was opened, whichever comes "
+                       "first: a crash loses at most one part's work, an interrupt none "
+                       "that was computed (default: %(default)s)")
     embed.add_argument("--restart", action="store_true",
                        help="discard an unfinished run of this output and start over")
     embed.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help="run on Ray Data: a local Ray, or RAY_ADDRESS, or the cluster at "
                        "ADDRESS (put --ray after INPUT, or write --ray=ADDRESS)")
-    embed.add_argument("--actors", type=_positive_int, default=None,
+    embed.add_argument("--actors", type=_positive(int), default=None,
                        help="with --ray: model replicas (default: one per GPU in the "
                        "cluster, else 1)")
-    embed.add_argument("--actor-cpus", type=float, default=None,
+    embed.add_argument("--actor-cpus", type=_positive(float), default=None,
                        help="with --ray: CPUs for each replica without a GPU (default: 1)")
-    Settings.add_arguments(embed, serving=False)
+    Settings.add_arguments(embed, command="embed")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
-    return value
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                "expected a whole number" if kind is int else "expected a number") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError("must be greater than 0")
+        return value
+
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would point at the top-level --help; the command's says more
@@ -117,10 +135,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "embed":
         from .bulk.command import run
 
-        return run(args, settings)
+        return run(_bulk_options(args, argv), settings)
     if args.command == "export":
         return _export(settings)
     return _serve(settings)
+
+
+def _bulk_options(args: argparse.Namespace, argv: Sequence[str]) -> BulkOptions:
+    """The job's options from the parsed flags: what bulk/ takes instead of a Namespace."""
+    from .bulk.options import BulkOptions
+
+    given = vars(args)
+    names = {f.name for f in dataclasses.fields(BulkOptions)} - {"setting_flags", "argv"}
+    flags = {f.name for f in Settings.for_command("embed") if given.get(f.name) is not None}
+    return BulkOptions(**{n: given[n] for n in names}, setting_flags=frozenset(flags),
+                       argv=tuple(argv))
 
 
 def _export(settings: Settings) -> int:

@@ -112,11 +112,23 @@ def _optional_port(text: str) -> int | None:
     return _port(value)
 
 
-def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: bool = False
+COMMANDS = ("serve", "embed", "export")
+_ENGINE = ("serve", "embed")  # the default: the engine, in a server or in a bulk job
+_EXPORT = ("serve", "embed", "export")  # also shapes the ONNX graphs that export builds
+
+
+def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: bool = False,
+             commands: tuple[str, ...] | None = None, help_for: Mapping[str, str] | None = None
              ) -> Any:
-    # serve_only: a setting of the HTTP server, which `embedsvc embed` does not offer.
+    """One row of the table. ``commands``: the subcommands that offer it as a flag (by
+    default the engine's, ``serve`` and ``embed``; ``serve_only``: the HTTP server's alone).
+    ``help_for``: a subcommand's own wording where ``help`` (the server's) does not fit."""
+    if commands is None:
+        commands = ("serve",) if serve_only else _ENGINE
     return field(default=default, metadata={"parse": parse, "help": help,
-                                            "serve_only": serve_only})
+                                            "serve_only": commands == ("serve",),
+                                            "commands": commands,
+                                            "help_for": dict(help_for or {})})
 
 
 
@@ -124,7 +136,8 @@ def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: b
 class Settings:
     """Validated settings; build with ``Settings(...)``, ``from_env`` or ``from_args``."""
 
-    model: str = _setting("", _text, "local path or model id; empty: the bundled all-MiniLM-L6-v2")
+    model: str = _setting("", _text, "local path or model id; empty: the bundled all-MiniLM-L6-v2",
+                          commands=_EXPORT)
     device: str = _setting(
         "auto", _device, "auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N, mps"
     )
@@ -143,22 +156,30 @@ class Settings:
         "inputs admitted (tokenizing, queued, in flight) at once; more wait in FIFO order; "
         "unset: what the device starts within REQUEST_TIMEOUT_S at its measured rate, at "
         "least MAX_INPUTS_PER_REQUEST and at most 16 times it",
+        help_for={"embed": "inputs admitted to the in-process engine at once; chunks beyond "
+                  "it wait their turn (unset: sized from the device's measured rate)"},
     )
     request_timeout_s: float = _setting(
         30.0, _positive(float), "deadline from arrival to reaching the model, else 504",
         serve_only=True,
     )
     max_inputs_per_request: int = _setting(
-        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if set lower"
+        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if set lower",
+        help_for={"embed": "inputs in one call to the in-process engine, so the largest "
+                  "--chunk-size; unset: 2048, or MAX_QUEUE if set lower"},
     )
     max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body",
                                    serve_only=True)
     max_input_chars: int = _setting(
         200_000, _positive(int), "characters in one input string, checked before tokenizing"
     )
-    auto_truncate: bool = _setting(True, _bool, "truncate over-long inputs instead of a 400")
+    auto_truncate: bool = _setting(
+        True, _bool, "truncate over-long inputs instead of a 400",
+        help_for={"embed": "truncate over-long inputs instead of failing the job at the first"},
+    )
     api_key: str | None = _setting(
-        None, _optional_text, "when set, 'Authorization: Bearer <key>' is required"
+        None, _optional_text, "when set, 'Authorization: Bearer <key>' is required",
+        help_for={"embed": "with --url: the server's key, sent as 'Authorization: Bearer <key>'"},
     )
     host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'", serve_only=True)
     port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)",
@@ -169,8 +190,10 @@ class Settings:
         30.0, _non_negative(float), "on SIGTERM, how long admitted requests may take to finish",
         serve_only=True,
     )
-    log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level")
-    log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON")
+    log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level",
+                              commands=COMMANDS)
+    log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON",
+                               commands=COMMANDS)
     header_timeout_s: float = _setting(
         10.0, _positive(float),
         "a connection's request head must arrive in full within this long (from accept, or "
@@ -201,22 +224,29 @@ class Settings:
         "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx",
     )
     quantize: str = _setting(
-        "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)"
+        "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)",
+        commands=_EXPORT,
     )
     quantize_min_cosine: float = _setting(
-        0.99, _fraction, "QUANTIZE=int8 refuses to serve below this mean cosine to float32"
+        0.99, _fraction, "QUANTIZE=int8 refuses to serve below this mean cosine to float32",
+        commands=_EXPORT, help_for={"export": "QUANTIZE=int8 refuses the graph below this mean "
+                                    "cosine to float32", "embed": "QUANTIZE=int8 refuses to "
+                                    "run below this mean cosine to float32"},
     )
     cache_dir: str = _setting(
         "", _text, "where exported ONNX graphs are kept; empty: $XDG_CACHE_HOME/embedsvc "
-        "(~/.cache/embedsvc)"
+        "(~/.cache/embedsvc)", commands=_EXPORT,
     )
     onnx_threads: int = _setting(
-        0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use"
+        0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use",
+        commands=_EXPORT,
     )
     max_queue_tokens: int = _setting(
         1 << 20, _positive(int),
         "tokens admitted at once (the memory budget of work in progress); a larger request "
         "runs alone",
+        help_for={"embed": "tokens admitted to the in-process engine at once (the memory "
+                  "budget of chunks in progress); a larger chunk runs alone"},
     )
     kind: str = _setting(
         "auto",
@@ -228,6 +258,7 @@ class Settings:
         _choice("openai", "model"),
         "token-id input on /v1/embeddings: openai (ids of the OpenAI tokenizer of the requested "
         "model, decoded to text) or model (ids of the served model's own vocabulary)",
+        serve_only=True,
     )
 
     def __post_init__(self) -> None:
@@ -266,24 +297,29 @@ class Settings:
         return cls.from_env(env, **{k: v for k, v in vars(args).items() if k in names})
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, serving: bool = True) -> None:
-        """Add one ``--<name>`` flag per setting; unset flags leave the environment's value.
+    def for_command(cls, command: str) -> list[dataclasses.Field]:
+        """The settings ``embedsvc <command>`` offers (the table's ``commands``), in order."""
+        return [f for f in dataclasses.fields(cls) if command in f.metadata["commands"]]
 
-        ``serving=False`` leaves out the HTTP server's own settings (``serve_only``).
-        """
-        for f in dataclasses.fields(cls):
-            if f.metadata["serve_only"] and not serving:
-                continue
-            flag = "--" + f.name.replace("_", "-")
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, command: str = "serve") -> None:
+        """Add a ``--<name>`` flag for each setting of ``command``, described in that
+        command's words; unset flags leave the environment's value."""
+        for f in cls.for_command(command):
             parser.add_argument(
-                flag,
+                "--" + f.name.replace("_", "-"),
                 dest=f.name,
                 default=None,
                 type=_flag_parser(f),
                 metavar=f.name.upper(),
-                help=f"{f.metadata['help']} "
+                help=f"{setting_help(f, command)} "
                 f"[env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}]",
             )
+
+
+def setting_help(f: dataclasses.Field, command: str = "serve") -> str:
+    """What setting ``f`` does under ``embedsvc <command>``."""
+    return f.metadata["help_for"].get(command, f.metadata["help"])
 
 
 def _describe(f: dataclasses.Field, value: Any, exc: Exception) -> str:

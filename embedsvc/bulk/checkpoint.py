@@ -11,7 +11,8 @@ The identity is what the output depends on: the input file (its absolute path, s
 modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
 any write to the file changes its size or mtime), the output format, the fields read, and
 the model (name, device, dtype and kind) or the server's URL and kind. Chunk size,
-concurrency and part size change only how the work is cut, so they may change between runs.
+concurrency, part size and part seconds change only how the work is cut, so they may change
+between runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -75,23 +77,26 @@ def check_same_job(where: Path, before: dict[str, Any], now: dict[str, Any]) -> 
 class Checkpoint:
     """The parts directory of one output; ``open`` it, ``write`` rows, ``finish`` at the end::
 
-        checkpoint = Checkpoint.open(target, ".npy", identity, part_size=10_000)
-        checkpoint.write(records, rows, end=position)  # commits a part every 10,000 rows
+        checkpoint = Checkpoint.open(target, ".npy", identity, part_size=10_000,
+                                     part_seconds=30)
+        checkpoint.write(records, rows, end=position)  # a part every 10,000 rows or 30 s
         checkpoint.finish()  # joins the parts into target
     """
 
     def __init__(self, target: Path, kind: str, identity: dict[str, Any],
-                 manifest: dict[str, Any], part_size: int) -> None:
-        self.target, self.kind, self.part_size = target, kind, part_size
+                 manifest: dict[str, Any], part_size: int, part_seconds: float) -> None:
+        self.target, self.kind = target, kind
+        self.part_size, self.part_seconds = part_size, part_seconds
         self.dir = parts_dir(target)
         self.identity = identity
         self._manifest = manifest
         self._part: PartWriter | None = None
         self._end = self.done
+        self._opened = 0.0  # when the open part got its first rows (monotonic)
 
     @classmethod
     def open(cls, target: Path, kind: str, identity: dict[str, Any], *, part_size: int,
-             restart: bool = False) -> Checkpoint:
+             part_seconds: float = 30.0, restart: bool = False) -> Checkpoint:
         """Continue the job in ``target``'s parts directory, or start one; refuse another job."""
         directory = parts_dir(target)
         manifest_path = directory / MANIFEST
@@ -107,23 +112,30 @@ class Checkpoint:
             write_json_atomic(manifest_path, manifest)
         for stray in directory.glob("*.tmp"):
             stray.unlink()  # a part or manifest cut short by a kill
-        return cls(target, kind, identity, manifest, part_size)
+        return cls(target, kind, identity, manifest, part_size, part_seconds)
 
     @property
     def done(self) -> Position:
         return Position(**self._manifest["done"])
 
+    @property
+    def saved(self) -> int:
+        """Rows committed, by this run and earlier ones."""
+        return self.done.records
+
     def write(self, records: list[Record], rows: Any, end: Position) -> None:
         """Add rows (dense or sparse: see parts.py) in input order; commit a part once it
-        holds ``part_size`` rows."""
+        holds ``part_size`` rows or has been open ``part_seconds``, whichever comes first."""
         if self._part is None:
             name = f"part-{len(self._manifest['parts']):06d}{PART_SUFFIX[self.kind]}"
             self._part = PartWriter(self.dir / name, self.kind)
+            self._opened = time.monotonic()
         self._part.write(records, rows)
         self._end = end
         if isinstance(rows, np.ndarray):  # sparse rows have no width; JSONL needs none
             self._manifest["dimension"] = int(rows.shape[1])
-        if self._part.rows >= self.part_size:
+        if (self._part.rows >= self.part_size
+                or time.monotonic() - self._opened >= self.part_seconds):
             self.commit()
 
     def commit(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -25,8 +26,10 @@ from typing import Any
 from ..settings import Settings
 from .dataset import Dataset, list_dataset, read_files
 from .errors import BulkError, UsageError
+from .interrupt import Interrupted
 from .job import Summary
 from .kinds import SPARSE_ON_RAY
+from .options import BulkOptions
 from .records import PARQUET, table_id_column
 from .shards import ShardDirectory, ShardStream
 
@@ -64,72 +67,75 @@ def _own_share(settings: Settings) -> Settings:
     return replace(settings, onnx_threads=max(1, int(cpus)))
 
 
-def embed_dataset(
-    source: str,
-    target: str,
-    settings: Settings | None = None,
-    *,
-    address: str | None = None,
-    actors: int | None = None,
-    actor_cpus: float | None = None,
-    text_field: str = "text",
-    id_field: str | None = None,
-    chunk_size: int = 256,
-    restart: bool = False,
-) -> Summary:
-    """Embed a dataset into a directory of Parquet shards on Ray; continue an unfinished run.
+def embed_dataset(options: BulkOptions, settings: Settings | None = None) -> Summary:
+    """Embed the dataset ``options.input`` into a directory of Parquet shards on Ray
+    (``options.output``); continue an unfinished run.
 
-    Connects to ``address`` (or ``RAY_ADDRESS``, or starts a local Ray) unless this process
-    is already connected.
+    Connects to ``options.ray`` (or ``RAY_ADDRESS``, or starts a local Ray) unless this
+    process is already connected. Interrupted, it keeps the shards finished (the file being
+    written is redone by the next run) and says so in ``Interrupted.saved``.
 
     Example::
 
-        embed_dataset("s3://bucket/docs/*.parquet", "s3://bucket/vectors", actors=4)
+        embed_dataset(BulkOptions("s3://bucket/docs/*.parquet", "s3://bucket/vectors",
+                                  ray="", actors=4))
     """
     from .embedders import local_identity
 
     settings = settings or Settings()
-    dataset = list_dataset(source)
+    dataset = list_dataset(options.input)
     identity = {
         "inputs": {i.path: f"{i.size} bytes, mtime_ns {i.mtime_ns}" for i in dataset.files},
         "model": local_identity(settings),
-        "fields": {"text": text_field, "id": id_field},
+        "fields": {"text": options.text_field, "id": options.id_field},
     }
     if dataset.kind == PARQUET:  # the columns named exist, checked before Ray starts
         first = dataset.files[0].path
-        table_id_column(PurePosixPath(first), text_field, id_field,
+        table_id_column(PurePosixPath(first), options.text_field, options.id_field,
                         lambda: dataset.filesystem.open_input_file(first))
-    shards = ShardDirectory(target, identity, restart)
+    shards = ShardDirectory(options.output, identity, options.restart)
     resumed = sum(s["rows"] for s in shards.manifest["shards"].values())
     pending = [(n, i) for n, i in enumerate(dataset.files) if not shards.done(i.path)]
     started, rows = time.monotonic(), 0
-    if pending:
-        import ray
-
-        owned = not ray.is_initialized()
-        if owned:
-            local = not (address or os.environ.get("RAY_ADDRESS"))
-            # A local Ray listens on loopback only, as embedsvc serve does by default.
-            ray.init(address=address or None, logging_level="warning",
-                     **({"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-                        if local else {}))
-        try:
-            rows = _embed_files(dataset, pending, shards, settings, actors, actor_cpus,
-                                text_field, id_field, chunk_size)
-        finally:
-            if owned:
-                ray.shutdown()
+    try:
+        if pending:
+            rows = _on_ray(options, lambda: _embed_files(dataset, pending, shards, settings,
+                                                         options))
+    except Interrupted as exc:
+        done = shards.manifest["shards"]
+        exc.saved = (f"{len(done)} of {len(dataset.files)} files ("
+                     f"{sum(s['rows'] for s in done.values())} inputs) saved in "
+                     f"{options.output}; a file's shard is kept once all its rows are in")
+        raise
     return Summary(rows, None, time.monotonic() - started, resumed)
 
 
+def _on_ray(options: BulkOptions, work: Callable[[], int]) -> int:
+    """``work()`` on the Ray this process is connected to, or on one it connects to (or
+    starts) for the job and shuts down after."""
+    import ray
+
+    if ray.is_initialized():
+        return work()
+    address = options.ray or None
+    local = not (address or os.environ.get("RAY_ADDRESS"))
+    # A local Ray listens on loopback only, as embedsvc serve does by default.
+    ray.init(address=address, logging_level="warning",
+             **({"include_dashboard": False, "_node_ip_address": "127.0.0.1"} if local else {}))
+    try:
+        return work()
+    finally:
+        ray.shutdown()
+
+
 def _embed_files(dataset: Dataset, pending: list[tuple[int, Any]], shards: ShardDirectory,
-                 settings: Settings, actors: int | None, actor_cpus: float | None,
-                 text_field: str, id_field: str | None, chunk_size: int) -> int:
+                 settings: Settings, options: BulkOptions) -> int:
     import ray
     import ray.data
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    resources, actors = _actor_resources(settings, actors, actor_cpus)
+    resources, actors = _actor_resources(settings, options.actors, options.actor_cpus)
+    text_field, id_field, chunk_size = options.text_field, options.id_field, options.chunk_size
     # One block per file, read by a light task (a fraction of a CPU: actors holding every CPU
     # must not starve the reads that feed them); the pool spreads the files over its actors.
     files = ray.data.from_items([{"path": i.path} for _, i in pending],
@@ -177,13 +183,10 @@ def _cause(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[-1]
 
 
-def run_on_ray(args: Any, settings: Settings) -> Summary:
-    """``embedsvc embed ... --ray [ADDRESS]`` with parsed arguments."""
+def run_on_ray(options: BulkOptions, settings: Settings) -> Summary:
+    """``embedsvc embed ... --ray [ADDRESS]``."""
     try:
         import ray.data  # noqa: F401 - only to say how to install it
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'embedsvc[ray]'") from None
-    return embed_dataset(args.input, args.output, settings, address=args.ray or None,
-                         actors=args.actors, actor_cpus=args.actor_cpus,
-                         text_field=args.text_field, id_field=args.id_field,
-                         chunk_size=args.chunk_size, restart=args.restart)
+    return embed_dataset(options, settings)

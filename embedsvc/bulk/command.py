@@ -7,45 +7,66 @@ Exit codes: 0 done, 1 the job failed (a bad row, a server error, an unreachable 
 
 from __future__ import annotations
 
+import os
+import shlex
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..logs import quiet_model_libraries
 from ..settings import Settings
 from .errors import BulkError, UsageError
+from .interrupt import Interrupted, StopSignals
 from .job import Summary, embed_file, open_checkpoint
 from .kinds import SPARSE_ON_RAY, expected_kind, kind_problem
+from .options import BulkOptions
 from .parts import PARQUET, output_kind
-from .records import TABLES, count_records, input_kind, table_id_column
+from .records import TABLES, check_table, count_records, input_kind
 
-# Settings that only shape the in-process model; with --url the server's own apply.
-_MODEL_SETTINGS = ("model", "device", "dtype", "max_batch_tokens", "max_batch_size",
-                   "max_wait_ms", "max_queue", "max_inputs_per_request", "max_input_chars",
-                   "auto_truncate", "kind")
+# Settings that a job through --url sends along or uses itself; the others shape the
+# in-process model, and with --url the server's own apply.
+_REMOTE_SETTINGS = ("api_key", "log_level", "log_format")
 _RAY_OPTIONS = ("actors", "actor_cpus")
 
 
-def run(args: Any, settings: Settings) -> int:
-    """Run ``embedsvc embed`` with parsed arguments; the exit code."""
-    try:
-        check_options(args, settings)
-        if settings.log_level != "debug":
-            quiet_model_libraries()  # no weight-loading bars and warnings between our lines
-        if args.ray is not None:
-            from .cluster import run_on_ray
+def run(options: BulkOptions, settings: Settings) -> int:
+    """Run ``embedsvc embed``; the exit code. After SIGINT or SIGTERM it ends the process
+    itself, once what was computed is saved (see ``_interrupted``)."""
+    with StopSignals() as stop:
+        try:
+            check_options(options, settings)
+            if settings.log_level != "debug":
+                quiet_model_libraries()  # no weight-loading bars and warnings between our lines
+            if options.on_ray:
+                from .cluster import run_on_ray
 
-            summary = run_on_ray(args, settings)
-        else:
-            summary = _run_file(args, settings)
-    except UsageError as exc:
-        return _fail(exc, 2)
-    except (BulkError, OSError) as exc:
-        return _fail(exc, 1)
-    except KeyboardInterrupt:
-        return _fail("interrupted: rerun the same command to continue where it stopped", 130)
-    print(f"embedsvc: {summary} -> {args.output}", file=sys.stderr)
+                summary = run_on_ray(options, settings)
+            else:
+                summary = _run_file(options, settings, stop)
+        except UsageError as exc:
+            return _fail(exc, 2)
+        except (BulkError, OSError) as exc:
+            return _fail(exc, 1)
+        except Interrupted as exc:
+            _interrupted(exc, options)
+        except KeyboardInterrupt:  # where no handler could be installed (not the main thread)
+            return _fail("interrupted: rerun the same command to continue where it stopped", 130)
+    print(f"embedsvc: {summary} -> {options.output}", file=sys.stderr)
     return 0
+
+
+def _interrupted(exc: Interrupted, options: BulkOptions) -> None:
+    """Say what was saved and how to go on, then exit at once: the chunks still in flight
+    (threads in the engine, or waiting on a server) would hold a normal exit until they
+    finish, for rows that are dropped anyway."""
+    saved = exc.saved or "nothing was computed yet"
+    again = shlex.join(["embedsvc", *(a for a in options.argv if a != "--restart")])
+    _fail(f"interrupted by {exc}: {saved}; to continue, run: {again}", exc.exit_code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exc.exit_code)
 
 
 def _fail(problem: object, code: int) -> int:
@@ -54,37 +75,38 @@ def _fail(problem: object, code: int) -> int:
     return code
 
 
-def check_options(args: Any, settings: Settings) -> None:
+def check_options(options: BulkOptions, settings: Settings) -> None:
     """Everything that can be refused before any work starts, as ``UsageError``."""
-    if args.url and args.ray is not None:
+    if options.url and options.on_ray:
         raise UsageError("--url and --ray exclude each other: --url sends to one server, "
                          "--ray runs the model on a Ray cluster")
-    if args.ray is None:
-        given = [f"--{o.replace('_', '-')}" for o in _RAY_OPTIONS if getattr(args, o) is not None]
+    if not options.on_ray:
+        given = [f"--{o.replace('_', '-')}" for o in _RAY_OPTIONS
+                 if getattr(options, o) is not None]
         if given:
             raise UsageError(f"{given[0]} applies to --ray only: add --ray or drop it")
-    if args.url:
-        given = [n for n in _MODEL_SETTINGS if getattr(args, n, None) is not None]
+    if options.url:
+        given = sorted(options.setting_flags - set(_REMOTE_SETTINGS))
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} shapes the in-process model; with "
                              "--url the server's settings apply: drop it, or drop --url")
-    elif getattr(args, "api_key", None) is not None:
+    elif "api_key" in options.setting_flags:
         raise UsageError("--api-key is sent to the server of --url: add --url or drop it")
     else:
-        check_limits(args.chunk_size, settings)
-    if args.ray is None:
-        _check_files(Path(args.input), Path(args.output), args)
-    elif output_kind(Path(args.output)) not in (None, PARQUET):
+        check_limits(options.chunk_size, settings)
+    if not options.on_ray:
+        _check_files(options)
+    elif output_kind(Path(options.output)) not in (None, PARQUET):
         raise UsageError("with --ray, --output is a directory of Parquet shards, not "
-                         f"{Path(args.output).name!r}")
-    if not args.url:  # the kind from the model's config files; a server's, once asked
-        _check_kind(expected_kind(settings), args)
+                         f"{Path(options.output).name!r}")
+    if not options.url:  # the kind from the model's config files; a server's, once asked
+        _check_kind(expected_kind(settings), options)
 
 
-def _check_kind(kind: str | None, args: Any) -> None:
-    output = PARQUET if args.ray is not None else output_kind(Path(args.output))
+def _check_kind(kind: str | None, options: BulkOptions) -> None:
+    output = PARQUET if options.on_ray else output_kind(Path(options.output))
     problem = kind_problem(kind, output)
-    if problem and args.ray is not None and kind == "sparse":
+    if problem and options.on_ray and kind == "sparse":
         problem = SPARSE_ON_RAY
     if problem:
         raise UsageError(problem)
@@ -99,43 +121,86 @@ def check_limits(chunk_size: int, settings: Settings) -> None:
                          "--max-inputs-per-request")
 
 
-def _check_files(source: Path, target: Path, args: Any) -> None:
-    if not source.is_file():
-        what = "is a directory (a directory needs --ray)" if source.is_dir() else "not found"
-        raise UsageError(f"input file {str(source)!r} {what}")
+def _check_files(options: BulkOptions) -> None:
+    source, target = Path(options.input), Path(options.output)
+    _check_input(source)
+    _check_output(target)
+    if target.exists() and target.resolve() == source.resolve():
+        raise UsageError("--output is the input file: choose another output")
+    if input_kind(source) in TABLES:
+        check_table(source, options.text_field, options.id_field)
+
+
+def _check_input(source: Path) -> None:
+    name = str(source)
+    try:
+        mode = source.stat().st_mode
+    except FileNotFoundError:
+        dangling = " (a symbolic link to nothing)" if source.is_symlink() else ""
+        raise UsageError(f"input file {name!r} not found{dangling}") from None
+    except OSError as exc:  # a loop of symbolic links, a path through a file
+        raise UsageError(f"input file {name!r} cannot be opened: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"input file {name!r} is a directory (a directory needs --ray)")
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"input {name!r} is {_special(mode)}, not a file: the job reads its "
+                         "input twice (to count it, then to embed it) and seeks in it to "
+                         "resume; save the data to a file and embed that")
+    if not os.access(source, os.R_OK):
+        raise UsageError(f"input file {name!r} cannot be read (permission denied)")
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "a socket" if stat.S_ISSOCK(mode) else "a special file"
+
+
+def _check_output(target: Path) -> None:
+    """Refused now what would otherwise fail once the whole job has run."""
     if output_kind(target) is None:
         raise UsageError(f"--output must end in .npy, .jsonl or .parquet, not {target.name!r}")
     if not target.parent.is_dir():
         raise UsageError(f"the output's directory {str(target.parent)!r} does not exist")
-    if target.exists() and target.resolve() == source.resolve():
-        raise UsageError("--output is the input file: choose another output")
-    if input_kind(source) in TABLES:
-        table_id_column(source, args.text_field, args.id_field)
+    if target.is_dir():
+        raise UsageError(f"--output {str(target)!r} is a directory: name a file, such as "
+                         f"{str(target / ('vectors' + target.suffix))!r}")
+    try:  # the parts and the output are written beside it
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write in the output's directory {str(target.parent)!r} "
+                         f"({exc.strerror}): choose another --output") from None
 
 
-def _run_file(args: Any, settings: Settings) -> Summary:
+def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Summary:
     from .embedders import LocalEmbedder, RemoteEmbedder, local_identity
     from .progress import progress_bar
 
-    source, target = Path(args.input), Path(args.output)
-    embedder: Any = RemoteEmbedder(args.url, settings.api_key) if args.url else None
+    embedder: Any = RemoteEmbedder(options.url, settings.api_key) if options.url else None
     try:
         if embedder is not None:  # its GET /info told the kind
-            _check_kind(embedder.kind, args)
+            _check_kind(embedder.kind, options)
         # an unfinished job is checked before the model loads
         identity = embedder.identity if embedder else local_identity(settings)
-        checkpoint = open_checkpoint(source, target, identity, text_field=args.text_field,
-                                     id_field=args.id_field, part_size=args.part_size,
-                                     restart=args.restart)
-        if embedder is None:
-            embedder = LocalEmbedder(settings)
-            _check_kind(embedder.kind, args)  # the config files may not have told it
-        done = checkpoint.done.records
-        with progress_bar(total=count_records(source), initial=done) as bar:
-            return embed_file(source, target, embedder, text_field=args.text_field,
-                              id_field=args.id_field, chunk_size=args.chunk_size,
-                              concurrency=args.concurrency, progress=bar.update,
-                              checkpoint=checkpoint)
+        checkpoint = open_checkpoint(options, identity)
+        total: int | None = None
+        try:
+            if embedder is None:
+                embedder = LocalEmbedder(settings)
+                _check_kind(embedder.kind, options)  # the config files may not have told it
+            total = count_records(Path(options.input))
+            with progress_bar(total=total, initial=checkpoint.done.records) as bar:
+                return embed_file(options, embedder, progress=bar.update,
+                                  checkpoint=checkpoint, stop=stop)
+        except Interrupted as exc:  # rows of earlier runs count too, whenever it came
+            of = "" if total is None else f" of {total}"
+            exc.saved = f"{checkpoint.saved}{of} inputs saved in {checkpoint.dir}"
+            raise
     finally:
-        if embedder is not None:
+        if embedder is not None and stop.signum is None:  # interrupted: the process ends
             embedder.close()

@@ -97,7 +97,25 @@ class RemoteEmbedder:
             self.close()
             raise UsageError(problem)
 
-    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+    def __call__(self, texts: list[str], first: int = 0) -> tuple[Rows, int]:
+        """A chunk whose body the server refuses as too large (413) is sent in halves; an
+        input alone over the limit is refused by its index in the chunk (``first`` on)."""
+        try:
+            return self._send_chunk(texts)
+        except _TooLarge as exc:
+            if len(texts) == 1:
+                raise InputRefused(first, self._too_large(exc.size), "body_too_large") from None
+        half = len(texts) // 2
+        (a, tokens_a), (b, tokens_b) = self(texts[:half], first), self(texts[half:], first + half)
+        rows = np.concatenate([a, b]) if isinstance(a, np.ndarray) else [*a, *b]
+        return rows, tokens_a + tokens_b
+
+    def _too_large(self, size: int) -> str:
+        return (f"is {size} bytes as a request body, more than {self.url} accepts (it answered "
+                "413): raise the server's body limit (embedsvc serve: MAX_BODY_BYTES) above "
+                "that, or shorten the input")
+
+    def _send_chunk(self, texts: list[str]) -> tuple[Rows, int]:
         if self.kind == "sparse":
             resp = self._check(self._post("/embed_sparse", {"inputs": texts}), texts)
             rows = resp.json()
@@ -111,6 +129,8 @@ class RemoteEmbedder:
         return np.stack(rows), int(data["usage"]["prompt_tokens"])
 
     def _check(self, resp: Any, texts: list[str]) -> Any:
+        if resp.status_code == 413:
+            raise _TooLarge(len(resp.request.content))
         if resp.status_code != 200:
             raise BulkError(f"{self.url} answered {resp.status_code} to a chunk of {len(texts)} "
                             f"inputs: {_error_message(resp)}")
@@ -135,6 +155,11 @@ class RemoteEmbedder:
 
     def close(self) -> None:
         self._client.close()
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        self.size = size
 
 
 def _error_message(resp: Any) -> str:

@@ -3,7 +3,7 @@ of chunks in flight, and hand the rows in input order to the checkpoint.
 
 Example (loads the model)::
 
-    embed_file(Path("corpus.txt"), Path("vectors.npy"), LocalEmbedder(Settings()))
+    embed_file(BulkOptions("corpus.txt", "vectors.npy"), LocalEmbedder(Settings()))
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from ..rules import InputRefused
 from .checkpoint import Checkpoint, fingerprint
 from .embedders import Embedder
 from .errors import BulkError, UsageError
+from .interrupt import POLL_S, Interrupted, StopSignals
+from .options import BulkOptions
 from .parts import output_kind
 from .records import TEXT, Position, Record, input_kind, read_records
 
@@ -54,79 +56,99 @@ def job_identity(source: Path, target: Path, engine: dict[str, Any], text_field:
     return identity
 
 
-def open_checkpoint(source: Path, target: Path, engine: dict[str, Any], *,
-                    text_field: str = "text", id_field: str | None = None,
-                    part_size: int = 10_000, restart: bool = False) -> Checkpoint:
+def open_checkpoint(options: BulkOptions, engine: dict[str, Any]) -> Checkpoint:
     """The job's checkpoint, checked against this run's options (no model needed yet)."""
+    source, target = Path(options.input), Path(options.output)
     kind = output_kind(target)
     if kind is None:
         raise UsageError(f"--output must end in .npy, .jsonl or .parquet, not {target.name!r}")
-    identity = job_identity(source, target, engine, text_field, id_field)
-    return Checkpoint.open(target, kind, identity, part_size=part_size, restart=restart)
+    identity = job_identity(source, target, engine, options.text_field, options.id_field)
+    return Checkpoint.open(target, kind, identity, part_size=options.part_size,
+                           part_seconds=options.part_seconds, restart=options.restart)
 
 
-def embed_file(
-    source: Path,
-    target: Path,
-    embedder: Embedder,
-    *,
-    text_field: str = "text",
-    id_field: str | None = None,
-    chunk_size: int = 256,
-    concurrency: int = 4,
-    part_size: int = 10_000,
-    restart: bool = False,
-    progress: Callable[[int], None] | None = None,
-    checkpoint: Checkpoint | None = None,
-) -> Summary:
-    """Embed every input of ``source`` into ``target``, continuing an unfinished run."""
-    checkpoint = checkpoint or open_checkpoint(
-        source, target, embedder.identity, text_field=text_field, id_field=id_field,
-        part_size=part_size, restart=restart)
+def embed_file(options: BulkOptions, embedder: Embedder, *,
+               progress: Callable[[int], None] | None = None,
+               checkpoint: Checkpoint | None = None, stop: StopSignals | None = None
+               ) -> Summary:
+    """Embed every input of ``options.input`` into ``options.output``, continuing an
+    unfinished run. On a signal that ``stop`` caught, the rows computed are committed and
+    ``Interrupted`` says how many are saved."""
+    checkpoint = checkpoint or open_checkpoint(options, embedder.identity)
+    stop = stop or StopSignals()  # not entered: catches nothing, so never stops the job
     start = checkpoint.done
-    started, inputs, tokens = time.monotonic(), 0, 0
-    records = read_records(source, text_field, id_field, start)
+    started = time.monotonic()
+    source = Path(options.input)
+    records = read_records(source, options.text_field, options.id_field, start)
+    job = _Job(checkpoint, progress)
     try:
-        for chunk, (rows, used) in _embedded(_chunks(records, chunk_size), embedder,
-                                             concurrency, source):
-            checkpoint.write([r for r, _ in chunk], rows, chunk[-1][1])
-            inputs, tokens = inputs + len(chunk), tokens + used
-            if progress:
-                progress(len(chunk))
+        with stop.deferred():
+            job.run(_chunks(records, options.chunk_size), embedder, options.concurrency,
+                    source, stop)
+    except Interrupted as exc:
+        exc.saved = f"{checkpoint.saved} inputs saved in {checkpoint.dir}"
+        raise
     except BaseException:
         checkpoint.abort()
         raise
     total = checkpoint.finish()
-    if total != start.records + inputs:
-        raise BulkError(f"wrote {total} rows for {start.records + inputs} inputs")
-    return Summary(inputs, tokens, time.monotonic() - started, start.records)
+    if total != start.records + job.inputs:
+        raise BulkError(f"wrote {total} rows for {start.records + job.inputs} inputs")
+    return Summary(job.inputs, job.tokens, time.monotonic() - started, start.records)
 
 
-def _embedded(chunks: Iterator[Chunk], embedder: Embedder, concurrency: int, source: Path
-              ) -> Iterator[tuple[Chunk, Any]]:
-    """Each chunk with its (rows, tokens), in order; at most ``concurrency`` in flight."""
-    pending: deque[tuple[Chunk, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="embed") as pool:
+class _Job:
+    """Chunks through the embedder, at most ``concurrency`` in flight, their rows handed in
+    input order to the checkpoint; on ``Interrupted``, the rows computed are committed."""
+
+    def __init__(self, checkpoint: Checkpoint, progress: Callable[[int], None] | None) -> None:
+        self.checkpoint, self.progress = checkpoint, progress
+        self.inputs = self.tokens = 0
+
+    def run(self, chunks: Iterator[Chunk], embedder: Embedder, concurrency: int, source: Path,
+            stop: StopSignals) -> None:
+        # Not a `with` block: its exit would wait for the chunks in flight, whose rows an
+        # interrupted or failed job drops anyway.
+        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="embed")
+        pending: deque[tuple[Chunk, Future]] = deque()
         try:
             for chunk in chunks:
                 pending.append((chunk, pool.submit(embedder, [r.text for r, _ in chunk])))
-                if len(pending) >= concurrency:
-                    chunk, future = pending.popleft()
-                    yield chunk, _result(chunk, future, source)
+                while pending and (len(pending) >= concurrency or pending[0][1].done()):
+                    self._write(*pending.popleft(), source, stop)
+                stop.check()
             while pending:
-                chunk, future = pending.popleft()
-                yield chunk, _result(chunk, future, source)
+                self._write(*pending.popleft(), source, stop)
+        except Interrupted:
+            while pending and _succeeded(pending[0][1]):
+                self._write(*pending.popleft(), source, stop)
+            self.checkpoint.commit()
+            raise
         finally:
-            for _, future in pending:
-                future.cancel()  # a failed chunk stops the job without waiting for the rest
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _write(self, chunk: Chunk, future: Future, source: Path, stop: StopSignals) -> None:
+        rows, used = _result(chunk, future, source, stop)
+        self.checkpoint.write([r for r, _ in chunk], rows, chunk[-1][1])
+        self.inputs, self.tokens = self.inputs + len(chunk), self.tokens + used
+        if self.progress:
+            self.progress(len(chunk))
 
 
-def _result(chunk: Chunk, future: Future, source: Path) -> Any:
-    try:
-        return future.result()
-    except InputRefused as exc:  # the engine's rule, told with the record it refused
-        record = chunk[exc.index][0]
-        raise BulkError(f"{source}: record {record.id}: the input {exc.detail}") from None
+def _succeeded(future: Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _result(chunk: Chunk, future: Future, source: Path, stop: StopSignals) -> Any:
+    """The chunk's (rows, tokens); a signal is seen within ``POLL_S`` while it computes."""
+    while True:
+        try:
+            return future.result(timeout=POLL_S)
+        except TimeoutError:
+            stop.check()
+        except InputRefused as exc:  # the engine's rule, told with the record it refused
+            record = chunk[exc.index][0]
+            raise BulkError(f"{source}: record {record.id}: the input {exc.detail}") from None
 
 
 def _chunks(records: Iterator[tuple[Record, Position]], size: int) -> Iterator[Chunk]:

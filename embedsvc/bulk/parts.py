@@ -9,6 +9,7 @@ lists of ``{"index", "value"}``, as ``{"id", "sparse"}``) and Parquet (an ``id``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -35,13 +36,34 @@ def vectors_table(ids: Sequence[Any], rows: np.ndarray) -> Any:
     import pyarrow as pa
 
     values = pa.array(np.ascontiguousarray(rows, dtype=np.float32).ravel(), pa.float32())
+    id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else _id_array(list(ids))
+    embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
+    return pa.table({"id": id_column, "embedding": embedding})
+
+
+def _id_array(ids: list[Any]) -> Any:
+    import pyarrow as pa
+
     try:
-        id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else pa.array(list(ids))
+        return pa.array(ids)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise BulkError("the ids mix types, which one Parquet column cannot hold: choose an id "
                         "field of one type with --id-field, or write JSONL") from None
-    embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
-    return pa.table({"id": id_column, "embedding": embedding})
+    except OverflowError:  # past int64: uint64 still holds up to 2**64 - 1
+        try:
+            return pa.array(ids, pa.uint64())
+        except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
+            raise BulkError("an id is an integer beyond 64 bits, which a Parquet integer "
+                            "column cannot hold: write JSONL, which keeps such ids exact, or "
+                            "quote the ids as strings in the input") from None
+
+
+def _jsonl_line(record_id: Any, key: str, value: Any, option: int = 0) -> bytes:
+    try:
+        return orjson.dumps({"id": record_id, key: value}, option=option) + b"\n"
+    except TypeError:  # orjson refuses integers beyond 64 bits; the standard library does not
+        return b'{"id":%s,"%s":%s}\n' % (json.dumps(record_id).encode(), key.encode(),
+                                          orjson.dumps(value, option=option))
 
 
 class PartWriter:
@@ -65,8 +87,8 @@ class PartWriter:
             self._file.write(np.ascontiguousarray(rows, dtype="<f4").tobytes())
         elif self.kind == JSONL:
             for record, row in zip(records, rows, strict=True):
-                line = {"id": record.id, "embedding": row}
-                self._file.write(orjson.dumps(line, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+                self._file.write(_jsonl_line(record.id, "embedding", row,
+                                             orjson.OPT_SERIALIZE_NUMPY))
         self.rows += len(records)
 
     def _write_sparse(self, records: list[Record], rows: list[Any]) -> None:
@@ -74,7 +96,7 @@ class PartWriter:
             raise BulkError("sparse vectors are written as JSONL only: use an output ending "
                             "in .jsonl")
         for record, row in zip(records, rows, strict=True):
-            self._file.write(orjson.dumps({"id": record.id, "sparse": row}) + b"\n")
+            self._file.write(_jsonl_line(record.id, "sparse", row))
         self.rows += len(records)
 
     def _write_parquet(self, table: Any) -> None:

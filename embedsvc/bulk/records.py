@@ -12,6 +12,7 @@ number and byte offset, so that a resumed job seeks instead of rereading.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -94,7 +95,11 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
                         "name the text field with --text-field") from None
     if not isinstance(text, str):  # an empty one is the engine's to refuse, as over HTTP
         raise BulkError(f"{path}:{line}: {text_field!r} must be a string")
-    return Record(row.get(id_field or DEFAULT_ID_FIELD, line), text)
+    key = id_field or DEFAULT_ID_FIELD
+    record_id = row.get(key, line)
+    if isinstance(record_id, float):  # orjson reads integers beyond 64 bits as floats
+        record_id = json.loads(raw).get(key)
+    return Record(record_id, text)
 
 
 def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | None,
@@ -117,9 +122,9 @@ def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: O
              ) -> Iterator[tuple[int, Any]]:
     """Record batches holding rows ``skip`` on, each with the number of rows before it."""
     if kind == PARQUET:
-        import pyarrow.parquet as pq
+        import pyarrow as pa
 
-        source = pq.ParquetFile(opener())
+        source = _parquet_file(path, opener())
         groups, before = [], 0
         for g in range(source.num_row_groups):
             rows = source.metadata.row_group(g).num_rows
@@ -127,10 +132,18 @@ def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: O
                 before += rows  # whole row groups already done are never decoded
                 continue
             groups.append(g)
-        for batch in source.iter_batches(_BATCH_ROWS, row_groups=groups, columns=columns):
+        batches = source.iter_batches(_BATCH_ROWS, row_groups=groups, columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (OSError, pa.ArrowException) as exc:  # a page that does not decode
+                raise BulkError(f"{path}: damaged Parquet data, which does not decode past "
+                                f"its first {before} rows ({exc}): write the file again"
+                                ) from None
+            if batch is None:
+                return
             yield before, batch
             before += batch.num_rows
-        return
     reader = _open_arrow(path)
     before = 0
     for b in range(reader.num_record_batches):
@@ -150,13 +163,39 @@ def _open_arrow(path: PurePath) -> Any:
                          "pyarrow.ipc.new_file or feather.write_feather writes)") from None
 
 
+def _parquet_file(path: PurePath, source: Any) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(source)
+    except pa.ArrowInvalid as exc:  # no footer: cut short, or not Parquet at all
+        raise UsageError(f"{path}: not a whole Parquet file ({exc}): it may be truncated; "
+                         "write it again, or name the right file") from None
+
+
 def table_schema(path: PurePath, opener: Opener | None = None) -> Any:
     """The schema of a Parquet or Arrow file, read without its rows."""
     if input_kind(path) == PARQUET:
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(opener() if opener else path).schema_arrow
+        return _parquet_file(path, opener() if opener else path).schema_arrow
     return _open_arrow(path).schema
+
+
+def check_table(path: PurePath, text_field: str, id_field: str | None) -> None:
+    """The columns named exist and, in Parquet, every page of them decodes: damage is found
+    before any work starts, for the cost of one read (little next to embedding it)."""
+    id_column = table_id_column(path, text_field, id_field)
+    if input_kind(path) != PARQUET:
+        return  # Arrow IPC: memory-mapped, its buffers are checked as they are read
+    columns = [text_field, *filter(None, [id_column])]
+    try:
+        with open(path, "rb") as f:
+            for _ in _batches(path, PARQUET, columns, 0, lambda: f):
+                pass
+    except UsageError:
+        raise
+    except BulkError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def table_id_column(path: PurePath, text_field: str, id_field: str | None,
@@ -178,9 +217,7 @@ def count_records(path: PurePath) -> int:
     """How many inputs ``path`` holds (for the progress bar); cheap for tables."""
     kind = input_kind(path)
     if kind == PARQUET:
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return _parquet_file(path, path).metadata.num_rows
     if kind == ARROW:
         reader = _open_arrow(path)
         return sum(reader.get_batch(b).num_rows for b in range(reader.num_record_batches))

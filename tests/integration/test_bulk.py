@@ -101,3 +101,37 @@ def test_an_unreachable_server_is_one_line_and_exit_1(tmp_path, capsys):
     assert err[-1].startswith(f"embedsvc: cannot reach http://127.0.0.1:{port} (")
     assert err[-1].endswith("start the server (embedsvc serve) or fix --url")
     assert not any("Traceback" in line for line in err)
+
+
+def test_url_mode_halves_a_chunk_over_the_body_limit_and_names_a_line_over_it(tmp_path,
+                                                                              capsys):
+    from embedsvc.model.fake import FakeEncoder
+
+    from .fake_server import fake_server
+
+    encoder = FakeEncoder()
+    source, target = tmp_path / "corpus.txt", tmp_path / "out.jsonl"
+    texts = [f"line {i} " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(12))
+             for i in range(40)]
+    source.write_text("\n".join(texts) + "\n")
+    with fake_server(encoder, max_body_bytes=2048) as server:
+        # 40 lines of about 100 bytes: a chunk is twice the limit, each line far under it
+        code = main(["embed", str(source), "-o", str(target), "--url", server.url,
+                     "--chunk-size", "40"])
+        assert code == 0, capsys.readouterr().err
+        rows = [orjson.loads(line) for line in target.read_bytes().splitlines()]
+        assert [r["id"] for r in rows] == list(range(1, 41))
+        for row, text in zip(rows, texts, strict=True):
+            np.testing.assert_allclose(row["embedding"], encoder.expected(text), rtol=1e-5)
+
+        source.write_text("\n".join([*texts[:6], "word " * 600, *texts[6:]]) + "\n")
+        capsys.readouterr()
+        code = main(["embed", str(source), "-o", str(tmp_path / "big.jsonl"),
+                     "--url", server.url, "--chunk-size", "40"])
+    err = capsys.readouterr().err.strip().splitlines()  # the progress bar, then one line
+    assert code == 1 and not any("Traceback" in line for line in err)
+    assert err[-1].startswith(f"embedsvc: {source}: record 7: the input is "), err[-1]
+    assert (f"bytes as a request body, more than {server.url} accepts (it answered 413): "
+            "raise the server's body limit (embedsvc serve: MAX_BODY_BYTES) above that, or "
+            "shorten the input") in err[-1]
+    assert "split the request" not in err[-1]

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from embedsvc.bulk import BulkOptions
 from embedsvc.bulk.cluster import embed_dataset
 from embedsvc.cli import main
 from embedsvc.settings import Settings
@@ -84,8 +85,8 @@ def test_killed_ray_job_resumes_to_the_in_process_output(tmp_path, ray_address, 
     assert "holds an unfinished job with a different inputs" in err and "--restart" in err
     os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
-    summary = embed_dataset(str(tmp_path / "docs"), str(out), Settings(device="cpu"),
-                            actors=2, chunk_size=4)
+    summary = embed_dataset(BulkOptions(str(tmp_path / "docs"), str(out), ray="", actors=2,
+                                        chunk_size=4), Settings(device="cpu"))
     assert summary.resumed == killed_at * ROWS and summary.inputs == (FILES - killed_at) * ROWS
     shards = [pq.read_table(out / f"part-{f:05d}.parquet") for f in range(FILES)]
     got_ids = [i for s in shards for i in s.column("id").to_pylist()]

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedsvc.bulk import BulkError, JobChanged, embed_file
+from embedsvc.bulk import BulkError, BulkOptions, JobChanged, embed_file
 from embedsvc.bulk.checkpoint import parts_dir
 from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.records import Position, read_records
@@ -35,6 +35,10 @@ class HashEmbedder:
         rows = np.stack([np.random.default_rng(zlib.crc32(t.encode())).standard_normal(8)
                          for t in texts]).astype(np.float32)
         return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def run_job(source, target, embedder, **options):
+    return embed_file(BulkOptions(str(source), str(target), **options), embedder)
 
 
 def write_inputs(tmp_path, n=50):
@@ -67,14 +71,14 @@ def read_output(path):
 def test_a_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, source, suffix):
     _, inputs = write_inputs(tmp_path)
     whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
-    embed_file(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
+    run_job(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
     with pytest.raises(BulkError, match="fell over"):
-        embed_file(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
+        run_job(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
     manifest = orjson.loads((parts_dir(resumed) / "manifest.json").read_bytes())
     assert manifest["done"]["records"] == 24  # 8 chunks of 3 done, in 4 committed parts of 6
     assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
     embedder = HashEmbedder()
-    summary = embed_file(inputs[source], resumed, embedder, chunk_size=4, part_size=5)
+    summary = run_job(inputs[source], resumed, embedder, chunk_size=4, part_size=5)
     assert (summary.inputs, summary.resumed, embedder.calls) == (26, 24, 7)
     assert not parts_dir(resumed).exists()
     ids, rows = read_output(resumed)
@@ -105,12 +109,12 @@ def test_a_changed_input_is_refused_until_restart(tmp_path):
     _, inputs = write_inputs(tmp_path)
     source, target = inputs["txt"], tmp_path / "out.npy"
     with pytest.raises(BulkError):
-        embed_file(source, target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(source, target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     with open(source, "a") as f:
         f.write("one more line\n")
     with pytest.raises(JobChanged, match=r"different input \(.*size .*--restart"):
-        embed_file(source, target, HashEmbedder(), chunk_size=4)
-    embed_file(source, target, HashEmbedder(), chunk_size=4, restart=True)
+        run_job(source, target, HashEmbedder(), chunk_size=4)
+    run_job(source, target, HashEmbedder(), chunk_size=4, restart=True)
     assert np.load(target).shape == (51, 8)
 
 
@@ -118,13 +122,13 @@ def test_a_changed_model_or_field_is_refused(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.jsonl"
     with pytest.raises(BulkError):
-        embed_file(inputs["jsonl"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(inputs["jsonl"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     other = HashEmbedder()
     other.identity = {"model": "another"}
     with pytest.raises(JobChanged, match="different model"):
-        embed_file(inputs["jsonl"], target, other)
+        run_job(inputs["jsonl"], target, other)
     with pytest.raises(JobChanged, match="different fields"):
-        embed_file(inputs["jsonl"], target, HashEmbedder(), id_field="text")
+        run_job(inputs["jsonl"], target, HashEmbedder(), id_field="text")
 
 
 def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
@@ -132,24 +136,24 @@ def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.npy"
     with pytest.raises(BulkError):
-        embed_file(inputs["txt"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
+        run_job(inputs["txt"], target, HashEmbedder(fail_at=3), chunk_size=4, part_size=4)
     stat = inputs["txt"].stat()
     os.utime(inputs["txt"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     with pytest.raises(JobChanged, match="mtime_ns"):
-        embed_file(inputs["txt"], target, HashEmbedder())
+        run_job(inputs["txt"], target, HashEmbedder())
 
 
 def test_a_kill_between_a_part_and_the_manifest_rewrites_that_part(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.parquet"
     with pytest.raises(BulkError):
-        embed_file(inputs["txt"], target, HashEmbedder(fail_at=5), chunk_size=4, part_size=8)
+        run_job(inputs["txt"], target, HashEmbedder(fail_at=5), chunk_size=4, part_size=8)
     directory = parts_dir(target)
     (directory / "part-000002.parquet").write_bytes(b"not listed in the manifest")
     (directory / "part-000002.parquet.tmp").write_bytes(b"cut short")
-    embed_file(inputs["txt"], target, HashEmbedder(), chunk_size=4, part_size=8)
+    run_job(inputs["txt"], target, HashEmbedder(), chunk_size=4, part_size=8)
     whole = tmp_path / "whole.parquet"
-    embed_file(inputs["txt"], whole, HashEmbedder(), chunk_size=50)
+    run_job(inputs["txt"], whole, HashEmbedder(), chunk_size=50)
     assert pq.read_table(target).equals(pq.read_table(whole))
 
 
@@ -157,7 +161,7 @@ def test_mixed_id_types_cannot_go_into_parquet(tmp_path):
     source = tmp_path / "mixed.jsonl"
     source.write_text('{"id": 1, "text": "a"}\n{"id": "two", "text": "b"}\n')
     with pytest.raises(BulkError, match="ids mix types"):
-        embed_file(source, tmp_path / "out.parquet", HashEmbedder())
+        run_job(source, tmp_path / "out.parquet", HashEmbedder())
 
 
 class SparseHashEmbedder(HashEmbedder):
@@ -177,11 +181,11 @@ class SparseHashEmbedder(HashEmbedder):
 def test_a_sparse_job_resumes_to_the_uninterrupted_jsonl(tmp_path):
     _, inputs = write_inputs(tmp_path)
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    embed_file(inputs["jsonl"], whole, SparseHashEmbedder(), chunk_size=3, part_size=6)
+    run_job(inputs["jsonl"], whole, SparseHashEmbedder(), chunk_size=3, part_size=6)
     with pytest.raises(BulkError, match="fell over"):
-        embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(fail_at=9), chunk_size=3,
+        run_job(inputs["jsonl"], resumed, SparseHashEmbedder(fail_at=9), chunk_size=3,
                    part_size=6)
-    embed_file(inputs["jsonl"], resumed, SparseHashEmbedder(), chunk_size=4, part_size=5)
+    run_job(inputs["jsonl"], resumed, SparseHashEmbedder(), chunk_size=4, part_size=5)
     assert resumed.read_bytes() == whole.read_bytes()
     lines = [orjson.loads(line) for line in whole.read_bytes().splitlines()]
     assert [line["id"] for line in lines] == [f"d{i}" for i in range(50)]
@@ -195,16 +199,16 @@ def test_a_dense_jobs_parts_are_never_continued_by_a_sparse_run(tmp_path):
     dense = HashEmbedder(fail_at=3)
     dense.identity = {"model": "hash", "kind": "embedding"}
     with pytest.raises(BulkError):
-        embed_file(inputs["jsonl"], target, dense, chunk_size=4, part_size=4)
+        run_job(inputs["jsonl"], target, dense, chunk_size=4, part_size=4)
     with pytest.raises(JobChanged, match="different model .kind 'embedding' then, 'sparse' now"):
-        embed_file(inputs["jsonl"], target, SparseHashEmbedder())
+        run_job(inputs["jsonl"], target, SparseHashEmbedder())
 
 
 def test_sparse_rows_cannot_go_into_npy_or_parquet(tmp_path):
     _, inputs = write_inputs(tmp_path, n=3)
     for name in ("out.npy", "out.parquet"):
         with pytest.raises(BulkError, match="sparse vectors are written as JSONL only"):
-            embed_file(inputs["txt"], tmp_path / name, SparseHashEmbedder())
+            run_job(inputs["txt"], tmp_path / name, SparseHashEmbedder())
 
 
 class Answer:
@@ -239,6 +243,23 @@ class NoModel:
 @pytest.mark.parametrize(("argv", "message"), [
     (["embed", "{tmp}/missing.txt", "-o", "{tmp}/o.npy"],
      "input file '{tmp}/missing.txt' not found"),
+    (["embed", "{tmp}/dangling.txt", "-o", "{tmp}/o.npy"],
+     "input file '{tmp}/dangling.txt' not found (a symbolic link to nothing)"),
+    (["embed", "{tmp}/loop.txt", "-o", "{tmp}/o.npy"],
+     "input file '{tmp}/loop.txt' cannot be opened: Too many levels of symbolic links"),
+    (["embed", "{tmp}/fifo.txt", "-o", "{tmp}/o.npy"],
+     "input '{tmp}/fifo.txt' is a named pipe (FIFO), not a file: the job reads its input twice"),
+    (["embed", "/dev/zero", "-o", "{tmp}/o.npy"],
+     "input '/dev/zero' is a character device, not a file"),
+    (["embed", "{tmp}/truncated.parquet", "-o", "{tmp}/o.npy"],
+     "{tmp}/truncated.parquet: not a whole Parquet file (Parquet magic bytes not found in "
+     "footer."),
+    (["embed", "{tmp}/damaged.parquet", "-o", "{tmp}/o.npy"],
+     "{tmp}/damaged.parquet: damaged Parquet data, which does not decode past its first"),
+    (["embed", "{txt}", "-o", "{tmp}/taken.npy"],
+     "--output '{tmp}/taken.npy' is a directory: name a file, such as "
+     "'{tmp}/taken.npy/vectors.npy'"),
+    (["embed", "{txt}", "-o", "/proc/o.npy"], "cannot write in the output's directory '/proc' ("),
     (["embed", "{tmp}", "-o", "{tmp}/o.npy"], "is a directory (a directory needs --ray)"),
     (["embed", "{txt}", "-o", "{tmp}/o.csv"], "--output must end in .npy, .jsonl or .parquet"),
     (["embed", "{txt}", "-o", "{tmp}/nowhere/o.npy"], "does not exist"),
@@ -274,12 +295,29 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
                                                            argv, message):
     monkeypatch.setattr("embedsvc.bulk.embedders.LocalEmbedder.__init__", NoModel.__init__)
     _, inputs = write_inputs(tmp_path, n=3)
+    write_bad_files(tmp_path)
     names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"]}
     argv = [a.format(**names) for a in argv]
     assert exit_code(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("embedsvc: ") and err.count("\n") == 1, err
     assert message.format(**names) in err
+
+
+def write_bad_files(tmp_path):
+    """Inputs that are no regular readable file, Parquet cut short or damaged, an output
+    that is a directory."""
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    (tmp_path / "loop.txt").symlink_to(tmp_path / "loop.txt")
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "taken.npy").mkdir()
+    texts = [f"row {i} of a table with a few words in it" for i in range(5000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "whole.parquet", row_group_size=1000)
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    middle = len(data) // 3
+    damaged = data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 200])
+    (tmp_path / "damaged.parquet").write_bytes(damaged + data[middle + 200:])
 
 
 def exit_code(argv):
@@ -373,3 +411,60 @@ def test_a_ray_actor_runs_onnx_on_its_own_share_of_cpus(monkeypatch, assigned, s
 
     monkeypatch.setattr(ray, "get_runtime_context", Context)
     assert _own_share(Settings(onnx_threads=setting)).onnx_threads == threads
+
+
+def test_integer_ids_beyond_64_bits_stay_exact_in_jsonl(tmp_path):
+    import json
+
+    ids = [2**64 + 1, 10**30 + 7, -(2**70) - 3, 2**63, 5]
+    source = tmp_path / "big.jsonl"
+    source.write_bytes(b"".join(b'{"id": %d, "text": "text %d"}\n' % (v, i)
+                                for i, v in enumerate(ids)))
+    assert [r.id for r, _ in read_records(source)] == ids
+    for name, key in (("dense.jsonl", "embedding"), ("sparse.jsonl", "sparse")):
+        embedder = HashEmbedder() if key == "embedding" else SparseHashEmbedder()
+        run_job(source, tmp_path / name, embedder, chunk_size=2, part_size=3)
+        lines = [json.loads(line) for line in (tmp_path / name).read_bytes().splitlines()]
+        assert [line["id"] for line in lines] == ids  # exact: the stdlib reads big integers
+        assert all(set(line) == {"id", key} for line in lines)
+
+
+def test_parquet_ids_hold_64_bits_and_refuse_more_in_one_line(tmp_path):
+    source = tmp_path / "ids.jsonl"
+    source.write_bytes(b'{"id": %d, "text": "a"}\n{"id": %d, "text": "b"}\n' % (2**63, 2**64 - 1))
+    run_job(source, tmp_path / "out.parquet", HashEmbedder())
+    assert pq.read_table(tmp_path / "out.parquet").column("id").to_pylist() == [2**63, 2**64 - 1]
+    source.write_bytes(b'{"id": %d, "text": "a"}\n' % 2**64)
+    with pytest.raises(BulkError, match="an id is an integer beyond 64 bits, which a Parquet "
+                       "integer column cannot hold: write JSONL"):
+        run_job(source, tmp_path / "big.parquet", HashEmbedder())
+
+
+class SlowHashEmbedder(HashEmbedder):
+    def __call__(self, texts):
+        import time
+
+        time.sleep(0.05)
+        return super().__call__(texts)
+
+
+def test_a_part_is_committed_after_part_seconds_even_below_part_size(tmp_path):
+    _, inputs = write_inputs(tmp_path)
+    target = tmp_path / "out.npy"
+    with pytest.raises(BulkError, match="fell over"):
+        run_job(inputs["txt"], target, SlowHashEmbedder(fail_at=9), chunk_size=3,
+                concurrency=1, part_size=10_000, part_seconds=0.01)
+    manifest = orjson.loads((parts_dir(target) / "manifest.json").read_bytes())
+    # A part opens with a chunk's rows; the next chunk comes 50 ms later, past the 10 ms, and
+    # is committed with it: parts of two chunks, though 10,000 rows were never reached.
+    assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
+    run_job(inputs["txt"], target, HashEmbedder(), chunk_size=7)
+    whole = tmp_path / "whole.npy"
+    run_job(inputs["txt"], whole, HashEmbedder())
+    assert np.array_equal(np.load(target), np.load(whole))
+
+
+def test_options_refuse_what_cannot_cut_a_job():
+    for name in ("chunk_size", "concurrency", "part_size", "part_seconds"):
+        with pytest.raises(BulkError, match=f"--{name.replace('_', '-')} must be greater"):
+            BulkOptions("in.txt", "out.npy", **{name: 0})
