@@ -353,12 +353,6 @@ SETTINGS_PAGE = "docs/settings.md"
 REGENERATE = f"python -m embedsvc.settings > {SETTINGS_PAGE}"
 # What the metadata columns mean, for the page's key; a column without a line here is shown
 # with its name only.
-_COLUMN_NOTES = {
-    "serve_only": "a setting of the HTTP server, which `embedsvc embed` and `embedsvc "
-    "export` do not use: they offer no flag for it (its variable is still checked)",
-}
-
-
 def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else ""
@@ -376,12 +370,8 @@ def _default(value: Any) -> str:
 
 
 def settings_page() -> str:
-    """The markdown of docs/settings.md: one row per field of ``Settings``, every column of
-    its metadata (but the parser) after the name, variable, flag, default and meaning."""
-    fields = dataclasses.fields(Settings)
-    columns = list(dict.fromkeys(k for f in fields for k in f.metadata if k not in
-                                 ("parse", "help")))
-    names = [c.replace("_", " ") for c in columns]
+    """The markdown of docs/settings.md: one row per field of ``Settings``, with the
+    subcommands that offer it as a flag, and a subcommand's own wording where it has one."""
     lines = [
         "# Settings",
         "",
@@ -390,20 +380,20 @@ def settings_page() -> str:
         "Each setting has one name, used three ways: a keyword of "
         "`embedsvc.settings.Settings`, an environment variable `EMBEDSVC_<NAME>`, and a flag "
         "`--<name>` (the flag wins over the variable). A bad value stops the command at "
-        "startup with one line naming the setting, its variable and its flag. What the "
-        "one-line meanings leave out: [operations.md](operations.md#settings-in-practice).",
+        "startup with one line naming the setting, its variable and its flag. *Commands* "
+        "are the subcommands that offer the flag; the others ignore the setting (its "
+        "variable is still checked). What the one-line meanings leave out: "
+        "[operations.md](operations.md#settings-in-practice).",
         "",
-        *[f"- *{c.replace('_', ' ')}*: {_COLUMN_NOTES[c]}." for c in columns
-          if c in _COLUMN_NOTES],
-        "",
-        "| name | variable | flag | default | meaning |" + "".join(f" {n} |" for n in names),
-        "|---|---|---|---|---|" + "---|" * len(columns),
+        "| name | variable | flag | default | meaning | commands |",
+        "|---|---|---|---|---|---|",
     ]
-    for f in fields:
+    for f in dataclasses.fields(Settings):
         name = f.name.upper()
+        meaning = f.metadata["help"] + "".join(
+            f"; *{command}*: {text}" for command, text in f.metadata["help_for"].items())
         cells = [f"`{name}`", f"`{ENV_PREFIX}{name}`", f"`--{f.name.replace('_', '-')}`",
-                 _default(f.default), _cell(f.metadata["help"]),
-                 *(_cell(f.metadata.get(c, "")) for c in columns)]
+                 _default(f.default), _cell(meaning), _cell(f.metadata["commands"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
