@@ -34,6 +34,7 @@ from ..errors import (
     DeadlineExceeded,
     DeviceOutOfMemory,
     Unavailable,
+    shutting_down,
 )
 from ..metrics import Metrics
 from . import heap
@@ -222,8 +223,7 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 self.admission.cancel(ticket)
-                raise Unavailable("the server is shutting down; retry on another replica",
-                                  code="draining")
+                raise shutting_down()
             self.admission.settle(ticket, tokens)
             now = time.monotonic()
             self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))

@@ -31,17 +31,18 @@ import logging
 import os
 import selectors
 import socket
+import threading
 import time
 from functools import partial
 from typing import Any
 
-import orjson
 from gunicorn import util
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers import gthread
 
-from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from ..errors import ApiError, body_too_large
 from ..settings import Settings
+from . import http_errors
 from .internals import missing_internals
 from .process import ensure_open_files
 
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 SUPPORTED = ((27, 0), (28, 0))  # gunicorn versions from, and below; as in pyproject.toml
 INTERNALS: dict[Any, tuple[str, ...]] = {
     gthread.ThreadWorker: ("accept", "handle", "handle_request", "on_pending_socket_readable",
-                           "enqueue_req", "finish_request", "murder_pending", "run"),
+                           "enqueue_req", "finish_request", "murder_pending", "run",
+                           "handle_error"),
     gthread.TConn: ("init", "close"),
     util: ("write_error", "write_nonblock"),
 }
@@ -97,24 +99,22 @@ class DeadlineSocket:
         return getattr(self._sock, name)
 
 
-def json_error(status: int, reason: str, message: str) -> bytes:
+def json_error(status: int, reason: str, message: str, *, max_body_bytes: int,
+               head: bool = False) -> bytes:
     """A complete HTTP response in the JSON error shape, closing the connection."""
-    exc: ApiError
-    if status == 413:
-        exc = PayloadTooLarge(message, code="body_too_large")
-    elif status >= 500 and status != 501:
-        exc = internal_error()
-    else:
-        exc = InvalidRequest(message, code=reason.lower().replace(" ", "_"))
-    body = orjson.dumps(exc.body())
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    return head.encode("latin-1") + body
+    error = http_errors.server_error(status, reason, message, max_body_bytes=max_body_bytes)
+    return http_errors.http_response(error, head=head)
 
 
-def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
-    """Replaces ``gunicorn.util.write_error`` (same signature) in this worker's process."""
-    util.write_nonblock(sock, json_error(status_int, reason, mesg))
+_answering = threading.local()  # whether the request gunicorn answers an error to is a HEAD
+
+
+def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: str,
+                     mesg: str) -> None:
+    """Replaces ``gunicorn.util.write_error`` (bound to the limit: then the same signature)."""
+    head = getattr(_answering, "head", False)
+    util.write_nonblock(sock, json_error(status_int, reason, mesg, max_body_bytes=max_body_bytes,
+                                         head=head))
 
 
 def close_without_lingering(sock: Any) -> None:
@@ -132,9 +132,9 @@ def close_without_lingering(sock: Any) -> None:
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class ThreadWorker(gthread.ThreadWorker):
@@ -147,7 +147,7 @@ class ThreadWorker(gthread.ThreadWorker):
                                + ", ".join(missing) + "; install gunicorn>=27,<28")
         self.settings = Settings.from_env(os.environ)
         ensure_open_files(self.cfg.worker_connections)
-        util.write_error = write_json_error
+        util.write_error = partial(write_json_error, self.settings.max_body_bytes)
         super().init_process()
 
     def run(self) -> None:
@@ -201,16 +201,26 @@ class ThreadWorker(gthread.ThreadWorker):
                 self._count_closed("header_timeout")
             sock.deadline = None
 
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: Exception) -> None:
+        # gunicorn writes its error answer without the method; a HEAD's carries no body
+        method = getattr(req or getattr(exc, "req", None), "method", None)
+        _answering.head = method == "HEAD"
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            _answering.head = False
+
     def handle_request(self, req: Any, conn: Any) -> bool:
         try:
             req.body = io.BytesIO(self._read_body(req, conn.sock))
         except _Refused as refused:
-            util.write(conn.sock, json_error(refused.status, refused.reason, refused.message))
-            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path,
-                          refused.status)
+            status = refused.error.status
+            util.write(conn.sock, http_errors.http_response(refused.error,
+                                                            head=req.method == "HEAD"))
+            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path, status)
             service = self._service()
             if service is not None:
-                service.metrics.count_request("unmatched", refused.status, 0.0)
+                service.metrics.count_request("unmatched", status, 0.0)
             return False
         return super().handle_request(req, conn)
 
@@ -220,9 +230,7 @@ class ThreadWorker(gthread.ThreadWorker):
         headers = dict(req.headers)
         length = headers.get("CONTENT-LENGTH")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise _Refused(413, "Payload Too Large",
-                           f"the body has {length} bytes, more than MAX_BODY_BYTES ({limit}); "
-                           "split the request")
+            raise _Refused(body_too_large(limit, int(length)))
         if headers.get("EXPECT", "").lower() == "100-continue":
             util.write(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
             req.headers = [(k, v) for k, v in req.headers if k != "EXPECT"]
@@ -233,14 +241,12 @@ class ThreadWorker(gthread.ThreadWorker):
                 parts.append(data)
                 total += len(data)
                 if total > limit:
-                    raise _Refused(413, "Payload Too Large",
-                                   f"the body is larger than MAX_BODY_BYTES ({limit}); "
-                                   "split the request")
+                    raise _Refused(body_too_large(limit))
         except DeadlinePassed:
             sock.expired = False
             self._count_closed("body_timeout")
-            raise _Refused(408, "Request Timeout",
-                           "the body did not arrive within BODY_TIMEOUT_S") from None
+            raise _Refused(http_errors.server_error(408, "Request Timeout", "",
+                                                    max_body_bytes=limit)) from None
         finally:
             sock.deadline = None
         return b"".join(parts)

@@ -40,7 +40,7 @@ from waitress.task import ErrorTask, ThreadedTaskDispatcher
 from waitress.utilities import Error
 from waitress.wasyncore import close_all, dispatcher
 
-from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from . import http_errors
 from .internals import missing_internals
 
 log = logging.getLogger(__name__)
@@ -89,20 +89,12 @@ class RequestTimeout(Error):
 
 def error_body(err: Error, max_body_bytes: int) -> bytes:
     """The JSON error for an answer waitress writes itself."""
-    exc: ApiError
-    if err.code == 413:
-        exc = PayloadTooLarge(f"the body is larger than MAX_BODY_BYTES ({max_body_bytes}); "
-                              "split the request", code="body_too_large")
-    elif err.code >= 500 and err.code != 501:
-        exc = internal_error()
-    else:
-        code = err.reason.lower().replace(" ", "_")
-        exc = InvalidRequest(f"{err.reason}: {err.body}", code=code)
-    return orjson.dumps(exc.body())
+    error = http_errors.server_error(err.code, err.reason, err.body, max_body_bytes=max_body_bytes)
+    return orjson.dumps(error.body())
 
 
 class JsonErrorTask(ErrorTask):
-    """waitress's error answer, in the JSON error shape."""
+    """waitress's error answer, in the JSON error shape; without its body for a HEAD request."""
 
     def execute(self) -> None:
         err = self.request.error
@@ -111,7 +103,8 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.content_length = len(body)
-        self.write(body)
+        if self.request.command != "HEAD":
+            self.write(body)
         self.channel.server.on_error(self.request, err.code)
 
 
@@ -198,7 +191,7 @@ class Channel(HTTPChannel):
         """Answer the request whose body is late with 408 and close (in the loop thread)."""
         with self.requests_lock:
             request = self.request
-            request.error = RequestTimeout("the body did not arrive within BODY_TIMEOUT_S")
+            request.error = RequestTimeout(http_errors.BODY_LATE)
             request.completed = True
             self.request = None
             self.requests.append(request)
