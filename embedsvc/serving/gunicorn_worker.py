@@ -25,12 +25,14 @@ that moved.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
 from functools import partial
@@ -42,8 +44,9 @@ from gunicorn.workers import gthread
 
 from ..errors import ApiError, body_too_large
 from ..settings import Settings
-from . import http_errors
+from . import drain, http_errors
 from .internals import missing_internals
+from .probe import ProbeListener
 from .process import ensure_open_files
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,13 @@ def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: st
                                          head=head))
 
 
+def abort(sock: Any) -> None:
+    """Make the coming close reset the connection, dropping what waits in the send buffer
+    (a client that reads nothing would otherwise hold it until the kernel gives up)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def close_without_lingering(sock: Any) -> None:
     """Send FIN, drop what the client already sent (so close sends no RST), close."""
     try:
@@ -151,20 +161,79 @@ class ThreadWorker(gthread.ThreadWorker):
         super().init_process()
 
     def run(self) -> None:
-        self._start_probes()
+        self._probes = self._start_probes()
+        self._handling: set[object] = set()  # a token per connection a thread is serving
+        self._handling_lock = threading.Lock()
+        self._drainer: threading.Thread | None = None
         service = self._service()
         if service is not None:
             service.metrics.open_connections.set_function(lambda: self.nr_conns)
-        super().run()
+        try:
+            super().run()  # returns once every connection is closed, or at graceful_timeout
+        finally:
+            if self._drainer is not None:
+                self._drainer.join(self.settings.drain_timeout_s)
+            if self._probes is not None:
+                self._probes.stop()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.alive:  # the first SIGTERM: the main loop closes the listener next
+            self.method_queue.defer(self._stop_listening)
+        super().handle_exit(sig, frame)
+
+    def _stop_listening(self) -> None:
+        """Take the connections the kernel has queued, close the listeners, then drain.
+
+        gthread keeps its listener open until the worker exits, so the kernel goes on queueing
+        new connections nobody accepts and resets them all at the exit: a POST cut that way
+        cannot be retried safely. Closed at once (the master closed its copy before it
+        signalled), new connections are refused, and a client or balancer tries elsewhere.
+        """
+        self.set_accept_enabled(False)
+        for listener in self.sockets:
+            while self._accept_one(listener):
+                pass
+            listener.close()
+        self.sockets = []
+        if self._service() is not None:
+            self._drainer = threading.Thread(target=self._drain, name="embedsvc-drain",
+                                             daemon=True)
+            self._drainer.start()
+
+    def _drain(self) -> None:
+        """As `embedsvc serve` drains: the requests arriving now are let in, then the service
+        drains (/health says draining, new work gets 503, admitted work finishes)."""
+        service = self._service()
+        started = time.monotonic()
+        computed_before = drain.inputs_computed(service)
+        with self._handling_lock:
+            arriving = set(self._handling)
+
+        def still_arriving() -> bool:
+            with self._handling_lock:
+                return not arriving.isdisjoint(self._handling)
+
+        report = drain.drain_service(service, still_arriving,
+                                     started + self.settings.drain_timeout_s)
+        log.info("%s", drain.summary(time.monotonic() - started,
+                                     drain.inputs_computed(service) - computed_before, report))
 
     def accept(self, listener: Any) -> None:
+        self._accept_one(listener)
+
+    def _accept_one(self, listener: Any) -> bool:
+        """Accept one connection if one is waiting; whether one was."""
         try:
             client, addr = listener.accept()
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
-            return
+            return e.errno == errno.ECONNABORTED  # that one is gone; more may wait
         self.nr_conns += 1
+        # a blocking send that moves nothing for SEND_TIMEOUT_S fails (handle_request)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                          struct.pack("ll", int(self.settings.send_timeout_s),
+                                      int(self.settings.send_timeout_s % 1 * 1e6)))
         sock = DeadlineSocket(client)
         conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
         sock.deadline = conn.timeout = time.monotonic() + self.settings.header_timeout_s
@@ -172,6 +241,7 @@ class ThreadWorker(gthread.ThreadWorker):
         self.pending_conns.append(conn)
         self.poller.register(sock, selectors.EVENT_READ,
                              partial(self.on_pending_socket_readable, conn))
+        return True
 
     def murder_pending(self) -> None:
         waiting = len(self.pending_conns)
@@ -193,9 +263,14 @@ class ThreadWorker(gthread.ThreadWorker):
         if getattr(conn, "served", False):  # kept alive: the head's clock starts now
             sock.deadline = time.monotonic() + self.settings.header_timeout_s
         conn.served = True
+        token = object()
+        with self._handling_lock:
+            self._handling.add(token)
         try:
             return super().handle(conn)
         finally:
+            with self._handling_lock:
+                self._handling.discard(token)
             if sock.expired:
                 sock.expired = False
                 self._count_closed("header_timeout")
@@ -222,7 +297,15 @@ class ThreadWorker(gthread.ThreadWorker):
             if service is not None:
                 service.metrics.count_request("unmatched", status, 0.0)
             return False
-        return super().handle_request(req, conn)
+        try:
+            return super().handle_request(req, conn)
+        except BlockingIOError:  # SO_SNDTIMEO: the client took nothing for SEND_TIMEOUT_S
+            self.log.info("%s %s: the client read nothing of its answer for %.0fs "
+                          "(SEND_TIMEOUT_S); closing", req.method, req.path,
+                          self.settings.send_timeout_s)
+            self._count_closed("send_timeout")
+            abort(conn.sock)
+            return False
 
     def _read_body(self, req: Any, sock: DeadlineSocket) -> bytes:
         """The whole body, within BODY_TIMEOUT_S and MAX_BODY_BYTES, before the app runs."""
@@ -262,13 +345,14 @@ class ThreadWorker(gthread.ThreadWorker):
         if service is not None:
             service.metrics.connections_closed.labels(reason=reason).inc()
 
-    def _start_probes(self) -> None:
+    def _start_probes(self) -> ProbeListener | None:
         if self.settings.health_port is None:
-            return
-        from .probe import ProbeListener
-
+            return None
         try:
-            ProbeListener(self.wsgi, self.settings).start()
+            probes = ProbeListener(self.wsgi, self.settings)
         except OSError as exc:  # another worker of this master holds the port
             self.log.warning("probe port %s not served by worker %d: %s",
                              self.settings.health_port, os.getpid(), exc)
+            return None
+        probes.start()
+        return probes

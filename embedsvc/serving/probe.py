@@ -55,7 +55,8 @@ class ProbeListener:
         self.settings = settings
         bounds = waitress_adapter.Bounds(
             header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, max_connections=_CONNECTIONS,
+            idle_timeout_s=settings.idle_timeout_s, send_timeout_s=settings.send_timeout_s,
+            max_connections=_CONNECTIONS,
             max_body_bytes=64 * 1024,
         )
         self.server = waitress_adapter.create(

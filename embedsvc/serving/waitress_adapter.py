@@ -8,6 +8,10 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   a kept-alive connection), as nginx's ``client_header_timeout`` and Go's
   ``ReadHeaderTimeout``; past it the connection is closed without an answer;
 - a deadline for the body, from the end of the head; past it the client gets a 408;
+- a deadline for each answer's progress: a connection whose client takes none of its answer
+  for ``send_timeout_s`` is reset and its buffers (temporary files included) freed, as
+  nginx's ``send_timeout``; waitress's own idle timeout cannot do it, since it only marks the
+  connection for closing in a write that never comes while the client's window is shut;
 - a half-closed client (``shutdown(SHUT_WR)`` after its request) is treated as departed, as
   nginx does: inputs of its not yet computed are dropped (``client_disconnected`` turns
   true), and whatever answer the request produced (200, or 499 when it was dropped) is still
@@ -25,7 +29,10 @@ that moved.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -50,7 +57,7 @@ SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproje
 INTERNALS: dict[Any, tuple[str, ...]] = {
     HTTPChannel: ("handle_read", "received", "service", "readable", "check_client_disconnected",
                   "handle_close", "error_task_class", "total_outbufs_len", "will_close",
-                  "close_when_flushed", "request", "last_activity"),
+                  "close_when_flushed", "request", "last_activity", "_flush_some"),
     HTTPRequestParser: ("headers_finished", "completed", "error", "received"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting"),
@@ -80,6 +87,7 @@ class Bounds:
     idle_timeout_s: float
     max_connections: int
     max_body_bytes: int
+    send_timeout_s: float = 60.0
 
 
 class RequestTimeout(Error):
@@ -117,7 +125,31 @@ class Channel(HTTPChannel):
         self.head_since: float | None = time.monotonic()  # the first request's clock: accept
         self.body_since: float | None = None
         self.peer_closed = False
+        self.output_since: float | None = None  # output waiting since (seen by the sweep)
+        self.sent_at = 0.0  # when bytes last left for the client
         super().__init__(server, sock, addr, adj, map=map)
+
+    def _flush_some(self, do_close: bool = True) -> bool:
+        sent = super()._flush_some(do_close=do_close)
+        if sent:
+            self.sent_at = time.monotonic()
+        return sent
+
+    def stalled(self, now: float, bounds: Bounds) -> bool:
+        """Output has waited, and none of it left, for longer than ``send_timeout_s``."""
+        if not self.total_outbufs_len:
+            self.output_since = None
+            return False
+        if self.output_since is None:
+            self.output_since = now
+        return now - max(self.output_since, self.sent_at) > bounds.send_timeout_s
+
+    def abort(self) -> None:
+        """Reset the connection and free its buffers now (in the loop thread); a request
+        thread still writing to it stops with ClientDisconnected."""
+        with contextlib.suppress(OSError):  # RST: the kernel drops its send buffer too
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.handle_close()
 
     def received(self, data: bytes) -> bool:
         now = time.monotonic()
@@ -220,6 +252,10 @@ class Server(TcpWSGIServer):
         super().maintenance(now)  # idle kept-alive connections (channel_timeout)
         mono = time.monotonic()
         for channel in list(self.active_channels.values()):
+            if channel.stalled(mono, self.bounds):
+                channel.abort()
+                self.on_close("send_timeout")
+                continue
             reason = channel.expired(mono, self.bounds)
             if reason == "body_timeout":
                 channel.time_out_body()
