@@ -321,9 +321,13 @@ class Batcher:
             completed = self._computed - computed_before
         self.metrics.batcher_alive.set(0)
         report = ShutdownReport(completed, failed, clean, uncomputed)
-        log.info("batcher stopped: %d inputs completed while draining; requests with %d "
-                 "inputs failed, %d of them never computed; clean=%s",
-                 report.completed, report.failed, report.uncomputed, report.clean)
+        if report.failed == 0 and report.clean:
+            log.info("batcher stopped: %d inputs completed while draining, none failed",
+                     report.completed)
+        else:
+            log.info("batcher stopped: %d inputs completed while draining; requests with %d "
+                     "inputs failed, %d of them never computed; clean=%s",
+                     report.completed, report.failed, report.uncomputed, report.clean)
         return report
 
     # -- the batcher thread -------------------------------------------------------------------

@@ -74,10 +74,26 @@ class DeadlinePassed(NoMoreData):
 class DeadlineSocket:
     """A client socket whose reads fail once ``deadline`` (monotonic seconds) has passed."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, send_timeout: float | None = None) -> None:
         self._sock = sock
         self.deadline: float | None = None
         self.expired = False
+        self.send_timeout = send_timeout
+
+    def sendall(self, data: bytes) -> None:
+        """Send ``data``; a wait in which the client takes none of it longer than
+        ``send_timeout`` raises TimeoutError (nginx's send_timeout: each wait is bounded,
+        not the whole answer)."""
+        if self.send_timeout is None:
+            self._sock.sendall(data)
+            return
+        view = memoryview(data)
+        self._sock.settimeout(self.send_timeout)
+        try:
+            while view:
+                view = view[self._sock.send(view):]
+        finally:
+            self._sock.settimeout(None)
 
     def recv(self, size: int) -> bytes:
         deadline = self.deadline
@@ -230,11 +246,7 @@ class ThreadWorker(gthread.ThreadWorker):
                 raise
             return e.errno == errno.ECONNABORTED  # that one is gone; more may wait
         self.nr_conns += 1
-        # a blocking send that moves nothing for SEND_TIMEOUT_S fails (handle_request)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                          struct.pack("ll", int(self.settings.send_timeout_s),
-                                      int(self.settings.send_timeout_s % 1 * 1e6)))
-        sock = DeadlineSocket(client)
+        sock = DeadlineSocket(client, send_timeout=self.settings.send_timeout_s)
         conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
         sock.deadline = conn.timeout = time.monotonic() + self.settings.header_timeout_s
         # no thread until the first byte; murder_pending closes it at its head deadline
@@ -299,7 +311,7 @@ class ThreadWorker(gthread.ThreadWorker):
             return False
         try:
             return super().handle_request(req, conn)
-        except BlockingIOError:  # SO_SNDTIMEO: the client took nothing for SEND_TIMEOUT_S
+        except TimeoutError:  # DeadlineSocket.sendall: the client took nothing for a while
             self.log.info("%s %s: the client read nothing of its answer for %.0fs "
                           "(SEND_TIMEOUT_S); closing", req.method, req.path,
                           self.settings.send_timeout_s)

@@ -127,6 +127,7 @@ class Channel(HTTPChannel):
         self.peer_closed = False
         self.output_since: float | None = None  # output waiting since (seen by the sweep)
         self.sent_at = 0.0  # when bytes last left for the client
+        self.aborting = False
         super().__init__(server, sock, addr, adj, map=map)
 
     def _flush_some(self, do_close: bool = True) -> bool:
@@ -137,7 +138,7 @@ class Channel(HTTPChannel):
 
     def stalled(self, now: float, bounds: Bounds) -> bool:
         """Output has waited, and none of it left, for longer than ``send_timeout_s``."""
-        if not self.total_outbufs_len:
+        if not self.total_outbufs_len or self.aborting:
             self.output_since = None
             return False
         if self.output_since is None:
@@ -145,8 +146,10 @@ class Channel(HTTPChannel):
         return now - max(self.output_since, self.sent_at) > bounds.send_timeout_s
 
     def abort(self) -> None:
-        """Reset the connection and free its buffers now (in the loop thread); a request
-        thread still writing to it stops with ClientDisconnected."""
+        """Reset the connection and free its buffers (in the loop thread, outside the sweep);
+        a request thread still writing to it stops with ClientDisconnected."""
+        if self.socket is None:  # closed meanwhile
+            return
         with contextlib.suppress(OSError):  # RST: the kernel drops its send buffer too
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.handle_close()
@@ -253,7 +256,10 @@ class Server(TcpWSGIServer):
         mono = time.monotonic()
         for channel in list(self.active_channels.values()):
             if channel.stalled(mono, self.bounds):
-                channel.abort()
+                # The sweep runs while the loop builds its poll set: closing a socket now
+                # would hand poll a dead descriptor, so the close runs after this round.
+                channel.aborting = True
+                self.trigger.pull_trigger(channel.abort)
                 self.on_close("send_timeout")
                 continue
             reason = channel.expired(mono, self.bounds)

@@ -14,10 +14,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from embedsvc.model.fake import FakeEncoder
+
+from .fake_server import fake_server
 from .servers import Server, running
 
 REPO = Path(__file__).parents[2]
@@ -391,3 +395,76 @@ def test_a_drain_that_times_out_mid_batch_exits_cleanly(tmp_path):
     assert code == 0, server.output()[-2000:]  # the batch's native threads did not abort
     assert "exiting with a batch still computing" in server.output()
     assert "terminate called" not in server.output()
+
+
+STALL = {"EMBEDSVC_MAX_CONNECTIONS": "20", "EMBEDSVC_SEND_TIMEOUT_S": "10"}
+BIG = 1250  # inputs: about 10 MB of JSON vectors at 384 dimensions
+
+
+@contextmanager
+def fake_launcher(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[Any]:
+    """The launcher ``name`` around the fake encoder: its port, probe port and pid."""
+    if name == "serve":
+        settings = {k.removeprefix("EMBEDSVC_").lower(): v for k, v in env.items()}
+        with fake_server(FakeEncoder(dimension=384, record=False), **settings) as server:
+            yield server.port, server.probes.port, os.getpid(), server.registry
+        return
+    cmd = [*LAUNCHERS["gunicorn-conf"][:-1], "tests.integration.fake_app:app"]
+    with running(cmd, tmp_path / "gunicorn.log", env={**BOUNDS, **env}, cwd=str(REPO)) as server:
+        probes = probe_url(server)
+        yield server.port, int(probes.rsplit(":", 1)[1]), worker_pid(server), None
+
+
+def probe_metric(probe_port: int, name: str, labels: str = "") -> float:
+    text = httpx.get(f"http://127.0.0.1:{probe_port}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def never_reading(port: int, count: int) -> list[socket.socket]:
+    """``count`` clients that each ask for a large answer and never read a byte of it."""
+    body = json.dumps({"inputs": ["a"] * BIG}).encode()
+    request = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel takes little
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request)
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_path):
+    env = {**STALL, "EMBEDSVC_HEALTH_PORT": "0"}
+    answered = '{route="/embed",status="200"}'
+    closed = '{reason="send_timeout"}'
+    with fake_launcher(launcher, tmp_path, env) as (port, probes, pid, _):
+        held_before = len(fds_to_deleted_files(pid))
+        socks = never_reading(port, 20)
+        try:
+            deadline = time.monotonic() + 60
+            while (probe_metric(probes, "embedsvc_requests_total", answered) < 16
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            stalled_at = time.monotonic()  # every thread's answer written, none taken
+            if launcher == "serve":  # waitress holds the answers in temporary files
+                assert len(fds_to_deleted_files(pid)) > held_before
+            resp = httpx.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
+                              timeout=30)
+            assert resp.status_code == 200 and len(resp.json()[0]) == 384
+            assert time.monotonic() - stalled_at < 15
+            while (probe_metric(probes, "embedsvc_connections_closed_total", closed) < 20
+                   and time.monotonic() < deadline + 30):
+                time.sleep(0.2)
+            assert probe_metric(probes, "embedsvc_connections_closed_total", closed) == 20
+            assert len(fds_to_deleted_files(pid)) == held_before  # their buffers are freed
+            for sock in socks:  # reset, not left half open
+                with pytest.raises(ConnectionResetError):
+                    while sock.recv(1 << 20):
+                        pass
+        finally:
+            for sock in socks:
+                sock.close()
