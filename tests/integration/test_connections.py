@@ -360,7 +360,8 @@ def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, si
     assert out and not isinstance(out[0], Exception) and out[0].status_code == 200
     assert len(out[0].json()) == 64
     assert code == 0, server.output()[-2000:]
-    assert "drained in" in server.output()
+    assert re.search(r"drained in \S+: \d+ inputs computed while draining, none left "
+                     r"unfinished; stopping", server.output()), server.output()[-2000:]
 
 
 def test_the_drain_log_counts_inputs_computed_by_a_request_cut_at_the_timeout(tmp_path):
@@ -468,3 +469,46 @@ def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_pa
         finally:
             for sock in socks:
                 sock.close()
+
+
+def read_head(sock: socket.socket, buf: bytes = b"") -> tuple[bytes, bytes]:
+    """One response head from ``sock`` (after ``buf``), and the bytes that came after it."""
+    while b"\r\n\r\n" not in buf:
+        chunk = _recv(sock)
+        assert chunk, f"closed before a whole head: {buf[:300]!r}"
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def test_head_answers_carry_no_body_on_any_route(bounded):
+    from embedsvc.api.routes import ROUTES
+
+    gets = sorted({r.path for r in ROUTES if r.method == "GET"})
+    for path in [*gets, "/nowhere", "/embed"]:  # every GET route, a 404 and a 405
+        # HEAD then GET /health on one connection: the bytes after the first head must be
+        # the second answer, not a body
+        with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+            sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n\r\n" % path.encode())
+            head, rest = read_head(sock)
+            while len(rest) < 12:
+                chunk = _recv(sock)
+                assert chunk, (path, head, rest)
+                rest += chunk
+            assert rest.startswith(b"HTTP/1.1 200 "), (path, head, rest[:200])
+            assert b"content-length: " in head.lower(), (path, head)
+    # the HTTP server's own error answer (an unparsable Content-Length), which closes
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+        sock.sendall(b"HEAD /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n")
+        head, rest = read_head(sock)
+        while chunk := _recv(sock):
+            rest += chunk
+    assert head.startswith(b"HTTP/1.1 400 ") and rest == b"", (head, rest[:200])
+    probes = int(probe_url(bounded).rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", probes), timeout=15) as sock:
+        sock.sendall(b"HEAD /embed HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head, rest = read_head(sock)
+        while chunk := _recv(sock):
+            rest += chunk
+    assert head.startswith(b"HTTP/1.1 404 ") and rest == b"", (head, rest[:200])
