@@ -312,9 +312,9 @@ class ThreadWorker(gthread.ThreadWorker):
         try:
             return super().handle_request(req, conn)
         except TimeoutError:  # DeadlineSocket.sendall: the client took nothing for a while
-            self.log.info("%s %s: the client read nothing of its answer for %.0fs "
-                          "(SEND_TIMEOUT_S); closing", req.method, req.path,
-                          self.settings.send_timeout_s)
+            log.info("%s %s: the client read nothing of its answer for %.0fs "
+                     "(SEND_TIMEOUT_S); closing", req.method, req.path,
+                     self.settings.send_timeout_s)
             self._count_closed("send_timeout")
             abort(conn.sock)
             return False

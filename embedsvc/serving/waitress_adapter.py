@@ -259,6 +259,8 @@ class Server(TcpWSGIServer):
                 # The sweep runs while the loop builds its poll set: closing a socket now
                 # would hand poll a dead descriptor, so the close runs after this round.
                 channel.aborting = True
+                log.info("%s: the client read nothing of its answer for %.0fs "
+                         "(SEND_TIMEOUT_S); closing", channel.addr, self.bounds.send_timeout_s)
                 self.trigger.pull_trigger(channel.abort)
                 self.on_close("send_timeout")
                 continue
