@@ -1,26 +1,32 @@
-"""The gunicorn worker of deploy/gunicorn.conf.py: gthread with deadlines for heads and bodies.
+"""The gunicorn worker of deploy/gunicorn.conf.py: gthread with deadlines and a real drain.
 
 gunicorn's gthread worker gives a connection a thread as soon as its first byte arrives and
 then reads the request head with no deadline, so as many clients trickling header bytes as
 there are threads stop the worker; new connections wait up to 5 s on a thread for their
 first byte. This worker, selected with ``worker_class`` (gunicorn's extension point for
-workers), changes three things and reads its bounds from the EMBEDSVC_* settings:
+workers), changes these things and reads its bounds from the EMBEDSVC_* settings:
 
 - a new connection waits for its first byte in the worker's poller, holding no thread, and
   is closed if its head is not complete HEADER_TIMEOUT_S after accept (from the first byte
   of a later request on a kept-alive connection);
 - the body is read in full by the worker before the app runs, within BODY_TIMEOUT_S (else a
   408) and up to MAX_BODY_BYTES (else a 413, at once when Content-Length says so);
-- gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape.
+- an answer the client takes none of for SEND_TIMEOUT_S is abandoned and the connection
+  reset (gthread would block a thread on it for ever);
+- gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape
+  (serving/http_errors.py), without a body for a HEAD request;
+- on SIGTERM the listener closes at once, so new connections are refused instead of queued
+  and reset at the exit, and the service drains as under `embedsvc serve` (serving/drain.py);
+  the probe listener stops with the worker.
 
 A trickling head still holds a thread until its deadline: with more slow clients than
 threads, others wait up to HEADER_TIMEOUT_S. A buffering proxy in front (nginx) removes that.
 
 It also closes connections without gunicorn's 2 s linger on the main loop. It subclasses
 gunicorn internals (``ThreadWorker.accept``, ``handle``, ``handle_request``,
-``finish_request``, ``TConn``, ``util.write_error``), so gunicorn is bounded below 28 in
-pyproject.toml and ``check_internals()`` (run at worker start and by the tests) names anything
-that moved.
+``finish_request``, ``handle_exit``, ``TConn``, ``util.write_error``...), so gunicorn is
+bounded below 28 in pyproject.toml and ``check_internals()`` (run at worker start and by the
+tests) names anything that moved.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ SUPPORTED = ((27, 0), (28, 0))  # gunicorn versions from, and below; as in pypro
 INTERNALS: dict[Any, tuple[str, ...]] = {
     gthread.ThreadWorker: ("accept", "handle", "handle_request", "on_pending_socket_readable",
                            "enqueue_req", "finish_request", "murder_pending", "run",
-                           "handle_error"),
+                           "handle_error", "handle_exit", "set_accept_enabled"),
     gthread.TConn: ("init", "close"),
     util: ("write_error", "write_nonblock"),
 }
