@@ -18,6 +18,7 @@ connection limit, keep-alive and the worker's deadlines read the same variables 
 their own, answerable while the main port is flooded.
 """
 
+import math
 import os
 
 from embedsvc.settings import Settings
@@ -25,9 +26,10 @@ from embedsvc.settings import Settings
 _settings = Settings.from_env(os.environ)  # the EMBEDSVC_* variables, checked as for serve
 
 bind = f"{_settings.host}:{_settings.port}"
-# gthread, plus deadlines for request heads and bodies, the body limit before the app and
-# JSON error answers (embedsvc/gunicorn_worker.py); HEADER_TIMEOUT_S, BODY_TIMEOUT_S and
-# MAX_BODY_BYTES come from the EMBEDSVC_* variables.
+# gthread, plus deadlines for request heads, bodies and answers, the body limit before the
+# app, JSON error answers and the drain of `embedsvc serve` (embedsvc/serving/
+# gunicorn_worker.py); HEADER_TIMEOUT_S, BODY_TIMEOUT_S, SEND_TIMEOUT_S, MAX_BODY_BYTES and
+# DRAIN_TIMEOUT_S come from the EMBEDSVC_* variables.
 worker_class = "embedsvc.gunicorn_worker.ThreadWorker"
 workers = 1
 threads = _settings.threads
@@ -38,9 +40,12 @@ worker_connections = _settings.max_connections
 # must cover loading the model (tens of seconds for a large one on a cold disk). Once it
 # serves, the gthread worker's main loop heartbeats while threads wait on long batches.
 timeout = 120
-# On SIGTERM gunicorn stops accepting and gives in-flight requests this long to finish;
-# keep it at or above EMBEDSVC_DRAIN_TIMEOUT_S and below the orchestrator's grace period.
-graceful_timeout = 30
+# On SIGTERM the worker closes its listener at once (new connections are refused, never
+# queued and then reset), drains the service within EMBEDSVC_DRAIN_TIMEOUT_S (/health says
+# draining, admitted requests finish) and stops the probe port. gunicorn kills a worker still
+# running after graceful_timeout: the drain's time plus a margin for the last answers. Keep
+# EMBEDSVC_DRAIN_TIMEOUT_S + 5 below the orchestrator's grace period.
+graceful_timeout = math.ceil(_settings.drain_timeout_s) + 5
 # Seconds a kept-alive connection may sit idle between requests (EMBEDSVC_IDLE_TIMEOUT_S).
 keepalive = max(1, round(_settings.idle_timeout_s))
 # Request line and headers: gunicorn's defaults, stated; past them a JSON 414/431/400.

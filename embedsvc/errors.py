@@ -102,6 +102,19 @@ class DeadlineExceeded(ApiError):
     reason = "timeout"
 
 
+def body_too_large(limit: int, size: int | None = None) -> PayloadTooLarge:
+    """The 413 of a body over MAX_BODY_BYTES, whoever finds it: the HTTP server or the app."""
+    has = "is larger than" if size is None else f"has {size} bytes, more than"
+    return PayloadTooLarge(f"the body {has} MAX_BODY_BYTES ({limit}); split the request",
+                           code="body_too_large")
+
+
+def shutting_down(headers: dict[str, str] | None = None) -> Unavailable:
+    """The 503 of work that arrives while the server drains."""
+    return Unavailable("the server is shutting down; retry on another replica", code="draining",
+                       headers=headers)
+
+
 def internal_error() -> ApiError:
     """The error for a bug: it says nothing about the internals; the log has the traceback."""
     return ApiError("internal server error; the server log has the details", code="internal_error")

@@ -1,5 +1,6 @@
-"""Log setup of a serving process: the ``embedsvc`` loggers (plain text or one JSON object per
-line) and, in that process only, the model libraries' progress bars and warnings switched off.
+"""Log setup of a serving process: the ``embedsvc`` loggers and waitress's own (plain text or
+one JSON object per line, the same for both) and, in that process only, the model libraries'
+progress bars and warnings switched off.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ _PLAIN = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 # The libraries that load the model: what they print while loading (a "Loading weights"
 # progress bar, notes about the checkpoint) is not a server's output.
 _MODEL_LIBRARIES = ("transformers", "sentence_transformers", "huggingface_hub")
+# Loggers whose lines are the process's own: ours, and waitress's ("waitress" and
+# "waitress.queue": connection limit reached, task queue depth, a client gone mid-answer),
+# which serves `embedsvc serve`, `waitress-serve` and the probe port under gunicorn.
+_SERVER_LOGGERS = ("embedsvc", "waitress")
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,22 +37,25 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, fmt: str) -> None:
-    """Give the ``embedsvc`` loggers one stderr handler, whatever server hosts them.
+    """Give the ``embedsvc`` and ``waitress`` loggers one stderr handler and one format,
+    whatever server hosts them.
 
     Servers such as gunicorn configure their own loggers only; without this, ours would
-    fall through to Python's last-resort handler and lose everything below WARNING.
+    fall through to Python's last-resort handler and lose everything below WARNING, and
+    waitress's would reach the root logger in another format (``waitress-serve`` sets one up).
     """
-    logger = logging.getLogger("embedsvc")
-    logger.setLevel(level.upper())
-    for handler in list(logger.handlers):
-        if getattr(handler, "_embedsvc", False):
-            logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler._embedsvc = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_PLAIN))
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.debug("logging configured in pid %d", os.getpid())
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(level.upper())
+        for old in list(logger.handlers):
+            if getattr(old, "_embedsvc", False):
+                logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.propagate = False
+    logging.getLogger("embedsvc").debug("logging configured in pid %d", os.getpid())
 
 
 def quiet_model_libraries() -> None:

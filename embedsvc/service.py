@@ -20,7 +20,7 @@ from collections.abc import Callable
 from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .engine import Engine
-from .errors import Unavailable
+from .errors import Unavailable, shutting_down
 from .metrics import Metrics
 from .model import backend
 from .model.encoder import Encoder, ModelInfo
@@ -31,10 +31,7 @@ log = logging.getLogger(__name__)
 
 _SWEEP_S = 0.1  # how often queued requests past their deadline or orphaned are cancelled
 _WATCH_S = 0.5  # how often the batcher thread is checked
-_UNAVAILABLE = {
-    "loading": "the model is still loading; retry in a few seconds",
-    "draining": "the server is shutting down; retry on another replica",
-}
+_LOADING = "the model is still loading; retry in a few seconds"
 
 
 def load_encoder(
@@ -112,8 +109,10 @@ class Service:
         if self._engine is None and not self.failure:
             self._loaded.wait(timeout)
         state, engine = self.state, self._engine
+        if state == "draining":
+            raise shutting_down({"Retry-After": "1"})
         if state != "ready" or engine is None:
-            message = _UNAVAILABLE.get(state) or (
+            message = _LOADING if state == "loading" else (
                 "the model failed to load; the server log says why" if self.failure
                 else "the service is unhealthy; see its log")
             raise Unavailable(message, code=state, headers={"Retry-After": "1"})

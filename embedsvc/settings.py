@@ -209,6 +209,12 @@ class Settings:
         30.0, _positive(float), "a kept-alive connection with no request is closed after this",
         serve_only=True,
     )
+    send_timeout_s: float = _setting(
+        60.0, _positive(float),
+        "a connection whose client takes none of its answer for this long is closed and its "
+        "buffers freed (as nginx's send_timeout)",
+        serve_only=True,
+    )
     max_connections: int = _setting(
         1000, _positive(int), "open client connections before the server stops accepting",
         serve_only=True,

@@ -38,8 +38,8 @@ from ..errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     Unauthorized,
+    body_too_large,
     internal_error,
 )
 from ..metrics import Metrics
@@ -91,7 +91,7 @@ class Pipeline:
             log.exception("unexpected error on %s %s", method, path)
             reply = self.error(internal_error())
         self.record(method, label, reply.status, started, reply.inputs, reply.tokens)
-        return respond(start_response, reply)
+        return respond(start_response, reply, head=method == "HEAD")
 
     def _route(self, environ: dict[str, Any], path: str, method: str,
                methods: dict[str, Route] | None) -> Route | None:
@@ -169,31 +169,27 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
             raise InvalidRequest(f"Content-Length {length!r} is not a number of bytes",
                                  code="invalid_content_length")
         if size > limit:
-            raise too_large(size, limit)
+            raise body_too_large(limit, size)
         return stream.read(size) if size else b""
     raw = stream.read(limit + 1)  # chunked: the server ends the stream with the body
     if len(raw) > limit:
-        raise too_large(len(raw), limit)
+        raise body_too_large(limit, len(raw))
     return raw
-
-
-def too_large(size: int, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"the body has {size} bytes, more than MAX_BODY_BYTES ({limit}); split the request",
-        code="body_too_large",
-    )
 
 
 def error_reply(exc: ApiError) -> Reply:
     return json_reply(exc.body(), exc.status, list(exc.headers.items()))
 
 
-def respond(start_response: Callable[..., Any], reply: Reply) -> list[bytes]:
+def respond(start_response: Callable[..., Any], reply: Reply, head: bool = False
+            ) -> list[bytes]:
+    """Start ``reply``; a HEAD request gets the headers a GET would, without the body (RFC
+    9110, 9.3.2: a body would be read as the start of the next response)."""
     status = _STATUS_LINES.get(reply.status) or f"{reply.status} Unknown"
     headers = [("Content-Type", reply.content_type), ("Content-Length", str(len(reply.body)))]
     headers.extend(reply.headers)
     start_response(status, headers)
-    return [reply.body]
+    return [] if head else [reply.body]
 
 
 def _flask_error(exc: Exception) -> Response:

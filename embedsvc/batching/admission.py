@@ -34,7 +34,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ClientDisconnected, DeadlineExceeded, Overloaded, PayloadTooLarge, Unavailable
+from ..errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    Overloaded,
+    PayloadTooLarge,
+    shutting_down,
+)
 from ..metrics import Metrics
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
@@ -174,8 +180,7 @@ class Admission:
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise Unavailable("the server is shutting down; retry on another replica",
-                              code="draining")
+            raise shutting_down()
 
     def _refuse_if_late(self, ticket: Ticket, now: float) -> None:
         wait = self.predicted_wait()

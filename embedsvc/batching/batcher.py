@@ -34,6 +34,7 @@ from ..errors import (
     DeadlineExceeded,
     DeviceOutOfMemory,
     Unavailable,
+    shutting_down,
 )
 from ..metrics import Metrics
 from . import heap
@@ -222,8 +223,7 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 self.admission.cancel(ticket)
-                raise Unavailable("the server is shutting down; retry on another replica",
-                                  code="draining")
+                raise shutting_down()
             self.admission.settle(ticket, tokens)
             now = time.monotonic()
             self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
@@ -321,9 +321,13 @@ class Batcher:
             completed = self._computed - computed_before
         self.metrics.batcher_alive.set(0)
         report = ShutdownReport(completed, failed, clean, uncomputed)
-        log.info("batcher stopped: %d inputs completed while draining; requests with %d "
-                 "inputs failed, %d of them never computed; clean=%s",
-                 report.completed, report.failed, report.uncomputed, report.clean)
+        if report.failed == 0 and report.clean:
+            log.info("batcher stopped: %d inputs completed while draining, none failed",
+                     report.completed)
+        else:
+            log.info("batcher stopped: %d inputs completed while draining; requests with %d "
+                     "inputs failed, %d of them never computed; clean=%s",
+                     report.completed, report.failed, report.uncomputed, report.clean)
         return report
 
     # -- the batcher thread -------------------------------------------------------------------

@@ -1,48 +1,58 @@
-"""The gunicorn worker of deploy/gunicorn.conf.py: gthread with deadlines for heads and bodies.
+"""The gunicorn worker of deploy/gunicorn.conf.py: gthread with deadlines and a real drain.
 
 gunicorn's gthread worker gives a connection a thread as soon as its first byte arrives and
 then reads the request head with no deadline, so as many clients trickling header bytes as
 there are threads stop the worker; new connections wait up to 5 s on a thread for their
 first byte. This worker, selected with ``worker_class`` (gunicorn's extension point for
-workers), changes three things and reads its bounds from the EMBEDSVC_* settings:
+workers), changes these things and reads its bounds from the EMBEDSVC_* settings:
 
 - a new connection waits for its first byte in the worker's poller, holding no thread, and
   is closed if its head is not complete HEADER_TIMEOUT_S after accept (from the first byte
   of a later request on a kept-alive connection);
 - the body is read in full by the worker before the app runs, within BODY_TIMEOUT_S (else a
   408) and up to MAX_BODY_BYTES (else a 413, at once when Content-Length says so);
-- gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape.
+- an answer the client takes none of for SEND_TIMEOUT_S is abandoned and the connection
+  reset (gthread would block a thread on it for ever);
+- gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape
+  (serving/http_errors.py), without a body for a HEAD request;
+- on SIGTERM the listener closes at once, so new connections are refused instead of queued
+  and reset at the exit, and the service drains as under `embedsvc serve` (serving/drain.py);
+  the probe listener stops with the worker.
 
 A trickling head still holds a thread until its deadline: with more slow clients than
 threads, others wait up to HEADER_TIMEOUT_S. A buffering proxy in front (nginx) removes that.
 
 It also closes connections without gunicorn's 2 s linger on the main loop. It subclasses
 gunicorn internals (``ThreadWorker.accept``, ``handle``, ``handle_request``,
-``finish_request``, ``TConn``, ``util.write_error``), so gunicorn is bounded below 28 in
-pyproject.toml and ``check_internals()`` (run at worker start and by the tests) names anything
-that moved.
+``finish_request``, ``handle_exit``, ``TConn``, ``util.write_error``...), so gunicorn is
+bounded below 28 in pyproject.toml and ``check_internals()`` (run at worker start and by the
+tests) names anything that moved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
 import os
 import selectors
 import socket
+import struct
+import threading
 import time
 from functools import partial
 from typing import Any
 
-import orjson
 from gunicorn import util
 from gunicorn.http.errors import NoMoreData
 from gunicorn.workers import gthread
 
-from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from ..errors import ApiError, body_too_large
 from ..settings import Settings
+from . import drain, http_errors
 from .internals import missing_internals
+from .probe import ProbeListener
 from .process import ensure_open_files
 
 log = logging.getLogger(__name__)
@@ -50,7 +60,8 @@ log = logging.getLogger(__name__)
 SUPPORTED = ((27, 0), (28, 0))  # gunicorn versions from, and below; as in pyproject.toml
 INTERNALS: dict[Any, tuple[str, ...]] = {
     gthread.ThreadWorker: ("accept", "handle", "handle_request", "on_pending_socket_readable",
-                           "enqueue_req", "finish_request", "murder_pending", "run"),
+                           "enqueue_req", "finish_request", "murder_pending", "run",
+                           "handle_error", "handle_exit", "set_accept_enabled"),
     gthread.TConn: ("init", "close"),
     util: ("write_error", "write_nonblock"),
 }
@@ -69,10 +80,26 @@ class DeadlinePassed(NoMoreData):
 class DeadlineSocket:
     """A client socket whose reads fail once ``deadline`` (monotonic seconds) has passed."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, send_timeout: float | None = None) -> None:
         self._sock = sock
         self.deadline: float | None = None
         self.expired = False
+        self.send_timeout = send_timeout
+
+    def sendall(self, data: bytes) -> None:
+        """Send ``data``; a wait in which the client takes none of it longer than
+        ``send_timeout`` raises TimeoutError (nginx's send_timeout: each wait is bounded,
+        not the whole answer)."""
+        if self.send_timeout is None:
+            self._sock.sendall(data)
+            return
+        view = memoryview(data)
+        self._sock.settimeout(self.send_timeout)
+        try:
+            while view:
+                view = view[self._sock.send(view):]
+        finally:
+            self._sock.settimeout(None)
 
     def recv(self, size: int) -> bytes:
         deadline = self.deadline
@@ -97,24 +124,29 @@ class DeadlineSocket:
         return getattr(self._sock, name)
 
 
-def json_error(status: int, reason: str, message: str) -> bytes:
+def json_error(status: int, reason: str, message: str, *, max_body_bytes: int,
+               head: bool = False) -> bytes:
     """A complete HTTP response in the JSON error shape, closing the connection."""
-    exc: ApiError
-    if status == 413:
-        exc = PayloadTooLarge(message, code="body_too_large")
-    elif status >= 500 and status != 501:
-        exc = internal_error()
-    else:
-        exc = InvalidRequest(message, code=reason.lower().replace(" ", "_"))
-    body = orjson.dumps(exc.body())
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    return head.encode("latin-1") + body
+    error = http_errors.server_error(status, reason, message, max_body_bytes=max_body_bytes)
+    return http_errors.http_response(error, head=head)
 
 
-def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
-    """Replaces ``gunicorn.util.write_error`` (same signature) in this worker's process."""
-    util.write_nonblock(sock, json_error(status_int, reason, mesg))
+_answering = threading.local()  # whether the request gunicorn answers an error to is a HEAD
+
+
+def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: str,
+                     mesg: str) -> None:
+    """Replaces ``gunicorn.util.write_error`` (bound to the limit: then the same signature)."""
+    head = getattr(_answering, "head", False)
+    util.write_nonblock(sock, json_error(status_int, reason, mesg, max_body_bytes=max_body_bytes,
+                                         head=head))
+
+
+def abort(sock: Any) -> None:
+    """Make the coming close reset the connection, dropping what waits in the send buffer
+    (a client that reads nothing would otherwise hold it until the kernel gives up)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def close_without_lingering(sock: Any) -> None:
@@ -132,9 +164,9 @@ def close_without_lingering(sock: Any) -> None:
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class ThreadWorker(gthread.ThreadWorker):
@@ -147,31 +179,87 @@ class ThreadWorker(gthread.ThreadWorker):
                                + ", ".join(missing) + "; install gunicorn>=27,<28")
         self.settings = Settings.from_env(os.environ)
         ensure_open_files(self.cfg.worker_connections)
-        util.write_error = write_json_error
+        util.write_error = partial(write_json_error, self.settings.max_body_bytes)
         super().init_process()
 
     def run(self) -> None:
-        self._start_probes()
+        self._probes = self._start_probes()
+        self._handling: set[object] = set()  # a token per connection a thread is serving
+        self._handling_lock = threading.Lock()
+        self._drainer: threading.Thread | None = None
         service = self._service()
         if service is not None:
             service.metrics.open_connections.set_function(lambda: self.nr_conns)
-        super().run()
+        try:
+            super().run()  # returns once every connection is closed, or at graceful_timeout
+        finally:
+            if self._drainer is not None:
+                self._drainer.join(self.settings.drain_timeout_s)
+            if self._probes is not None:
+                self._probes.stop()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.alive:  # the first SIGTERM: the main loop closes the listener next
+            self.method_queue.defer(self._stop_listening)
+        super().handle_exit(sig, frame)
+
+    def _stop_listening(self) -> None:
+        """Take the connections the kernel has queued, close the listeners, then drain.
+
+        gthread keeps its listener open until the worker exits, so the kernel goes on queueing
+        new connections nobody accepts and resets them all at the exit: a POST cut that way
+        cannot be retried safely. Closed at once (the master closed its copy before it
+        signalled), new connections are refused, and a client or balancer tries elsewhere.
+        """
+        self.set_accept_enabled(False)
+        for listener in self.sockets:
+            while self._accept_one(listener):
+                pass
+            listener.close()
+        self.sockets = []
+        if self._service() is not None:
+            self._drainer = threading.Thread(target=self._drain, name="embedsvc-drain",
+                                             daemon=True)
+            self._drainer.start()
+
+    def _drain(self) -> None:
+        """As `embedsvc serve` drains: the requests arriving now are let in, then the service
+        drains (/health says draining, new work gets 503, admitted work finishes)."""
+        service = self._service()
+        started = time.monotonic()
+        computed_before = drain.inputs_computed(service)
+        with self._handling_lock:
+            arriving = set(self._handling)
+
+        def still_arriving() -> bool:
+            with self._handling_lock:
+                return not arriving.isdisjoint(self._handling)
+
+        report = drain.drain_service(service, still_arriving,
+                                     started + self.settings.drain_timeout_s)
+        log.info("%s", drain.summary(time.monotonic() - started,
+                                     drain.inputs_computed(service) - computed_before, report))
 
     def accept(self, listener: Any) -> None:
+        self._accept_one(listener)
+
+    def _accept_one(self, listener: Any) -> bool:
+        """Accept one connection if one is waiting; whether one was."""
         try:
             client, addr = listener.accept()
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
-            return
+            return e.errno == errno.ECONNABORTED  # that one is gone; more may wait
         self.nr_conns += 1
-        sock = DeadlineSocket(client)
+        sock = DeadlineSocket(client, send_timeout=self.settings.send_timeout_s)
         conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
         sock.deadline = conn.timeout = time.monotonic() + self.settings.header_timeout_s
         # no thread until the first byte; murder_pending closes it at its head deadline
         self.pending_conns.append(conn)
         self.poller.register(sock, selectors.EVENT_READ,
                              partial(self.on_pending_socket_readable, conn))
+        return True
 
     def murder_pending(self) -> None:
         waiting = len(self.pending_conns)
@@ -193,26 +281,49 @@ class ThreadWorker(gthread.ThreadWorker):
         if getattr(conn, "served", False):  # kept alive: the head's clock starts now
             sock.deadline = time.monotonic() + self.settings.header_timeout_s
         conn.served = True
+        token = object()
+        with self._handling_lock:
+            self._handling.add(token)
         try:
             return super().handle(conn)
         finally:
+            with self._handling_lock:
+                self._handling.discard(token)
             if sock.expired:
                 sock.expired = False
                 self._count_closed("header_timeout")
             sock.deadline = None
 
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: Exception) -> None:
+        # gunicorn writes its error answer without the method; a HEAD's carries no body
+        method = getattr(req or getattr(exc, "req", None), "method", None)
+        _answering.head = method == "HEAD"
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            _answering.head = False
+
     def handle_request(self, req: Any, conn: Any) -> bool:
         try:
             req.body = io.BytesIO(self._read_body(req, conn.sock))
         except _Refused as refused:
-            util.write(conn.sock, json_error(refused.status, refused.reason, refused.message))
-            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path,
-                          refused.status)
+            status = refused.error.status
+            util.write(conn.sock, http_errors.http_response(refused.error,
+                                                            head=req.method == "HEAD"))
+            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path, status)
             service = self._service()
             if service is not None:
-                service.metrics.count_request("unmatched", refused.status, 0.0)
+                service.metrics.count_request("unmatched", status, 0.0)
             return False
-        return super().handle_request(req, conn)
+        try:
+            return super().handle_request(req, conn)
+        except TimeoutError:  # DeadlineSocket.sendall: the client took nothing for a while
+            log.info("%s %s: the client read nothing of its answer for %.0fs "
+                     "(SEND_TIMEOUT_S); closing", req.method, req.path,
+                     self.settings.send_timeout_s)
+            self._count_closed("send_timeout")
+            abort(conn.sock)
+            return False
 
     def _read_body(self, req: Any, sock: DeadlineSocket) -> bytes:
         """The whole body, within BODY_TIMEOUT_S and MAX_BODY_BYTES, before the app runs."""
@@ -220,9 +331,7 @@ class ThreadWorker(gthread.ThreadWorker):
         headers = dict(req.headers)
         length = headers.get("CONTENT-LENGTH")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise _Refused(413, "Payload Too Large",
-                           f"the body has {length} bytes, more than MAX_BODY_BYTES ({limit}); "
-                           "split the request")
+            raise _Refused(body_too_large(limit, int(length)))
         if headers.get("EXPECT", "").lower() == "100-continue":
             util.write(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
             req.headers = [(k, v) for k, v in req.headers if k != "EXPECT"]
@@ -233,14 +342,12 @@ class ThreadWorker(gthread.ThreadWorker):
                 parts.append(data)
                 total += len(data)
                 if total > limit:
-                    raise _Refused(413, "Payload Too Large",
-                                   f"the body is larger than MAX_BODY_BYTES ({limit}); "
-                                   "split the request")
+                    raise _Refused(body_too_large(limit))
         except DeadlinePassed:
             sock.expired = False
             self._count_closed("body_timeout")
-            raise _Refused(408, "Request Timeout",
-                           "the body did not arrive within BODY_TIMEOUT_S") from None
+            raise _Refused(http_errors.server_error(408, "Request Timeout", "",
+                                                    max_body_bytes=limit)) from None
         finally:
             sock.deadline = None
         return b"".join(parts)
@@ -256,13 +363,14 @@ class ThreadWorker(gthread.ThreadWorker):
         if service is not None:
             service.metrics.connections_closed.labels(reason=reason).inc()
 
-    def _start_probes(self) -> None:
+    def _start_probes(self) -> ProbeListener | None:
         if self.settings.health_port is None:
-            return
-        from .probe import ProbeListener
-
+            return None
         try:
-            ProbeListener(self.wsgi, self.settings).start()
+            probes = ProbeListener(self.wsgi, self.settings)
         except OSError as exc:  # another worker of this master holds the port
             self.log.warning("probe port %s not served by worker %d: %s",
                              self.settings.health_port, os.getpid(), exc)
+            return None
+        probes.start()
+        return probes

@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import orjson
-
+from ..api.wsgi import error_reply, respond
 from ..errors import NotFound
 from ..settings import Settings
 from . import waitress_adapter
@@ -42,10 +41,8 @@ def probe_only(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[by
             return app(environ, start_response)
         err = NotFound(f"the probe port serves only {', '.join(sorted(PROBE_PATHS))}",
                        code="not_found")
-        body = orjson.dumps(err.body())
-        start_response("404 Not Found", [("Content-Type", "application/json"),
-                                         ("Content-Length", str(len(body)))])
-        return [body]
+        return respond(start_response, error_reply(err),
+                       head=environ.get("REQUEST_METHOD") == "HEAD")
 
     return filtered
 
@@ -58,7 +55,8 @@ class ProbeListener:
         self.settings = settings
         bounds = waitress_adapter.Bounds(
             header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, max_connections=_CONNECTIONS,
+            idle_timeout_s=settings.idle_timeout_s, send_timeout_s=settings.send_timeout_s,
+            max_connections=_CONNECTIONS,
             max_body_bytes=64 * 1024,
         )
         self.server = waitress_adapter.create(

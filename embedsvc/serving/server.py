@@ -21,7 +21,7 @@ from ..batching.batcher import ShutdownReport
 from ..logs import configure_logging
 from ..service import Service
 from ..settings import Settings
-from . import waitress_adapter
+from . import drain, waitress_adapter
 from .probe import ProbeListener
 from .process import ensure_open_files
 
@@ -55,7 +55,8 @@ class Server:
         metrics = service.metrics
         bounds = waitress_adapter.Bounds(
             header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, max_connections=settings.max_connections,
+            idle_timeout_s=settings.idle_timeout_s, send_timeout_s=settings.send_timeout_s,
+            max_connections=settings.max_connections,
             max_body_bytes=settings.max_body_bytes,
         )
         self.waitress: Any = waitress_adapter.create(
@@ -111,15 +112,12 @@ class Server:
     def _drain(self) -> None:
         started = time.monotonic()
         deadline = started + self.settings.drain_timeout_s
-        computed_before = self._inputs_computed()
+        computed_before = drain.inputs_computed(self.service)
         server = self.waitress
         waitress_adapter.in_loop(server, lambda: waitress_adapter.start_draining(server))
-        # Requests arriving or running now (an upload in progress, a request between its
-        # parsing and the batcher) are let in before the service stops admitting.
         arriving = waitress_adapter.requests_in_progress(server)
-        while waitress_adapter.still_in_progress(arriving) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        report = self.drain_report = self.service.drain(max(0.0, deadline - time.monotonic()))
+        report = self.drain_report = drain.drain_service(
+            self.service, lambda: waitress_adapter.still_in_progress(arriving), deadline)
         quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
         while time.monotonic() < deadline:
             if waitress_adapter.any_busy(server):
@@ -129,14 +127,10 @@ class Server:
             elif time.monotonic() - quiet_since >= _QUIET_S:
                 break
             time.sleep(_POLL_S)
-        log.info("drained in %.1fs: %d inputs computed while draining; requests unfinished at "
-                 "the timeout (%d inputs) got 503; stopping", time.monotonic() - started,
-                 self._inputs_computed() - computed_before, report.failed)
+        log.info("%s", drain.summary(time.monotonic() - started,
+                                     drain.inputs_computed(self.service) - computed_before,
+                                     report))
         waitress_adapter.in_loop(server, lambda: waitress_adapter.close(server))
-
-    def _inputs_computed(self) -> int:
-        value = self.service.metrics.registry.get_sample_value("embedsvc_inputs_total")
-        return int(value or 0)
 
     def _record_server_error(self, request: Any, status: int) -> None:
         """Count and log an answer waitress wrote itself (a malformed or oversized request)."""

@@ -8,6 +8,10 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   a kept-alive connection), as nginx's ``client_header_timeout`` and Go's
   ``ReadHeaderTimeout``; past it the connection is closed without an answer;
 - a deadline for the body, from the end of the head; past it the client gets a 408;
+- a deadline for each answer's progress: a connection whose client takes none of its answer
+  for ``send_timeout_s`` is reset and its buffers (temporary files included) freed, as
+  nginx's ``send_timeout``; waitress's own idle timeout cannot do it, since it only marks the
+  connection for closing in a write that never comes while the client's window is shut;
 - a half-closed client (``shutdown(SHUT_WR)`` after its request) is treated as departed, as
   nginx does: inputs of its not yet computed are dropped (``client_disconnected`` turns
   true), and whatever answer the request produced (200, or 499 when it was dropped) is still
@@ -25,7 +29,10 @@ that moved.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,7 +47,7 @@ from waitress.task import ErrorTask, ThreadedTaskDispatcher
 from waitress.utilities import Error
 from waitress.wasyncore import close_all, dispatcher
 
-from ..errors import ApiError, InvalidRequest, PayloadTooLarge, internal_error
+from . import http_errors
 from .internals import missing_internals
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproje
 INTERNALS: dict[Any, tuple[str, ...]] = {
     HTTPChannel: ("handle_read", "received", "service", "readable", "check_client_disconnected",
                   "handle_close", "error_task_class", "total_outbufs_len", "will_close",
-                  "close_when_flushed", "request", "last_activity"),
+                  "close_when_flushed", "request", "last_activity", "_flush_some"),
     HTTPRequestParser: ("headers_finished", "completed", "error", "received"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting"),
@@ -80,6 +87,7 @@ class Bounds:
     idle_timeout_s: float
     max_connections: int
     max_body_bytes: int
+    send_timeout_s: float = 60.0
 
 
 class RequestTimeout(Error):
@@ -89,20 +97,12 @@ class RequestTimeout(Error):
 
 def error_body(err: Error, max_body_bytes: int) -> bytes:
     """The JSON error for an answer waitress writes itself."""
-    exc: ApiError
-    if err.code == 413:
-        exc = PayloadTooLarge(f"the body is larger than MAX_BODY_BYTES ({max_body_bytes}); "
-                              "split the request", code="body_too_large")
-    elif err.code >= 500 and err.code != 501:
-        exc = internal_error()
-    else:
-        code = err.reason.lower().replace(" ", "_")
-        exc = InvalidRequest(f"{err.reason}: {err.body}", code=code)
-    return orjson.dumps(exc.body())
+    error = http_errors.server_error(err.code, err.reason, err.body, max_body_bytes=max_body_bytes)
+    return orjson.dumps(error.body())
 
 
 class JsonErrorTask(ErrorTask):
-    """waitress's error answer, in the JSON error shape."""
+    """waitress's error answer, in the JSON error shape; without its body for a HEAD request."""
 
     def execute(self) -> None:
         err = self.request.error
@@ -111,7 +111,8 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.content_length = len(body)
-        self.write(body)
+        if self.request.command != "HEAD":
+            self.write(body)
         self.channel.server.on_error(self.request, err.code)
 
 
@@ -124,7 +125,34 @@ class Channel(HTTPChannel):
         self.head_since: float | None = time.monotonic()  # the first request's clock: accept
         self.body_since: float | None = None
         self.peer_closed = False
+        self.output_since: float | None = None  # output waiting since (seen by the sweep)
+        self.sent_at = 0.0  # when bytes last left for the client
+        self.aborting = False
         super().__init__(server, sock, addr, adj, map=map)
+
+    def _flush_some(self, do_close: bool = True) -> bool:
+        sent = super()._flush_some(do_close=do_close)
+        if sent:
+            self.sent_at = time.monotonic()
+        return sent
+
+    def stalled(self, now: float, bounds: Bounds) -> bool:
+        """Output has waited, and none of it left, for longer than ``send_timeout_s``."""
+        if not self.total_outbufs_len or self.aborting:
+            self.output_since = None
+            return False
+        if self.output_since is None:
+            self.output_since = now
+        return now - max(self.output_since, self.sent_at) > bounds.send_timeout_s
+
+    def abort(self) -> None:
+        """Reset the connection and free its buffers (in the loop thread, outside the sweep);
+        a request thread still writing to it stops with ClientDisconnected."""
+        if self.socket is None:  # closed meanwhile
+            return
+        with contextlib.suppress(OSError):  # RST: the kernel drops its send buffer too
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.handle_close()
 
     def received(self, data: bytes) -> bool:
         now = time.monotonic()
@@ -198,7 +226,7 @@ class Channel(HTTPChannel):
         """Answer the request whose body is late with 408 and close (in the loop thread)."""
         with self.requests_lock:
             request = self.request
-            request.error = RequestTimeout("the body did not arrive within BODY_TIMEOUT_S")
+            request.error = RequestTimeout(http_errors.BODY_LATE)
             request.completed = True
             self.request = None
             self.requests.append(request)
@@ -227,6 +255,15 @@ class Server(TcpWSGIServer):
         super().maintenance(now)  # idle kept-alive connections (channel_timeout)
         mono = time.monotonic()
         for channel in list(self.active_channels.values()):
+            if channel.stalled(mono, self.bounds):
+                # The sweep runs while the loop builds its poll set: closing a socket now
+                # would hand poll a dead descriptor, so the close runs after this round.
+                channel.aborting = True
+                log.info("%s: the client read nothing of its answer for %.0fs "
+                         "(SEND_TIMEOUT_S); closing", channel.addr, self.bounds.send_timeout_s)
+                self.trigger.pull_trigger(channel.abort)
+                self.on_close("send_timeout")
+                continue
             reason = channel.expired(mono, self.bounds)
             if reason == "body_timeout":
                 channel.time_out_body()

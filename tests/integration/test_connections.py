@@ -14,10 +14,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from embedsvc.model.fake import FakeEncoder
+
+from .fake_server import fake_server
 from .servers import Server, running
 
 REPO = Path(__file__).parents[2]
@@ -356,7 +360,8 @@ def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, si
     assert out and not isinstance(out[0], Exception) and out[0].status_code == 200
     assert len(out[0].json()) == 64
     assert code == 0, server.output()[-2000:]
-    assert "drained in" in server.output()
+    assert re.search(r"drained in \S+: \d+ inputs computed while draining, none left "
+                     r"unfinished; stopping", server.output()), server.output()[-2000:]
 
 
 def test_the_drain_log_counts_inputs_computed_by_a_request_cut_at_the_timeout(tmp_path):
@@ -391,3 +396,119 @@ def test_a_drain_that_times_out_mid_batch_exits_cleanly(tmp_path):
     assert code == 0, server.output()[-2000:]  # the batch's native threads did not abort
     assert "exiting with a batch still computing" in server.output()
     assert "terminate called" not in server.output()
+
+
+STALL = {"EMBEDSVC_MAX_CONNECTIONS": "20", "EMBEDSVC_SEND_TIMEOUT_S": "10"}
+BIG = 1250  # inputs: about 10 MB of JSON vectors at 384 dimensions
+
+
+@contextmanager
+def fake_launcher(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[Any]:
+    """The launcher ``name`` around the fake encoder: its port, probe port and pid."""
+    if name == "serve":
+        settings = {k.removeprefix("EMBEDSVC_").lower(): v for k, v in env.items()}
+        with fake_server(FakeEncoder(dimension=384, record=False), **settings) as server:
+            yield server.port, server.probes.port, os.getpid(), server.registry
+        return
+    cmd = [*LAUNCHERS["gunicorn-conf"][:-1], "tests.integration.fake_app:app"]
+    with running(cmd, tmp_path / "gunicorn.log", env={**BOUNDS, **env}, cwd=str(REPO)) as server:
+        probes = probe_url(server)
+        yield server.port, int(probes.rsplit(":", 1)[1]), worker_pid(server), None
+
+
+def probe_metric(probe_port: int, name: str, labels: str = "") -> float:
+    text = httpx.get(f"http://127.0.0.1:{probe_port}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def never_reading(port: int, count: int) -> list[socket.socket]:
+    """``count`` clients that each ask for a large answer and never read a byte of it."""
+    body = json.dumps({"inputs": ["a"] * BIG}).encode()
+    request = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel takes little
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request)
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_path):
+    env = {**STALL, "EMBEDSVC_HEALTH_PORT": "0"}
+    answered = '{route="/embed",status="200"}'
+    closed = '{reason="send_timeout"}'
+    with fake_launcher(launcher, tmp_path, env) as (port, probes, pid, _):
+        held_before = len(fds_to_deleted_files(pid))
+        socks = never_reading(port, 20)
+        try:
+            deadline = time.monotonic() + 60
+            while (probe_metric(probes, "embedsvc_requests_total", answered) < 16
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            stalled_at = time.monotonic()  # every thread's answer written, none taken
+            if launcher == "serve":  # waitress holds the answers in temporary files
+                assert len(fds_to_deleted_files(pid)) > held_before
+            resp = httpx.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
+                              timeout=30)
+            assert resp.status_code == 200 and len(resp.json()[0]) == 384
+            assert time.monotonic() - stalled_at < 15
+            while (probe_metric(probes, "embedsvc_connections_closed_total", closed) < 20
+                   and time.monotonic() < deadline + 30):
+                time.sleep(0.2)
+            assert probe_metric(probes, "embedsvc_connections_closed_total", closed) == 20
+            assert len(fds_to_deleted_files(pid)) == held_before  # their buffers are freed
+            for sock in socks:  # reset, not left half open
+                with pytest.raises(ConnectionResetError):
+                    while sock.recv(1 << 20):
+                        pass
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def read_head(sock: socket.socket, buf: bytes = b"") -> tuple[bytes, bytes]:
+    """One response head from ``sock`` (after ``buf``), and the bytes that came after it."""
+    while b"\r\n\r\n" not in buf:
+        chunk = _recv(sock)
+        assert chunk, f"closed before a whole head: {buf[:300]!r}"
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def test_head_answers_carry_no_body_on_any_route(bounded):
+    from embedsvc.api.routes import ROUTES
+
+    gets = sorted({r.path for r in ROUTES if r.method == "GET"})
+    for path in [*gets, "/nowhere", "/embed"]:  # every GET route, a 404 and a 405
+        # HEAD then GET /health on one connection: the bytes after the first head must be
+        # the second answer, not a body
+        with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+            sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n\r\n" % path.encode())
+            head, rest = read_head(sock)
+            while len(rest) < 12:
+                chunk = _recv(sock)
+                assert chunk, (path, head, rest)
+                rest += chunk
+            assert rest.startswith(b"HTTP/1.1 200 "), (path, head, rest[:200])
+            assert b"content-length: " in head.lower(), (path, head)
+    # the HTTP server's own error answer (an unparsable Content-Length), which closes
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=15) as sock:
+        sock.sendall(b"HEAD /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n")
+        head, rest = read_head(sock)
+        while chunk := _recv(sock):
+            rest += chunk
+    assert head.startswith(b"HTTP/1.1 400 ") and rest == b"", (head, rest[:200])
+    probes = int(probe_url(bounded).rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", probes), timeout=15) as sock:
+        sock.sendall(b"HEAD /embed HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head, rest = read_head(sock)
+        while chunk := _recv(sock):
+            rest += chunk
+    assert head.startswith(b"HTTP/1.1 404 ") and rest == b"", (head, rest[:200])

@@ -1,7 +1,9 @@
 """Real server processes, started the ways users start them, on loopback port 0."""
 
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -113,3 +115,104 @@ def test_a_killed_worker_is_replaced_and_the_service_answers(reference, tmp_path
         replacement = set(workers_of(server.proc.pid)) - set(before)
         assert len(replacement) == 1, server.output()
         assert replacement <= answering_pids(server, reference, want=2)
+
+
+CONF = [*GUNICORN, "-c", str(REPO / "deploy" / "gunicorn.conf.py")]
+
+
+def caused_by(exc: BaseException | None, kind: type) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def keep_alive_clients(server: Server, count: int, outcomes: list[str]) -> list[threading.Thread]:
+    """``count`` clients posting on kept-alive connections until refused or told to stop."""
+
+    def client(t: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            while True:
+                try:
+                    resp = c.post("/embed", json={"inputs": f"client {t}"})
+                except httpx.ConnectError as exc:
+                    refused = caused_by(exc, ConnectionRefusedError)
+                    outcomes.append("refused" if refused else f"cut at connect: {exc!r}")
+                    return
+                except httpx.HTTPError as exc:
+                    outcomes.append(f"cut: {exc!r}")
+                    return
+                outcomes.append(str(resp.status_code))
+                if resp.status_code == 503:
+                    return
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(count)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_gunicorn_sigterm_under_keep_alive_load_refuses_and_resets_nothing(tmp_path):
+    for run in range(10):  # each SIGTERM to a fresh server
+        outcomes: list[str] = []
+        log = tmp_path / f"run-{run}.log"
+        with running([*CONF, "tests.integration.fake_app:app"], log, cwd=str(REPO)) as server:
+            threads = keep_alive_clients(server, 32, outcomes)
+            deadline = time.monotonic() + 30
+            while outcomes.count("200") < 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.proc.terminate()
+            code = server.proc.wait(60)
+            for t in threads:
+                t.join(60)
+        cut = [o for o in outcomes if o not in ("200", "503", "refused")]
+        assert not cut, (run, cut[:5])
+        assert code == 0 and outcomes.count("200") >= 200, (run, server.output()[-2000:])
+        assert outcomes.count("refused") + outcomes.count("503") == 32
+        assert "none left unfinished" in server.output()
+
+
+LONG = [f"input number {i} " + "with several more words " * 20 for i in range(256)]
+
+
+def test_gunicorn_drains_the_service_and_stops_the_probe_port(tmp_path):
+    out: list = []
+    env = {"EMBEDSVC_HEALTH_PORT": "0", "EMBEDSVC_MAX_BATCH_SIZE": "16"}
+    with running([*CONF, "embedsvc:app"], tmp_path / "drain.log", env=env,
+                 cwd=str(tmp_path)) as server:
+        found = re.search(r"probes on (http://127\.0\.0\.1:\d+)", server.output())
+        assert found, server.output()[-2000:]
+        probes = found.group(1)
+        thread = threading.Thread(target=lambda: out.append(httpx.post(
+            server.url + "/embed", json={"inputs": LONG}, timeout=120)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while (httpx.get(probes + "/metrics", timeout=10).text.find("embedsvc_in_flight 0.0") >= 0
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        server.proc.terminate()
+        time.sleep(0.5)
+        with pytest.raises(ConnectionRefusedError):  # the listener closed at the signal
+            socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+        # The probe port answers until the worker exits: ready while the request running at
+        # the signal finishes, then draining (as `embedsvc serve`: that window is short).
+        seen = set()
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                health = httpx.get(probes + "/health", timeout=10)
+            except httpx.TransportError:
+                break
+            seen.add(health.status_code if health.status_code == 200
+                     else health.json()["error"]["code"])
+            time.sleep(0.02)
+        assert seen <= {200, "draining"}, seen
+        code = server.proc.wait(60)
+        thread.join(60)
+    assert code == 0, server.output()[-2000:]
+    assert out and out[0].status_code == 200 and len(out[0].json()) == len(LONG)
+    with pytest.raises(httpx.ConnectError):  # the probe port went with the worker
+        httpx.get(probes + "/health", timeout=5)
+    found = re.search(r"drained in \S+: (\d+) inputs computed while draining, none left "
+                      r"unfinished", server.output())
+    assert found and int(found.group(1)) > 0, server.output()[-2000:]

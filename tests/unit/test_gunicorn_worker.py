@@ -66,11 +66,41 @@ def test_a_trickle_is_cut_at_the_deadline(pair):
 
 
 def test_errors_are_complete_json_responses():
-    raw = json_error(431, "Request Header Fields Too Large", "too many headers")
+    raw = json_error(431, "Request Header Fields Too Large", "too many headers",
+                     max_body_bytes=100)
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ") and b"application/json" in head
     assert int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) == len(body)
     err = json.loads(body)["error"]
     assert err["code"] == "request_header_fields_too_large"
-    body = json_error(500, "Internal Server Error", "/a/path").partition(b"\r\n\r\n")[2]
+    body = json_error(500, "Internal Server Error", "/a/path",
+                      max_body_bytes=100).partition(b"\r\n\r\n")[2]
     assert json.loads(body)["error"]["code"] == "internal_error" and b"/a/path" not in body
+
+
+def test_a_send_nobody_reads_times_out_and_a_slow_reader_is_not_cut():
+    a, b = socket.socketpair()
+    try:
+        sock = DeadlineSocket(a, send_timeout=0.5)
+        with pytest.raises(TimeoutError):
+            sock.sendall(b"x" * (8 << 20))  # far more than the socket buffers hold
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    got = []
+
+    def slow_reader():  # takes some every 0.2 s: each wait is shorter than the timeout
+        while chunk := b.recv(1 << 20):
+            got.append(len(chunk))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=slow_reader)
+    thread.start()
+    try:
+        DeadlineSocket(a, send_timeout=0.5).sendall(b"x" * (1 << 20))
+    finally:
+        a.close()
+        thread.join(30)
+        b.close()
+    assert sum(got) == 1 << 20

@@ -1,6 +1,7 @@
 """logs.py: plain or JSON lines on one stderr handler."""
 
 import logging
+import os
 
 import orjson
 
@@ -20,3 +21,21 @@ def test_configuring_twice_keeps_one_handler():
     ours = [h for h in logger.handlers if getattr(h, "_embedsvc", False)]
     assert len(ours) == 1 and isinstance(ours[0].formatter, JsonFormatter)
     assert logger.level == logging.WARNING and not logger.propagate
+
+
+def test_waitress_lines_take_the_format_of_ours(capsys):
+    configure_logging("info", "json")
+    try:
+        logging.getLogger("waitress.queue").warning("Task queue depth is %d", 5)
+        logging.getLogger("waitress").info("Client disconnected while serving /embed")
+        logging.getLogger("embedsvc.x").info("ours")
+        lines = [orjson.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert [e["logger"] for e in lines] == ["waitress.queue", "waitress", "embedsvc.x"]
+        assert lines[0]["message"] == "Task queue depth is 5" and lines[0]["level"] == "warning"
+        configure_logging("info", "plain")
+        logging.getLogger("waitress").warning("total open connections reached the limit")
+        plain = capsys.readouterr().err.splitlines()
+        assert len(plain) == 1 and plain[0].endswith(
+            f" WARNING [{os.getpid()}] waitress: total open connections reached the limit")
+    finally:
+        configure_logging("info", "plain")

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import orjson
+from werkzeug.test import EnvironBuilder
 
 from embedsvc.model.fake import FakeEncoder
 
@@ -193,3 +194,28 @@ def test_a_waiting_client_that_hangs_up_is_dropped_before_compute(fake, registry
     assert all(fake.wrap(fake.tokenize(["orphan words"])[0]) not in b for b in fake.batches)
     assert registry.get_sample_value("embedsvc_dropped_inputs_total",
                                      {"reason": "disconnected"}) == 1
+
+
+def test_head_answers_carry_the_get_headers_and_no_body(fake, registry):
+    from embedsvc.api.routes import ROUTES
+
+    app = make_app(fake, registry)
+
+    def call(method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        seen = {}
+        environ = EnvironBuilder(path=path, method=method).get_environ()
+        out = b"".join(app.wsgi_app(environ, lambda status, headers, exc_info=None: seen.update(
+            status=status, headers=dict(headers))))
+        return int(seen["status"].split()[0]), seen["headers"], out
+
+    gets = sorted({r.path for r in ROUTES if r.method == "GET"} - {"/metrics"})
+    assert "/health" in gets and "/info" in gets
+    for path in [*gets, "/nowhere"]:  # every GET route, and a path of none (Flask's 404)
+        status, headers, body = call("HEAD", path)
+        get_status, _, get_body = call("GET", path)
+        assert (status, body) == (get_status, b""), path
+        assert headers["Content-Length"] == str(len(get_body)), path
+    status, headers, body = call("HEAD", "/embed")  # a 405 names the method: its own length
+    assert status == 405 and body == b"" and int(headers["Content-Length"]) > 0
+    status, headers, body = call("HEAD", "/metrics")  # its length changes between calls
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0

@@ -1,0 +1,65 @@
+"""The answers the HTTP server writes itself, in the JSON error shape: one mapping for the
+waitress adapter and the gunicorn worker, so both say the same thing for the same fault.
+
+A malformed request line or header, a head or body too large, a body that came too late or a
+request that arrives while the server shuts down never reach the app's pipeline; the server
+library answers them. Each library names the fault with an HTTP status, a reason phrase and
+a detail of its own; ``server_error`` turns those into the error a client of the app would get.
+
+>>> server_error(413, "Request Entity Too Large", "exceeds 101", max_body_bytes=100).code
+'body_too_large'
+>>> http_response(server_error(408, "Request Timeout", "", max_body_bytes=100)).split(b"\\r\\n")[0]
+b'HTTP/1.1 408 Request Timeout'
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+
+from ..errors import (
+    ApiError,
+    InvalidRequest,
+    body_too_large,
+    internal_error,
+    shutting_down,
+)
+
+BODY_LATE = ("the body did not arrive within BODY_TIMEOUT_S; send it at once, or raise "
+             "EMBEDSVC_BODY_TIMEOUT_S for slow clients")
+
+
+def server_error(status: int, reason: str, detail: str, *, max_body_bytes: int) -> ApiError:
+    """The client's error for an answer the HTTP server writes itself."""
+    if status == 413:
+        return body_too_large(max_body_bytes)
+    if status == 503:
+        return shutting_down()
+    if status >= 500 and status != 501:  # the library's own fault: no internals leak out
+        return internal_error()
+    if status == 408:
+        error = InvalidRequest(BODY_LATE, code="request_timeout")
+    else:
+        code = reason.lower().replace(" ", "_")
+        error = InvalidRequest(f"{reason}: {detail}" if detail else reason, code=code)
+    error.status = status  # a client error of the library's own status (408, 414, 431, 501...)
+    return error
+
+
+def status_line(status: int) -> str:
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Error"
+
+
+def http_response(exc: ApiError, *, head: bool = False) -> bytes:
+    """A complete HTTP/1.1 response for ``exc`` that closes the connection; a HEAD request's
+    carries the Content-Length of the body without the body (RFC 9110, 9.3.2)."""
+    body = orjson.dumps(exc.body())
+    lines = [f"HTTP/1.1 {status_line(exc.status)}", "Connection: close",
+             "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in exc.headers.items()]
+    head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head_bytes if head else head_bytes + body
