@@ -8,22 +8,16 @@ from typing import Any
 
 import orjson
 
-from .. import rules
-from ..errors import InvalidRequest
 from .bodies import parse
 from .schemas import CohereRerankRequest
-from .web import Call, Reply, embedded_reply, score
+from .web import Call, Reply, embedded_reply
 
 
 def cohere_rerank(call: Call) -> Reply:
     """POST /v1/rerank, /v2/rerank: the Cohere (and Jina) shape."""
-    req = parse(CohereRerankRequest, call.body)
-    rules.check_query(req.query)
-    docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    if not docs:
-        raise InvalidRequest("'documents' must not be empty", param="documents",
-                             code="empty_input")
-    out = score(call, [(req.query, doc) for doc in docs], raw=False)
+    req = parse(CohereRerankRequest, call)
+    docs = req.documents  # strings: the shape reads {"text": ...} objects
+    out = call.engine().rerank(req.query, docs, param="documents", **call.waits)
     order = sorted(range(len(docs)), key=lambda i: -out.scores[i, 0])[: req.top_n]
     results: list[dict[str, Any]] = []
     for i in order:

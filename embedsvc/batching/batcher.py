@@ -233,9 +233,9 @@ class Batcher:
         return job
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None) -> Ticket:
+              disconnected: Callable[[], bool] | None = None, *, device: bool = True) -> Ticket:
         """Reserve room for a request before it tokenizes (see ``Admission.admit``)."""
-        return self.admission.admit(inputs, tokens, deadline, disconnected)
+        return self.admission.admit(inputs, tokens, deadline, disconnected, device=device)
 
     def cancel_due(self) -> int:
         """Cancel queued jobs past their deadline, and the queued inputs of clients that
