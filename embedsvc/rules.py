@@ -99,7 +99,7 @@ def check_decoded(texts: Iterable[str], *, max_chars: int, max_total: int) -> li
 def check_token_ids(i: int, ids: Sequence[Any], vocab_size: int) -> list[int]:
     # min and max run in C; the loop only looks for the culprit of a refusal
     if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
-        return list(ids)
+        return ids if isinstance(ids, list) else list(ids)
     token = next(t for t in ids if not 0 <= t < vocab_size)
     raise InputRefused(
         i, f"holds token id {token}, outside this model's vocabulary "

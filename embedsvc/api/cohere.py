@@ -18,10 +18,10 @@ def cohere_rerank(call: Call) -> Reply:
     req = parse(CohereRerankRequest, call)
     docs = req.documents  # strings: the shape reads {"text": ...} objects
     out = call.engine().rerank(req.query, docs, param="documents", **call.waits)
-    order = sorted(range(len(docs)), key=lambda i: -out.scores[i, 0])[: req.top_n]
+    order = sorted(range(len(docs)), key=lambda i: -out.vectors[i, 0])[: req.top_n]
     results: list[dict[str, Any]] = []
     for i in order:
-        result: dict[str, Any] = {"index": i, "relevance_score": float(out.scores[i, 0])}
+        result: dict[str, Any] = {"index": i, "relevance_score": float(out.vectors[i, 0])}
         if req.return_documents:
             result["document"] = {"text": docs[i]}
         results.append(result)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import compress, count
-from operator import ne
+from operator import is_not
 from typing import Any
 
 from pydantic import ValidationInfo
@@ -97,5 +97,8 @@ class Shape:
 
 
 def _first_not(items: list[Any], kind: type) -> int | None:
-    """The index of the first item whose type is not ``kind`` (a bool is no int), in C."""
-    return next(compress(count(), map(partial(ne, kind), map(type, items))), None)
+    """The index of the first item whose type is not ``kind`` (a bool is no int), in C: the
+    set of types first (the fastest pass), the position only for a list that needs one."""
+    if set(map(type, items)) <= {kind}:
+        return None
+    return next(compress(count(), map(partial(is_not, kind), map(type, items))))

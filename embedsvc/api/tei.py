@@ -92,7 +92,7 @@ def rerank(call: Call) -> Reply:
     req = parse(RerankRequest, call)
     out = call.engine().rerank(req.query, req.texts, raw=req.raw_scores, truncate=req.truncate,
                                direction=req.truncation_direction, **call.waits)
-    ranks = [{"index": i, "score": float(s)} for i, s in enumerate(out.scores[:, 0])]
+    ranks = [{"index": i, "score": float(s)} for i, s in enumerate(out.vectors[:, 0])]
     ranks.sort(key=lambda r: -r["score"])
     if req.return_text:
         for r in ranks:
@@ -111,7 +111,7 @@ def predict(call: Call) -> Reply:
     predictions = [
         sorted(({"score": float(s), "label": labels[j]} for j, s in enumerate(row)),
                key=lambda p: -p["score"])
-        for row in out.scores
+        for row in out.vectors
     ]
     return embedded_reply(predictions[0] if single else predictions, out, len(inputs))
 
