@@ -8,7 +8,7 @@ import pytest
 
 from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.engine import Engine, l2_normalize
-from embedsvc.errors import DeadlineExceeded, InvalidRequest
+from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.settings import Settings
@@ -165,3 +165,29 @@ def test_tokenize_route_runs_under_the_same_admission(spy):
     assert spy.calls == [("pieces", 2, 2, None, None)]
     assert [p.text for p in rows[0]] == ["[CLS]", "a", "b", "[SEP]"]
     assert spy.engine.batcher.admitted == 0
+
+
+def test_tokenize_and_decode_are_admitted_on_their_own_cost_not_the_devices(engine):
+    """/tokenize and /decode never reach the device: its rate refuses only what does."""
+    admission = engine.batcher.admission
+    admission.observe(tokens=1, inputs=1, seconds=100.0)  # a very slow device
+    held = engine.batcher.admit(1, 10, time.monotonic() + 5)  # 1,000 s of work ahead
+    try:
+        with pytest.raises(Overloaded):
+            engine.embed(["hello"])
+        assert [p.text for p in engine.pieces(["a b"])[0] if not p.special] == ["a", "b"]
+        assert engine.decode([[5, 6]]) == ["w5 w6"]
+    finally:
+        admission.cancel(held)
+    assert engine.batcher.admitted == 0
+
+
+def test_embed_all_takes_at_most_its_cap(engine):
+    from embedsvc.engine import EMBED_ALL_MAX_INPUTS
+
+    assert EMBED_ALL_MAX_INPUTS == 32
+    small = Engine(Settings(max_inputs_per_request=64), engine.encoder, engine.batcher)
+    with pytest.raises(InvalidRequest) as info:
+        small.embed_all(["x"] * 33)
+    assert info.value.code == "too_many_inputs" and "(32)" in info.value.message
+    assert len(small.embed_all(["x"] * 32)[0]) == 32
