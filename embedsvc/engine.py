@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import rules
-from .batching.admission import Ticket, deadline_error
-from .batching.batcher import Batcher, BatchLimits
+from .batching.admission import Admission, Ticket, deadline_error
+from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .errors import ApiError, ClientDisconnected, InvalidRequest
 from .metrics import Metrics
 from .model.encoder import Encoder, ModelInfo, Piece
@@ -69,8 +69,11 @@ class Engine:
     """One loaded encoder and its batcher: every kind's request path, rules to rows.
 
     Every request that reaches the model goes through ``_run`` (admit -> tokenize -> submit
-    -> wait); ``embed_all``, ``pieces`` and ``decode``, which do not queue for the batcher,
-    are admitted the same way (``_admitted``) on what they produce.
+    -> wait); ``embed_all``, which does not queue for the batcher, is admitted the same way
+    (``_admitted``) on what it produces. ``pieces`` and ``decode`` never reach the device:
+    they are admitted on their own budget (``host``: MAX_QUEUE inputs, MAX_QUEUE_TOKENS
+    tokens or ids), which the device's rate does not govern, so that they neither get 429
+    from it nor hold back the requests that do reach it.
     """
 
     def __init__(self, settings: Settings, encoder: Encoder, batcher: Batcher,
@@ -79,6 +82,10 @@ class Engine:
         self.encoder = encoder
         self.batcher = batcher
         self.metrics = metrics or batcher.metrics
+        limits = batcher.limits
+        self.host = Admission(max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
+                              timeout_s=limits.timeout_s, floor_inputs=limits.max_request,
+                              metrics=self.metrics)
         marked = encoder.wrap([-1])  # where the model's template puts the text
         at = marked.index(-1)
         self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
@@ -86,6 +93,11 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         return self.encoder.info
+
+    def shutdown(self, timeout: float) -> ShutdownReport:
+        """Refuse new work (503), finish what was admitted within ``timeout``."""
+        self.host.close()
+        return self.batcher.shutdown(timeout)
 
     # -- embedding models ---------------------------------------------------------------------
 
@@ -217,12 +229,12 @@ class Engine:
 
     def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
                disconnected: Disconnected = None) -> list[list[Piece]]:
-        """The tokens the model sees for each text (POST /tokenize), admitted on their own
-        cost: they never reach the device, so its rate does not refuse them."""
+        """The tokens the model sees for each text (POST /tokenize), admitted on the host's
+        budget: they never reach the device, so its rate does not refuse them."""
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         self.check(texts)
         with self._admitted(len(texts), self.estimate(texts), deadline, disconnected,
-                            device=False):
+                            self.host):
             out: list[list[Piece]] = []
             for chunk in self._chunks(texts, deadline, disconnected):
                 out.extend(self.encoder.pieces(chunk))
@@ -230,14 +242,15 @@ class Engine:
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True, *,
                deadline: float | None = None, disconnected: Disconnected = None) -> list[str]:
-        """Token ids of the served model back to text (POST /decode), admitted on the ids."""
+        """Token ids of the served model back to text (POST /decode), admitted on the host's
+        budget, counting the ids."""
         decode = self._optional("decode", "cannot decode token ids")
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         rules.check_count(len(batch), self.settings.max_inputs_per_request, param="ids")
         vocab = self.encoder.info.vocab_size
         checked = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(batch)]
         with self._admitted(len(checked), sum(map(len, checked)), deadline, disconnected,
-                            device=False):
+                            self.host):
             out: list[str] = []
             for chunk in self._chunks(checked, deadline, disconnected):
                 out.extend(decode(chunk, skip_special_tokens))
@@ -320,14 +333,15 @@ class Engine:
 
     @contextmanager
     def _admitted(self, inputs: int, tokens: int, deadline: float, disconnected: Disconnected,
-                  device: bool = True) -> Iterator[Ticket]:
-        """A reservation held while the block runs; freed after it unless the batcher took
-        it over (``submit``). ``device``: the device's rate may refuse it (429)."""
-        ticket = self.batcher.admit(inputs, tokens, deadline, disconnected, device=device)
+                  gate: Admission | None = None) -> Iterator[Ticket]:
+        """A reservation of ``gate`` (the device's: the batcher's) held while the block
+        runs; freed after it unless the batcher took it over (``submit``)."""
+        gate = gate or self.batcher.admission
+        ticket = gate.admit(inputs, tokens, deadline, disconnected)
         try:
             yield ticket
         finally:
-            self.batcher.admission.cancel(ticket)  # a no-op once the batcher took it over
+            gate.cancel(ticket)  # a no-op once the batcher took it over
 
     def _chunks(self, items: Sequence[T], deadline: float | None, disconnected: Disconnected
                 ) -> Iterator[Sequence[T]]:

@@ -130,7 +130,7 @@ class Service:
         self._stop.set()
         if self._engine is None:
             return ShutdownReport(0, 0, True)
-        return self._engine.batcher.shutdown(timeout)
+        return self._engine.shutdown(timeout)
 
     def _load(self, background: bool = True) -> None:
         started = time.monotonic()

@@ -90,12 +90,12 @@ class Admission:
         return len(self._waiting)
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None, *, device: bool = True) -> Ticket:
+              disconnected: Callable[[], bool] | None = None) -> Ticket:
         """Reserve ``inputs`` and about ``tokens``; waits in FIFO order for room.
 
         Raises 413 (larger than MAX_QUEUE), 429 (cannot reach the model before
-        ``deadline``; only for work bound for the ``device``, whose rate predicts it), 503
-        (draining), 504 (still waiting at ``deadline``), 499 (the client left while waiting).
+        ``deadline``), 503 (draining), 504 (still waiting at ``deadline``), 499 (the client
+        left while waiting).
         """
         limit = self.limit
         if inputs > limit:
@@ -107,8 +107,7 @@ class Admission:
         ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline)
         with self._cond:
             self._refuse_if_closed()
-            if device:
-                self._refuse_if_late(ticket, time.monotonic())
+            self._refuse_if_late(ticket, time.monotonic())
             if self._waiting or not self._fits(ticket):  # in line behind others, or no room
                 self._waiting.append(ticket)
                 try:

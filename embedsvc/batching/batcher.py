@@ -233,9 +233,9 @@ class Batcher:
         return job
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None, *, device: bool = True) -> Ticket:
+              disconnected: Callable[[], bool] | None = None) -> Ticket:
         """Reserve room for a request before it tokenizes (see ``Admission.admit``)."""
-        return self.admission.admit(inputs, tokens, deadline, disconnected, device=device)
+        return self.admission.admit(inputs, tokens, deadline, disconnected)
 
     def cancel_due(self) -> int:
         """Cancel queued jobs past their deadline, and the queued inputs of clients that
