@@ -197,6 +197,8 @@ def attack_client(url: str, stop: threading.Event, counts: dict[str, int],
                 status = c.post(route, content=body,
                                 headers={"content-type": "application/json"}).status_code
             except httpx.HTTPError:
+                if stop.is_set():  # cut off by the server's shutdown at the end of the run
+                    return
                 status = 0
             refused = 400 <= status < 500 or status == 504 or (status == 200
                                                               and route == "/embed_all")
