@@ -378,7 +378,7 @@ class Engine:
             return inputs
         self.check(inputs)  # the ids as sent: count, types, empty lists
         s = self.settings
-        return rules.check_decoded(decode(inputs, max_chars=s.max_input_chars),  # type: ignore[arg-type]
+        return rules.check_decoded(decode(inputs, max_chars=s.max_input_chars),
                                    max_chars=s.max_input_chars, max_total=s.max_body_bytes)
 
     def _estimate_sequences(self, inputs: Sequence[Sequenced]) -> int:
@@ -390,25 +390,27 @@ class Engine:
 
     def _sequences(self, scorer: CrossEncoderScorer, inputs: Sequence[Sequenced],
                    truncate: bool, direction: str, deadline: float, disconnected: Disconnected
-                   ) -> list[Pair]:
+                   ) -> list[list[int]]:
         """Ids of each text or pair, within the deadline while the client is there; refused
         past the model's limit when not truncating."""
-        out: list[Pair] = []
+        pairs: list[Pair] = []
         for chunk in self._chunks(inputs, deadline, disconnected):
-            out.extend(scorer.tokenize_sequences(chunk, direction if truncate else None))
+            pairs.extend(scorer.tokenize_sequences(chunk, direction if truncate else None))
         if not truncate:
             limit = scorer.info.max_input_tokens
-            for i, ids in enumerate(out):
+            for i, ids in enumerate(pairs):
                 rules.fit(i, ids, limit, special=0, truncate=False, direction=direction,
                           exact=not ids.cut)
+        out: list[list[int]] = list(pairs)
         return out
 
     def _serving(self, kind: type[T], what: str) -> T:
         """The encoder, if it is of ``kind``; else a 400 that says what this model is."""
-        if not isinstance(self.encoder, kind):
+        encoder = self.encoder
+        if not isinstance(encoder, kind):
             raise InvalidRequest(f"this server's {self.info.kind} model {what}",
                                  code="not_supported")
-        return self.encoder
+        return encoder
 
     def _optional(self, method: str, what: str) -> Callable[..., Any]:
         """One of the encoder's optional methods; else a 400 that says what is missing."""

@@ -23,17 +23,27 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-def _shaped(published: Any, shape: Shape) -> Any:
-    """A list field checked by ``shape`` (bounded by the body, see shapes.py) and published
-    in /openapi.json as ``published``."""
-    return Annotated[Any, PlainValidator(shape, json_schema_input_type=published)]
-
-
+# The list fields: checked by a Shape (bounded by the body, see shapes.py), published in
+# /openapi.json as the type they stand for.
 _IDS_OR_TEXTS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
-InputsField = _shaped(StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]],
-                      Shape(_IDS_OR_TEXTS, text=True, items=(str, int, list), inner=int))
-TextsField = _shaped(StrictStr | list[StrictStr],
-                     Shape("a string or a list of strings", text=True, items=(str,)))
+InputsField = Annotated[Any, PlainValidator(
+    Shape(_IDS_OR_TEXTS, text=True, items=(str, int, list), inner=int),
+    json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])]
+TextsField = Annotated[Any, PlainValidator(
+    Shape("a string or a list of strings", text=True, items=(str,)),
+    json_schema_input_type=StrictStr | list[StrictStr])]
+TextList = Annotated[Any, PlainValidator(Shape("a list of strings", items=(str,)),
+                                         json_schema_input_type=list[StrictStr])]
+IdsField = Annotated[Any, PlainValidator(
+    Shape("a list of token ids or a list of lists of token ids", items=(int, list), inner=int),
+    json_schema_input_type=list[StrictInt] | list[list[StrictInt]])]
+PredictInputs = Annotated[Any, PlainValidator(
+    Shape("a text, [text] or [text, text] (one pair), or a list of those", text=True,
+          items=(str, list), inner=str, counted=(list,)),
+    json_schema_input_type=StrictStr | list[StrictStr] | list[list[StrictStr]])]
+Sentences = Annotated[Any, PlainValidator(
+    Shape("a list of strings", items=(str,), name="inputs.sentences"),
+    json_schema_input_type=list[StrictStr])]
 
 
 class EmbeddingsRequest(Request):
@@ -104,9 +114,7 @@ class EmbedRequest(EmbedAllRequest):
 class DecodeRequest(Request):
     """POST /decode, as text-embeddings-inference defines it: token ids back to text."""
 
-    ids: _shaped(list[StrictInt] | list[list[StrictInt]],
-                 Shape("a list of token ids or a list of lists of token ids",
-                       items=(int, list), inner=int)) = Field(
+    ids: IdsField = Field(
         description="Token ids of the served model: one list, or a list of lists."
     )
     skip_special_tokens: StrictBool = Field(True, description="Leave out [CLS], [SEP] etc.")
@@ -128,8 +136,7 @@ class RerankRequest(_Truncation):
     answered in that shape."""
 
     query: StrictStr = Field(description="The query every text is scored against.")
-    texts: _shaped(list[StrictStr], Shape("a list of strings", items=(str,))) = Field(
-        description="The texts to rank.")
+    texts: TextList = Field(description="The texts to rank.")
     raw_scores: StrictBool = Field(
         False, description="Raw logits instead of the model's activation (sigmoid)."
     )
@@ -140,6 +147,11 @@ class DocumentText(Request):
     text: StrictStr
 
 
+Documents = Annotated[Any, PlainValidator(
+    Shape("a list of strings or {\"text\": ...} objects", items=(str, dict), mixed=True),
+    json_schema_input_type=list[StrictStr | DocumentText])]
+
+
 class CohereRerankRequest(Request):
     """POST /v1/rerank, /v2/rerank: the Cohere and Jina rerank shape (a reranker model).
 
@@ -147,10 +159,7 @@ class CohereRerankRequest(Request):
     accepted and ignored: documents are truncated to the model's own limit."""
 
     query: StrictStr = Field(description="The query every document is scored against.")
-    documents: _shaped(
-        list[StrictStr | DocumentText],
-        Shape("a list of strings or {\"text\": ...} objects", items=(str, dict), mixed=True),
-    ) = Field(
+    documents: Documents = Field(
         description="The documents to rank: strings or {\"text\": ...} objects."
     )
     top_n: int | None = Field(
@@ -167,11 +176,8 @@ class CohereRerankRequest(Request):
 class PredictRequest(_Truncation):
     """POST /predict, as text-embeddings-inference defines it (a classifier or reranker)."""
 
-    inputs: _shaped(
-        StrictStr | list[StrictStr] | list[list[StrictStr]],
-        Shape("a text, [text] or [text, text] (one pair), or a list of those", text=True,
-              items=(str, list), inner=str, counted=(list,)),
-    ) = Field(description="A text; [text] or [text, text] (one pair); or a list of those."
+    inputs: PredictInputs = Field(
+        description="A text; [text] or [text, text] (one pair); or a list of those."
     )
     raw_scores: StrictBool = Field(
         False, description="Raw logits instead of softmax (sigmoid for one label)."
@@ -189,9 +195,7 @@ class EmbedSparseRequest(_Truncation):
 
 class SimilarityInputs(Request):
     source_sentence: StrictStr = Field(description="The text the others are compared with.")
-    sentences: _shaped(list[StrictStr], Shape("a list of strings", items=(str,),
-                                              name="inputs.sentences")) = Field(
-        description="The texts compared with it.")
+    sentences: Sentences = Field(description="The texts compared with it.")
 
 
 class SimilarityParameters(_Truncation):
