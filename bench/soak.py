@@ -3,6 +3,7 @@
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --hostile 150
     .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --expensive 2
+    .venv/bin/python bench/soak.py --duration 600 --interval 30 --clients 8 --attacks 2
 
 Starts the server on a free loopback port (the bundled model on the CPU), sends requests
 from --clients threads for --duration seconds, and prints one row per --interval: requests
@@ -14,6 +15,12 @@ idle (sending nothing), trickling a request head one byte a second, and tricklin
 one byte a second after a complete head; each one the server closes is opened again. The
 summary gives the normal clients' latency (p50, p99) and 5xx count, to compare with a run
 without --hostile, and how many hostile connections the server closed.
+
+--attacks N adds N clients that send, back to back, the embedding server's attacks of issue
+26: a 2 MB list of a million ids ending in a float, 16 MB of /decode ids, /embed_all over
+its cap and at it, and 16 MB of OpenAI ids that decode to 128 spaces each. They must get
+their 4xx (or 429, or 504 for a /decode still waiting at its deadline) while the normal
+clients see no 5xx, a p99 close to a clean run's, and flat memory.
 """
 
 from __future__ import annotations
@@ -163,6 +170,42 @@ def expensive_client(url: str, stop: threading.Event, counts: dict[str, int],
                 counts[key] += 1
 
 
+def attack_bodies() -> list[tuple[str, bytes]]:
+    """(route, body) of each attack on an embedding model (issue 26)."""
+    ids = ",".join(["1"] * 4090)
+    openai = ",".join(["58040"] * 1364)
+    return [
+        ("/embed", b'{"inputs": [' + b"1," * 999_999 + b"1.5]}"),
+        ("/decode", ('{"ids": [' + ",".join([f"[{ids}]"] * 2048) + "]}").encode()),
+        ("/embed_all", ('{"inputs": [' + ",".join(['"' + "!" * 254 + '"'] * 33) + "]}").encode()),
+        ("/embed_all", ('{"inputs": [' + ",".join(['"' + "!" * 254 + '"'] * 32) + "]}").encode()),
+        ("/v1/embeddings", ('{"input": [' + ",".join([f"[{openai}]"] * 2048) + "]}").encode()),
+    ]
+
+
+def attack_client(url: str, stop: threading.Event, counts: dict[str, int],
+                  lock: threading.Lock) -> None:
+    """Sends the attacks in turn; an answer in 4xx or a 504 is what they should get (the
+    /embed_all at its cap may get 200); anything else is counted as an attack error."""
+    bodies = attack_bodies()
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for k in itertools.count():
+            if stop.is_set():
+                return
+            route, body = bodies[k % len(bodies)]
+            try:
+                status = c.post(route, content=body,
+                                headers={"content-type": "application/json"}).status_code
+            except httpx.HTTPError:
+                if stop.is_set():  # cut off by the server's shutdown at the end of the run
+                    return
+                status = 0
+            refused = 400 <= status < 500 or status == 504 or (status == 200
+                                                              and route == "/embed_all")
+            with lock:
+                counts["attacks answered" if refused else "attack errors"] += 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
@@ -171,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expensive", type=int, default=0,
                         help="extra clients sending maximal bodies of '!' and 2048-input "
                         "requests, back to back")
+    parser.add_argument("--attacks", type=int, default=0,
+                        help="extra clients sending issue 26's attack bodies, back to back")
     parser.add_argument("--hostile", type=int, default=0,
                         help="hostile connections beside the clients (idle, slow head, slow body)")
     parser.add_argument("--serve-arg", action="append", default=[],
@@ -181,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(log, args.serve_arg)
     stop, lock = threading.Event(), threading.Lock()
     counts = {"ok": 0, "errors": 0, "5xx": 0, "hostile_opened": 0, "hostile_closed": 0,
-              "big ok": 0, "big 429": 0, "big errors": 0}
+              "big ok": 0, "big 429": 0, "big errors": 0, "attacks answered": 0,
+              "attack errors": 0}
     latencies: list[float] = []
     threads = [threading.Thread(target=client, args=(url, stop, counts, lock, latencies),
                                 daemon=True) for _ in range(args.clients)]
@@ -190,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                                         daemon=True))
     threads += [threading.Thread(target=expensive_client, args=(url, stop, counts, lock),
                                  daemon=True) for _ in range(args.expensive)]
+    threads += [threading.Thread(target=attack_client, args=(url, stop, counts, lock),
+                                 daemon=True) for _ in range(args.attacks)]
     for t in threads:
         t.start()
-    print(f"soak: {args.clients} clients, {args.hostile} hostile connections and "
-          f"{args.expensive} expensive clients for {args.duration:.0f}s against {url} "
+    print(f"soak: {args.clients} clients, {args.hostile} hostile connections, "
+          f"{args.expensive} expensive and {args.attacks} attacking clients for "
+          f"{args.duration:.0f}s against {url} "
           f"(pid {proc.pid})")
     print("| t (s) | requests ok | errors | RSS (MiB) | threads | open fds |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -227,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.expensive:
         print(f"expensive clients: {counts['big ok']} ok, {counts['big 429']} 429, "
               f"{counts['big errors']} errors")
-    return 0 if counts["errors"] == counts["big errors"] == 0 and code == 0 else 1
+    if args.attacks:
+        print(f"attacking clients: {counts['attacks answered']} answered as they should be, "
+              f"{counts['attack errors']} otherwise")
+    clean = counts["errors"] == counts["big errors"] == counts["attack errors"] == 0
+    return 0 if clean and code == 0 else 1
 
 
 if __name__ == "__main__":

@@ -19,28 +19,43 @@ nothing on the request path is ever half-initialised.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
 from . import rules
-from .batching.admission import deadline_error
-from .batching.batcher import Batcher, BatchLimits
-from .errors import InvalidRequest
+from .batching.admission import Admission, Ticket, deadline_error
+from .batching.batcher import Batcher, BatchLimits, ShutdownReport
+from .errors import ApiError, ClientDisconnected, InvalidRequest
 from .metrics import Metrics
 from .model.encoder import Encoder, ModelInfo, Piece
+from .model.scorer import CrossEncoderScorer, Pair, Sequenced
+from .model.sparse import SparseEmbedder, active
 from .rules import Inputs
 from .settings import Settings
 
 Disconnected = Callable[[], bool] | None
+# Token-id inputs to texts, each as it is decoded (OpenAI ids: api/openai_tokens.py), given
+# ``max_chars`` (MAX_INPUT_CHARS) so that one input's decoding stops once it is too long.
+Decoder = Callable[..., Iterable[str]]
+# /embed_all answers a vector per token (about 4,600 times its body): TEI's cap, 32 inputs.
+EMBED_ALL_MAX_INPUTS = 32
 _CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
-_TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline
+_TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline and the client
+_LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class Embedded:
-    """The rows for one request, in input order, and where its time went."""
+    """The rows for one request, in input order, and where its time went.
+
+    Rows are vectors (embeddings, sparse vocabulary-wide rows) or scores (one column per
+    label of a reranker or classifier): every kind's request ends in this one type.
+    """
 
     vectors: np.ndarray
     tokens: int
@@ -51,7 +66,15 @@ class Embedded:
 
 
 class Engine:
-    """One loaded encoder and its batcher: validates, tokenizes, submits and shapes rows."""
+    """One loaded encoder and its batcher: every kind's request path, rules to rows.
+
+    Every request that reaches the model goes through ``_run`` (admit -> tokenize -> submit
+    -> wait); ``embed_all``, which does not queue for the batcher, is admitted the same way
+    (``_admitted``) on what it produces. ``pieces`` and ``decode`` never reach the device:
+    they are admitted on their own budget (``host``: MAX_QUEUE inputs, MAX_QUEUE_TOKENS
+    tokens or ids), which the device's rate does not govern, so that they neither get 429
+    from it nor hold back the requests that do reach it.
+    """
 
     def __init__(self, settings: Settings, encoder: Encoder, batcher: Batcher,
                  metrics: Metrics | None = None) -> None:
@@ -59,6 +82,10 @@ class Engine:
         self.encoder = encoder
         self.batcher = batcher
         self.metrics = metrics or batcher.metrics
+        limits = batcher.limits
+        self.host = Admission(max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
+                              timeout_s=limits.timeout_s, floor_inputs=limits.max_request,
+                              metrics=self.metrics)
         marked = encoder.wrap([-1])  # where the model's template puts the text
         at = marked.index(-1)
         self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
@@ -66,6 +93,13 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         return self.encoder.info
+
+    def shutdown(self, timeout: float) -> ShutdownReport:
+        """Refuse new work (503), finish what was admitted within ``timeout``."""
+        self.host.close()
+        return self.batcher.shutdown(timeout)
+
+    # -- embedding models ---------------------------------------------------------------------
 
     def embed(
         self,
@@ -77,40 +111,152 @@ class Engine:
         direction: str = "right",
         deadline: float | None = None,
         disconnected: Disconnected = None,
+        decode: Decoder | None = None,
     ) -> Embedded:
         """Embed ``inputs`` (strings, or token-id lists without special tokens).
 
         Checked, then admitted (``Batcher.admit``), then tokenized within ``deadline``, then
-        queued. ``disconnected`` (waitress's ``waitress.client_disconnected``) lets the queued
-        inputs of a client that went away be dropped before they reach the model.
+        queued. ``disconnected`` (waitress's ``waitress.client_disconnected``) lets the inputs
+        of a client that went away be dropped before they reach the model. ``decode`` turns
+        token-id inputs into texts first (ids of another tokenizer, such as OpenAI's).
         """
         arrived = time.monotonic()
         deadline = deadline or arrived + self.settings.request_timeout_s
         rules.check_dimensions(dimensions, self.encoder.info.dimension)
+        inputs = self._decoded(inputs, decode)
         self.check(inputs)
-        asked = time.monotonic()
-        ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
-        try:
-            tokenizing = time.monotonic()  # the wait for admission counts as queue time
-            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
-            tokenize_s = time.monotonic() - tokenizing
-            self.metrics.tokenization.observe(tokenize_s)
-            job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket)
-        finally:
-            self.batcher.admission.cancel(ticket)  # a no-op once the batcher took it over
-        rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
+        out = self._run(
+            len(inputs), self.estimate(inputs),
+            lambda: self.tokens(inputs, truncate=truncate, direction=direction,
+                                deadline=deadline, disconnected=disconnected),
+            arrived, deadline, disconnected)
         if dimensions is not None:
-            rows = rows[:, :dimensions]
+            out.vectors = out.vectors[:, :dimensions]
         if normalize:
-            rows = l2_normalize(rows)
-        return Embedded(
-            vectors=rows,
-            tokens=sum(map(len, ids)),
-            tokenize_s=tokenize_s,
-            queue_s=job.queue_s + tokenizing - asked,
-            inference_s=job.inference_s,
-            total_s=time.monotonic() - arrived,
-        )
+            out.vectors = l2_normalize(out.vectors)
+        return out
+
+    def similarity(self, source: str, sentences: Sequence[str], **options: Any
+                   ) -> tuple[Embedded, np.ndarray]:
+        """Cosine similarity of ``source`` with each of ``sentences`` (TEI's /similarity);
+        ``options`` are ``embed``'s."""
+        rules.check_listed(sentences, "inputs.sentences")
+        out = self.embed([source, *sentences], normalize=True, **options)
+        return out, out.vectors[1:] @ out.vectors[0]
+
+    def embed_sparse(self, texts: Sequence[str], **options: Any
+                     ) -> tuple[Embedded, list[tuple[np.ndarray, np.ndarray]]]:
+        """The active (index, value) pairs of each text, as ``SparseEncoder.encode`` gives
+        them; ``options`` are ``embed``'s (truncation, deadline, disconnected)."""
+        sparse = self._serving(SparseEmbedder, "gives no sparse vectors; use /embed")
+        out = self.embed(list(texts), normalize=False, **options)
+        return out, active(out.vectors, sparse.max_active_dims)
+
+    # -- rerankers and classifiers ------------------------------------------------------------
+
+    def rerank(self, query: str, texts: Sequence[str], *, param: str = "texts", **options: Any
+               ) -> Embedded:
+        """Scores of each of ``texts`` against ``query`` (``param`` names the list in errors);
+        ``options`` are ``score``'s."""
+        rules.check_query(query, self.settings.max_input_chars)
+        rules.check_listed(texts, param)
+        return self.score([(query, text) for text in texts], **options)
+
+    def score(
+        self,
+        inputs: Sequence[Sequenced],
+        *,
+        raw: bool = False,
+        truncate: bool | None = None,
+        direction: str = "right",
+        deadline: float | None = None,
+        disconnected: Disconnected = None,
+    ) -> Embedded:
+        """Score texts and (text, text) pairs with the served cross-encoder.
+
+        ``raw``: logits; else ``CrossEncoder.predict``'s activation. Over-long inputs are cut
+        ``longest_first`` from ``direction``, or refused with a 400 when ``truncate`` is false
+        (``None``: the AUTO_TRUNCATE setting).
+        """
+        arrived = time.monotonic()
+        s = self.settings
+        scorer = self._serving(CrossEncoderScorer, "scores no texts or pairs")
+        deadline = deadline or arrived + s.request_timeout_s
+        rules.check_sequences(inputs, max_inputs=s.max_inputs_per_request,
+                              max_chars=s.max_input_chars)
+        truncate = s.auto_truncate if truncate is None else truncate
+        out = self._run(
+            len(inputs), self._estimate_sequences(inputs),
+            lambda: self._sequences(scorer, inputs, truncate, direction, deadline, disconnected),
+            arrived, deadline, disconnected)
+        out.vectors = scorer.activate(out.vectors, raw)
+        return out
+
+    # -- what does not queue for the batcher --------------------------------------------------
+
+    def embed_all(
+        self,
+        inputs: Inputs,
+        *,
+        truncate: bool | None = None,
+        direction: str = "right",
+        deadline: float | None = None,
+        disconnected: Disconnected = None,
+    ) -> tuple[list[np.ndarray], int]:
+        """Per-token vectors of each input (POST /embed_all) and the tokens computed.
+
+        A debugging route, not batched with other requests: at most EMBED_ALL_MAX_INPUTS
+        inputs, admitted at the model's limit for each (what it can produce), run in the
+        request thread in slices within the batch limits, each holding the device between two
+        batches; dropped when its client leaves or its deadline passes.
+        """
+        encode_tokens = self._optional("encode_tokens", "gives no per-token vectors; use /embed")
+        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
+        self.check(inputs)
+        rules.check_embed_all_count(len(inputs), EMBED_ALL_MAX_INPUTS)
+        most = len(inputs) * self.encoder.info.max_input_tokens
+        with self._admitted(len(inputs), most, deadline, disconnected):
+            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline,
+                              disconnected=disconnected)
+            rows: list[np.ndarray] = []
+            for part in _slices(ids, self.batcher.limits):
+                self._device_turn(len(ids) - len(rows), deadline, disconnected)
+                try:
+                    rows.extend(encode_tokens(part))
+                finally:
+                    self.batcher.device_lock.release()
+        return rows, sum(len(x) for x in ids)
+
+    def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
+               disconnected: Disconnected = None) -> list[list[Piece]]:
+        """The tokens the model sees for each text (POST /tokenize), admitted on the host's
+        budget: they never reach the device, so its rate does not refuse them."""
+        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
+        self.check(texts)
+        with self._admitted(len(texts), self.estimate(texts), deadline, disconnected,
+                            self.host):
+            out: list[list[Piece]] = []
+            for chunk in self._chunks(texts, deadline, disconnected):
+                out.extend(self.encoder.pieces(chunk))
+            return out
+
+    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True, *,
+               deadline: float | None = None, disconnected: Disconnected = None) -> list[str]:
+        """Token ids of the served model back to text (POST /decode), admitted on the host's
+        budget, counting the ids."""
+        decode = self._optional("decode", "cannot decode token ids")
+        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
+        rules.check_count(len(batch), self.settings.max_inputs_per_request, param="ids")
+        vocab = self.encoder.info.vocab_size
+        checked = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(batch)]
+        with self._admitted(len(checked), sum(map(len, checked)), deadline, disconnected,
+                            self.host):
+            out: list[str] = []
+            for chunk in self._chunks(checked, deadline, disconnected):
+                out.extend(decode(chunk, skip_special_tokens))
+            return out
+
+    # -- the rules and the tokens -------------------------------------------------------------
 
     def prepare(
         self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right",
@@ -136,10 +282,11 @@ class Engine:
 
     def tokens(
         self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right",
-        deadline: float | None = None,
+        deadline: float | None = None, disconnected: Disconnected = None,
     ) -> list[list[int]]:
         """Checked ``inputs`` as wrapped token ids; texts are cut before tokenizing (the cost
-        follows the model's limit, not the body) and tokenized within ``deadline`` (504)."""
+        follows the model's limit, not the body) and tokenized within ``deadline`` (504)
+        while the client is there (499)."""
         encoder = self.encoder
         special = encoder.special_tokens
         room = encoder.info.max_input_tokens - special
@@ -148,10 +295,7 @@ class Engine:
             # Not truncating: one token past the room is enough to know an input is too long.
             limit = room if truncate else room + 1
             content: list[list[int]] = []
-            for start in range(0, len(inputs), _TOKENIZE_CHUNK):
-                if deadline is not None and time.monotonic() > deadline:
-                    raise deadline_error()
-                chunk = inputs[start:start + _TOKENIZE_CHUNK]
+            for chunk in self._chunks(inputs, deadline, disconnected):
                 content.extend(encoder.tokenize(chunk, limit, direction))  # type: ignore[arg-type]
             exact = False
         else:
@@ -165,54 +309,115 @@ class Engine:
                                        direction=direction, exact=exact))
                 for i, ids in enumerate(content)]
 
-    def embed_all(
-        self,
-        inputs: Inputs,
-        *,
-        truncate: bool | None = None,
-        direction: str = "right",
-        deadline: float | None = None,
-        disconnected: Disconnected = None,
-    ) -> tuple[list[np.ndarray], int]:
-        """Per-token vectors of each input (POST /embed_all) and the tokens computed.
+    # -- the one request path -----------------------------------------------------------------
 
-        A debugging route, admitted like ``embed`` but not batched with other requests: it
-        runs in the request thread, in slices within the batch limits, each holding the
-        device between two batches.
-        """
-        encode_tokens = getattr(self.encoder, "encode_tokens", None)
-        if encode_tokens is None:
-            raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
-                                 code="not_supported")
-        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
-        self.check(inputs)
-        ticket = self.batcher.admit(len(inputs), self.estimate(inputs), deadline, disconnected)
+    def _run(self, inputs: int, estimate: int, tokenize: Callable[[], list[list[int]]],
+             arrived: float, deadline: float, disconnected: Disconnected) -> Embedded:
+        """Admit -> tokenize -> submit -> wait: how every kind's request reaches the model."""
+        asked = time.monotonic()
+        with self._admitted(inputs, estimate, deadline, disconnected) as ticket:
+            tokenizing = time.monotonic()  # the wait for admission counts as queue time
+            ids = tokenize()
+            tokenize_s = time.monotonic() - tokenizing
+            self.metrics.tokenization.observe(tokenize_s)
+            job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket)
+        rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
+        return Embedded(
+            vectors=rows,
+            tokens=sum(map(len, ids)),
+            tokenize_s=tokenize_s,
+            queue_s=job.queue_s + tokenizing - asked,
+            inference_s=job.inference_s,
+            total_s=time.monotonic() - arrived,
+        )
+
+    @contextmanager
+    def _admitted(self, inputs: int, tokens: int, deadline: float, disconnected: Disconnected,
+                  gate: Admission | None = None) -> Iterator[Ticket]:
+        """A reservation of ``gate`` (the device's: the batcher's) held while the block
+        runs; freed after it unless the batcher took it over (``submit``)."""
+        gate = gate or self.batcher.admission
+        ticket = gate.admit(inputs, tokens, deadline, disconnected)
         try:
-            ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
-            rows: list[np.ndarray] = []
-            for part in _slices(ids, self.batcher.limits):
-                lock = self.batcher.device_lock
-                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise deadline_error()
-                try:
-                    rows.extend(encode_tokens(part))
-                finally:
-                    lock.release()
+            yield ticket
         finally:
-            self.batcher.admission.cancel(ticket)
-        return rows, sum(len(x) for x in ids)
+            gate.cancel(ticket)  # a no-op once the batcher took it over
 
-    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
-               ) -> list[str]:
-        """Token ids of the served model back to text (POST /decode)."""
-        decode = getattr(self.encoder, "decode", None)
-        if decode is None:
-            raise InvalidRequest("this model's backend cannot decode token ids",
+    def _chunks(self, items: Sequence[T], deadline: float | None, disconnected: Disconnected
+                ) -> Iterator[Sequence[T]]:
+        """``items`` in runs, each only while the request is still wanted."""
+        for start in range(0, len(items), _TOKENIZE_CHUNK):
+            self._still_wanted(len(items) - start, deadline, disconnected)
+            yield items[start:start + _TOKENIZE_CHUNK]
+
+    def _still_wanted(self, left: int, deadline: float | None, disconnected: Disconnected
+                      ) -> None:
+        """Raise 504 past ``deadline``, 499 once the client left; ``left`` inputs dropped."""
+        error: ApiError
+        if deadline is not None and time.monotonic() > deadline:
+            error = deadline_error()
+        elif disconnected is not None and disconnected():
+            error = ClientDisconnected("the client disconnected", code="client_disconnected")
+        else:
+            return
+        self.metrics.dropped_inputs.labels(reason=error.reason).inc(left)
+        raise error
+
+    def _device_turn(self, left: int, deadline: float, disconnected: Disconnected) -> None:
+        """The device lock, taken between two batches while the request is still wanted."""
+        lock = self.batcher.device_lock
+        while True:
+            self._still_wanted(left, deadline, disconnected)
+            wait = max(0.0, min(_LOCK_WATCH_S, deadline - time.monotonic()))
+            if lock.acquire(timeout=wait):
+                return
+
+    def _decoded(self, inputs: Inputs, decode: Decoder | None) -> Inputs:
+        """Texts of token-id inputs meant for another tokenizer, checked as they come."""
+        if decode is None or not inputs or isinstance(inputs[0], str):
+            return inputs
+        self.check(inputs)  # the ids as sent: count, types, empty lists
+        s = self.settings
+        return rules.check_decoded(decode(inputs, max_chars=s.max_input_chars),
+                                   max_chars=s.max_input_chars, max_total=s.max_body_bytes)
+
+    def _estimate_sequences(self, inputs: Sequence[Sequenced]) -> int:
+        """``estimate`` for texts and pairs, from their lengths (no pair is joined)."""
+        most = self.encoder.info.max_input_tokens
+        special = self.encoder.special_tokens + 1  # a pair's template adds one more
+        return sum(min(most, (len(item) if isinstance(item, str) else len(item[0]) + len(item[1]))
+                       // _CHARS_PER_TOKEN + 1 + special) for item in inputs)
+
+    def _sequences(self, scorer: CrossEncoderScorer, inputs: Sequence[Sequenced],
+                   truncate: bool, direction: str, deadline: float, disconnected: Disconnected
+                   ) -> list[list[int]]:
+        """Ids of each text or pair, within the deadline while the client is there; refused
+        past the model's limit when not truncating."""
+        pairs: list[Pair] = []
+        for chunk in self._chunks(inputs, deadline, disconnected):
+            pairs.extend(scorer.tokenize_sequences(chunk, direction if truncate else None))
+        if not truncate:
+            limit = scorer.info.max_input_tokens
+            for i, ids in enumerate(pairs):
+                rules.fit(i, ids, limit, special=0, truncate=False, direction=direction,
+                          exact=not ids.cut)
+        out: list[list[int]] = list(pairs)
+        return out
+
+    def _serving(self, kind: type[T], what: str) -> T:
+        """The encoder, if it is of ``kind``; else a 400 that says what this model is."""
+        encoder = self.encoder
+        if not isinstance(encoder, kind):
+            raise InvalidRequest(f"this server's {self.info.kind} model {what}",
                                  code="not_supported")
-        rules.check_count(len(batch), self.settings.max_inputs_per_request)
-        vocab = self.encoder.info.vocab_size
-        checked = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(batch)]
-        return decode(checked, skip_special_tokens)
+        return encoder
+
+    def _optional(self, method: str, what: str) -> Callable[..., Any]:
+        """One of the encoder's optional methods; else a 400 that says what is missing."""
+        found = getattr(self.encoder, method, None)
+        if found is None:
+            raise InvalidRequest(f"this model's backend {what}", code="not_supported")
+        return found
 
     def _unwrap(self, ids: list[int]) -> list[int]:
         """Ids that already carry the model's special tokens (as /tokenize gives them) lose
@@ -222,23 +427,6 @@ class Engine:
                 and ids[len(ids) - tail:] == self._suffix:
             return ids[head:len(ids) - tail]
         return ids
-
-    def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
-               disconnected: Disconnected = None) -> list[list[Piece]]:
-        """The tokens the model sees for each text (POST /tokenize), under the same
-        admission and deadline as ``embed``."""
-        deadline = deadline or time.monotonic() + self.settings.request_timeout_s
-        self.check(texts)
-        ticket = self.batcher.admit(len(texts), self.estimate(texts), deadline, disconnected)
-        try:
-            out: list[list[Piece]] = []
-            for start in range(0, len(texts), _TOKENIZE_CHUNK):
-                if time.monotonic() > deadline:
-                    raise deadline_error()
-                out.extend(self.encoder.pieces(texts[start:start + _TOKENIZE_CHUNK]))
-            return out
-        finally:
-            self.batcher.admission.cancel(ticket)
 
 
 def _slices(ids: list[list[int]], limits: BatchLimits) -> list[list[list[int]]]:

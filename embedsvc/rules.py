@@ -12,7 +12,7 @@ empty_input input 1 is an empty string; every input needs at least one character
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .errors import InvalidRequest
@@ -51,14 +51,14 @@ def check_inputs(inputs: Inputs, *, max_inputs: int, max_chars: int) -> None:
         check_chars(inputs, max_chars)  # type: ignore[arg-type]
 
 
-def check_count(count: int, limit: int) -> None:
+def check_count(count: int, limit: int, *, setting: str = "MAX_INPUTS_PER_REQUEST",
+                fix: str = "send at most that many at once", param: str = "input") -> None:
     if count == 0:
-        raise InvalidRequest("'input' must not be empty", param="input", code="empty_input")
+        raise InvalidRequest(f"'{param}' must not be empty", param=param, code="empty_input")
     if count > limit:
         raise InvalidRequest(
-            f"the request has {count} inputs, more than MAX_INPUTS_PER_REQUEST ({limit}); "
-            "send at most that many at once",
-            param="input", code="too_many_inputs",
+            f"the request has {count} inputs, more than {setting} ({limit}); {fix}",
+            param=param, code="too_many_inputs",
         )
 
 
@@ -67,19 +67,44 @@ def check_chars(texts: Sequence[str], limit: int) -> None:
         return
     for i, text in enumerate(texts):
         if len(text) > limit:
-            raise InputRefused(
-                i, f"has {len(text)} characters, more than MAX_INPUT_CHARS ({limit}); split it",
-                "input_too_long")
+            raise too_long(i, len(text), limit)
+
+
+def too_long(i: int, chars: int | None, limit: int) -> InputRefused:
+    """Input ``i`` holds ``chars`` characters (None: more than counted), past MAX_INPUT_CHARS."""
+    count = f"{chars} characters, more" if chars is not None else "more characters"
+    return InputRefused(i, f"has {count} than MAX_INPUT_CHARS ({limit}); split it",
+                        "input_too_long")
+
+
+def check_decoded(texts: Iterable[str], *, max_chars: int, max_total: int) -> list[str]:
+    """Texts decoded from token ids, checked as they come: each within MAX_INPUT_CHARS, and
+    all together within MAX_BODY_BYTES characters, the most a body of text could carry (an
+    id can stand for 128 characters, so ids alone would let a body inflate many times)."""
+    out: list[str] = []
+    total = 0
+    for i, text in enumerate(texts):
+        if len(text) > max_chars:
+            raise too_long(i, None, max_chars)
+        total += len(text)
+        if total > max_total:
+            raise InvalidRequest(
+                f"the token ids of inputs 0 to {i} decode to {total} characters, more than "
+                f"a request may carry (MAX_BODY_BYTES, {max_total}); send fewer ids at once",
+                param="input", code="input_too_long")
+        out.append(text)
+    return out
 
 
 def check_token_ids(i: int, ids: Sequence[Any], vocab_size: int) -> list[int]:
-    for token in ids:
-        if not 0 <= token < vocab_size:
-            raise InputRefused(
-                i, f"holds token id {token}, outside this model's vocabulary "
-                f"(0 to {vocab_size - 1}); send text, or ids from this model's tokenizer",
-                "invalid_token_id")
-    return list(ids)
+    # min and max run in C; the loop only looks for the culprit of a refusal
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return ids if isinstance(ids, list) else list(ids)
+    token = next(t for t in ids if not 0 <= t < vocab_size)
+    raise InputRefused(
+        i, f"holds token id {token}, outside this model's vocabulary "
+        f"(0 to {vocab_size - 1}); send text, or ids from this model's tokenizer",
+        "invalid_token_id")
 
 
 def check_dimensions(dimensions: int | None, model_dimension: int) -> None:
@@ -129,7 +154,39 @@ def prompt(prompts: dict[str, str], name: str) -> str:
     return prompts[name]
 
 
-def check_query(query: str) -> None:
-    """A rerank query must hold some text."""
+def check_query(query: str, max_chars: int) -> None:
+    """A rerank query must hold some text, and no more than MAX_INPUT_CHARS of it."""
     if not query:
         raise InvalidRequest("'query' must not be empty", param="query", code="empty_input")
+    if len(query) > max_chars:
+        raise InvalidRequest(
+            f"'query' has {len(query)} characters, more than MAX_INPUT_CHARS ({max_chars}); "
+            "shorten it", param="query", code="input_too_long")
+
+
+def check_listed(items: Sequence[Any], param: str) -> None:
+    """A list the request is about (texts to rank, sentences to compare) must hold some."""
+    if not items:
+        raise InvalidRequest(f"'{param}' must not be empty", param=param.partition(".")[0],
+                             code="empty_input")
+
+
+def check_sequences(inputs: Sequence[str | tuple[str, str]], *, max_inputs: int,
+                    max_chars: int) -> None:
+    """Count, emptiness and size of a cross-encoder request's texts and pairs."""
+    check_count(len(inputs), max_inputs)
+    for i, item in enumerate(inputs):
+        texts = (item,) if isinstance(item, str) else item
+        if not all(texts):
+            raise InputRefused(
+                i, "holds an empty text; every text needs at least one character",
+                "empty_input")
+        chars = sum(map(len, texts))
+        if chars > max_chars:
+            raise too_long(i, chars, max_chars)
+
+
+def check_embed_all_count(count: int, cap: int) -> None:
+    """/embed_all answers a vector per token, hundreds of times its body: a small cap."""
+    check_count(count, cap, setting="/embed_all's cap",
+                fix="send fewer at once, or use /embed for one vector per input")

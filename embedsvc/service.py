@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -124,7 +125,7 @@ class Service:
         self._stop.set()
         if self._engine is None:
             return ShutdownReport(0, 0, True)
-        return self._engine.batcher.shutdown(timeout)
+        return self._engine.shutdown(timeout)
 
     def _load(self, background: bool = True) -> None:
         started = time.monotonic()
@@ -140,7 +141,7 @@ class Service:
             self.failure = failure  # only now: waiting requests answer as soon as it is set
             self._loaded.set()
             return
-        batcher = Batcher(encoder.encode, BatchLimits.from_settings(self.settings),
+        batcher = Batcher(encoder.encode, batch_limits(self.settings, encoder),
                           metrics=self.metrics)
         batcher.start()
         self._engine = Engine(self.settings, encoder, batcher, self.metrics)
@@ -181,6 +182,16 @@ class Service:
                         batcher.restart()
             except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
                 log.exception("watchdog tick failed; continuing")
+
+
+def batch_limits(settings: Settings, encoder: Encoder) -> BatchLimits:
+    """The batcher's limits; an encoder with wide rows (sparse: vocabulary-wide logits per
+    token) caps the tokens of a batch (``batch_tokens``) so that their memory stays bounded."""
+    limits = BatchLimits.from_settings(settings)
+    cap = getattr(encoder, "batch_tokens", None)
+    if cap is None:
+        return limits
+    return dataclasses.replace(limits, max_batch_tokens=cap(limits.max_batch_tokens))
 
 
 def _reason(exc: BaseException) -> str:

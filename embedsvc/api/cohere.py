@@ -8,26 +8,20 @@ from typing import Any
 
 import orjson
 
-from .. import rules
-from ..errors import InvalidRequest
 from .bodies import parse
 from .schemas import CohereRerankRequest
-from .web import Call, Reply, embedded_reply, score
+from .web import Call, Reply, embedded_reply
 
 
 def cohere_rerank(call: Call) -> Reply:
     """POST /v1/rerank, /v2/rerank: the Cohere (and Jina) shape."""
-    req = parse(CohereRerankRequest, call.body)
-    rules.check_query(req.query)
-    docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    if not docs:
-        raise InvalidRequest("'documents' must not be empty", param="documents",
-                             code="empty_input")
-    out = score(call, [(req.query, doc) for doc in docs], raw=False)
-    order = sorted(range(len(docs)), key=lambda i: -out.scores[i, 0])[: req.top_n]
+    req = parse(CohereRerankRequest, call)
+    docs = req.documents  # strings: the shape reads {"text": ...} objects
+    out = call.engine().rerank(req.query, docs, param="documents", **call.waits)
+    order = sorted(range(len(docs)), key=lambda i: -out.vectors[i, 0])[: req.top_n]
     results: list[dict[str, Any]] = []
     for i in order:
-        result: dict[str, Any] = {"index": i, "relevance_score": float(out.scores[i, 0])}
+        result: dict[str, Any] = {"index": i, "relevance_score": float(out.vectors[i, 0])}
         if req.return_documents:
             result["document"] = {"text": docs[i]}
         results.append(result)

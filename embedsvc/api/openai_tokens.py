@@ -10,7 +10,7 @@ pins for it. The model-to-encoding map is tiktoken's own (``tiktoken.model``). T
 files fill tiktoken's own cache for the clients on a machine without internet
 (``embedsvc tiktoken-cache [DIR]``, ``cache_command``).
 
->>> decode_ids([[15339, 1917]], "text-embedding-3-small")
+>>> list(decode_ids([[15339, 1917]], "text-embedding-3-small"))
 ['hello world']
 >>> encoding_for("my-local-model")
 'cl100k_base'
@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import InvalidRequest
@@ -83,20 +83,25 @@ class Vocabulary:
             pieces[special_rank] = special_token
         return cls(name, pieces)
 
-    def decode(self, ids: Sequence[int]) -> str | int:
+    def decode(self, ids: Sequence[int], max_bytes: int | None = None) -> str | int:
         """The text of ``ids``, or the first id that is not in this encoding.
 
         Bytes that do not form UTF-8 (a character cut between two chunks) become U+FFFD,
-        as tiktoken's own ``decode`` does.
+        as tiktoken's own ``decode`` does. Decoding stops past ``max_bytes`` (an id can
+        stand for 128 bytes): the text then holds only its first ``max_bytes`` or more.
         """
         pieces = self.pieces
         size = len(pieces)
         out = []
+        held = 0
         for token in ids:
             piece = pieces[token] if 0 <= token < size else None
             if piece is None:
                 return token
             out.append(piece)
+            held += len(piece)
+            if max_bytes is not None and held > max_bytes:
+                break
         return b"".join(out).decode("utf-8", errors="replace")
 
 
@@ -123,8 +128,13 @@ def vocabulary(name: str) -> Vocabulary:
     return found
 
 
-def decode_ids(inputs: Sequence[Sequence[int]], model: str | None) -> list[str]:
-    """Texts of token-id inputs sent for ``model``; a 400 for ids that are not in its encoding."""
+def decode_ids(inputs: Sequence[Sequence[int]], model: str | None,
+               max_chars: int | None = None) -> Iterator[str]:
+    """Texts of token-id inputs sent for ``model``, one by one; a 400 for ids that are not
+    in its encoding. Each decoding stops once its text is past ``max_chars`` characters
+    (MAX_INPUT_CHARS; a UTF-8 character is at most 4 bytes), so that the caller can refuse
+    it at the cost of that many, whatever the ids would inflate to. An encoding this server
+    lacks is refused at once; a wrong id when the iteration reaches it."""
     name = encoding_for(model)
     if name not in _SHIPPED:
         raise InvalidRequest(
@@ -132,11 +142,15 @@ def decode_ids(inputs: Sequence[Sequence[int]], model: str | None) -> list[str]:
             f"cannot decode (it has {', '.join(_SHIPPED)}); send text instead",
             param="input", code="unsupported_token_encoding",
         )
-    vocab = vocabulary(name)
+    return _decoded(vocabulary(name), inputs, model, max_chars)
+
+
+def _decoded(vocab: Vocabulary, inputs: Sequence[Sequence[int]], model: str | None,
+             max_chars: int | None) -> Iterator[str]:
+    name = vocab.name
     whose = f"model {model!r}" if model else "requests without a model"
-    texts = []
     for i, ids in enumerate(inputs):
-        text = vocab.decode(ids)
+        text = vocab.decode(ids, None if max_chars is None else 4 * max_chars)
         if isinstance(text, int):
             raise InvalidRequest(
                 f"input {i} holds token id {text}, which is not an id of {name}, the OpenAI "
@@ -144,8 +158,7 @@ def decode_ids(inputs: Sequence[Sequence[int]], model: str | None) -> list[str]:
                 "started with TOKEN_IDS=model reads ids of the served model instead)",
                 param="input", code="invalid_token_id",
             )
-        texts.append(text)
-    return texts
+        yield text
 
 
 def tiktoken_cache_dir(env: Mapping[str, str]) -> Path:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+from .shapes import Shape
 
 
 class Request(BaseModel):
@@ -12,10 +23,33 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# The list fields: checked by a Shape (bounded by the body, see shapes.py), published in
+# /openapi.json as the type they stand for.
+_IDS_OR_TEXTS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+InputsField = Annotated[Any, PlainValidator(
+    Shape(_IDS_OR_TEXTS, text=True, items=(str, int, list), inner=int),
+    json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])]
+TextsField = Annotated[Any, PlainValidator(
+    Shape("a string or a list of strings", text=True, items=(str,)),
+    json_schema_input_type=StrictStr | list[StrictStr])]
+TextList = Annotated[Any, PlainValidator(Shape("a list of strings", items=(str,)),
+                                         json_schema_input_type=list[StrictStr])]
+IdsField = Annotated[Any, PlainValidator(
+    Shape("a list of token ids or a list of lists of token ids", items=(int, list), inner=int),
+    json_schema_input_type=list[StrictInt] | list[list[StrictInt]])]
+PredictInputs = Annotated[Any, PlainValidator(
+    Shape("a text, [text] or [text, text] (one pair), or a list of those", text=True,
+          items=(str, list), inner=str, counted=(list,)),
+    json_schema_input_type=StrictStr | list[StrictStr] | list[list[StrictStr]])]
+Sentences = Annotated[Any, PlainValidator(
+    Shape("a list of strings", items=(str,), name="inputs.sentences"),
+    json_schema_input_type=list[StrictStr])]
+
+
 class EmbeddingsRequest(Request):
     """POST /v1/embeddings, as the OpenAI API defines it."""
 
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+    input: InputsField = Field(
         description="Text, texts, token ids of one text, or token ids of several texts. Token "
         "ids are ids of the OpenAI tokenizer of 'model' (cl100k_base for text-embedding-* and "
         "unknown names, o200k_base where tiktoken maps the name to it), decoded to text; with "
@@ -56,7 +90,7 @@ _TEI_INPUTS = (
     "served model's own (see /tokenize); the model's special tokens are added unless the ids "
     "already carry them."
 )
-TeiInputs = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+TeiInputs = InputsField
 
 
 class EmbedAllRequest(_Truncation):
@@ -80,7 +114,7 @@ class EmbedRequest(EmbedAllRequest):
 class DecodeRequest(Request):
     """POST /decode, as text-embeddings-inference defines it: token ids back to text."""
 
-    ids: list[StrictInt] | list[list[StrictInt]] = Field(
+    ids: IdsField = Field(
         description="Token ids of the served model: one list, or a list of lists."
     )
     skip_special_tokens: StrictBool = Field(True, description="Leave out [CLS], [SEP] etc.")
@@ -89,7 +123,7 @@ class DecodeRequest(Request):
 class TokenizeRequest(Request):
     """POST /tokenize, as text-embeddings-inference defines it."""
 
-    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+    inputs: TextsField = Field(description="Text or texts.")
 
 
 # -- rerankers, classifiers, sparse encoders, similarity (tei.py, cohere.py) ---------------------
@@ -102,7 +136,7 @@ class RerankRequest(_Truncation):
     answered in that shape."""
 
     query: StrictStr = Field(description="The query every text is scored against.")
-    texts: list[StrictStr] = Field(description="The texts to rank.")
+    texts: TextList = Field(description="The texts to rank.")
     raw_scores: StrictBool = Field(
         False, description="Raw logits instead of the model's activation (sigmoid)."
     )
@@ -113,6 +147,11 @@ class DocumentText(Request):
     text: StrictStr
 
 
+Documents = Annotated[Any, PlainValidator(
+    Shape("a list of strings or {\"text\": ...} objects", items=(str, dict), mixed=True),
+    json_schema_input_type=list[StrictStr | DocumentText])]
+
+
 class CohereRerankRequest(Request):
     """POST /v1/rerank, /v2/rerank: the Cohere and Jina rerank shape (a reranker model).
 
@@ -120,7 +159,7 @@ class CohereRerankRequest(Request):
     accepted and ignored: documents are truncated to the model's own limit."""
 
     query: StrictStr = Field(description="The query every document is scored against.")
-    documents: list[StrictStr | DocumentText] = Field(
+    documents: Documents = Field(
         description="The documents to rank: strings or {\"text\": ...} objects."
     )
     top_n: int | None = Field(
@@ -137,7 +176,7 @@ class CohereRerankRequest(Request):
 class PredictRequest(_Truncation):
     """POST /predict, as text-embeddings-inference defines it (a classifier or reranker)."""
 
-    inputs: StrictStr | list[StrictStr] | list[list[StrictStr]] = Field(
+    inputs: PredictInputs = Field(
         description="A text; [text] or [text, text] (one pair); or a list of those."
     )
     raw_scores: StrictBool = Field(
@@ -148,7 +187,7 @@ class PredictRequest(_Truncation):
 class EmbedSparseRequest(_Truncation):
     """POST /embed_sparse, as text-embeddings-inference defines it (a sparse model)."""
 
-    inputs: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+    inputs: TextsField = Field(description="Text or texts.")
     prompt_name: StrictStr | None = Field(
         None, description="Name of a prompt of the model, put before each input."
     )
@@ -156,7 +195,7 @@ class EmbedSparseRequest(_Truncation):
 
 class SimilarityInputs(Request):
     source_sentence: StrictStr = Field(description="The text the others are compared with.")
-    sentences: list[StrictStr] = Field(description="The texts compared with it.")
+    sentences: Sentences = Field(description="The texts compared with it.")
 
 
 class SimilarityParameters(_Truncation):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import rules, scoring
+from .. import rules
 from ..errors import InvalidRequest
 from ..model.sparse import elements
 from . import cohere
@@ -41,28 +41,26 @@ from .schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from .web import Call, Reply, embedded_reply, json_reply, score
+from .web import Call, Reply, embedded_reply, json_reply
 
 
 def embed(call: Call) -> Reply:
     """POST /embed: the TEI shape, one vector per input (texts or the model's token ids)."""
-    req = parse(EmbedRequest, call.body)
+    req = parse(EmbedRequest, call)
     engine = call.engine()
     inputs = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
     out = engine.embed(inputs, normalize=req.normalize, dimensions=req.dimensions,
-                       truncate=req.truncate, direction=req.truncation_direction,
-                       deadline=call.deadline, disconnected=call.disconnected)
+                       truncate=req.truncate, direction=req.truncation_direction, **call.waits)
     return embedded_reply(out.vectors, out, len(inputs))
 
 
 def embed_all(call: Call) -> Reply:
     """POST /embed_all: the TEI shape, per input one raw vector per token."""
-    req = parse(EmbedAllRequest, call.body)
+    req = parse(EmbedAllRequest, call)
     engine = call.engine()
     inputs = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
     rows, tokens = engine.embed_all(inputs, truncate=req.truncate,
-                                    direction=req.truncation_direction, deadline=call.deadline,
-                                    disconnected=call.disconnected)
+                                    direction=req.truncation_direction, **call.waits)
     reply = json_reply(rows, headers=[("x-compute-tokens", str(tokens))])
     reply.inputs, reply.tokens = len(inputs), tokens
     return reply
@@ -70,18 +68,18 @@ def embed_all(call: Call) -> Reply:
 
 def decode(call: Call) -> Reply:
     """POST /decode: the TEI shape, the served model's token ids back to text."""
-    req = parse(DecodeRequest, call.body)
+    req = parse(DecodeRequest, call)
     batch = as_list(req.ids)
-    reply = json_reply(call.engine().decode(batch, req.skip_special_tokens))
+    reply = json_reply(call.engine().decode(batch, req.skip_special_tokens, **call.waits))
     reply.inputs = len(batch)
     return reply
 
 
 def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
-    req = parse(TokenizeRequest, call.body)
+    req = parse(TokenizeRequest, call)
     texts = as_list(req.inputs)
-    pieces = call.engine().pieces(texts, deadline=call.deadline, disconnected=call.disconnected)
+    pieces = call.engine().pieces(texts, **call.waits)
     reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)
     return reply
@@ -91,13 +89,10 @@ def rerank(call: Call) -> Reply:
     """POST /rerank: TEI's shape; a Cohere/Jina body (``documents``) gets Cohere's answer."""
     if cohere.is_cohere_body(call.body):
         return cohere.cohere_rerank(call)
-    req = parse(RerankRequest, call.body)
-    rules.check_query(req.query)
-    if not req.texts:
-        raise InvalidRequest("'texts' must not be empty", param="texts", code="empty_input")
-    out = score(call, [(req.query, text) for text in req.texts], raw=req.raw_scores,
-                 truncate=req.truncate, direction=req.truncation_direction)
-    ranks = [{"index": i, "score": float(s)} for i, s in enumerate(out.scores[:, 0])]
+    req = parse(RerankRequest, call)
+    out = call.engine().rerank(req.query, req.texts, raw=req.raw_scores, truncate=req.truncate,
+                               direction=req.truncation_direction, **call.waits)
+    ranks = [{"index": i, "score": float(s)} for i, s in enumerate(out.vectors[:, 0])]
     ranks.sort(key=lambda r: -r["score"])
     if req.return_text:
         for r in ranks:
@@ -107,53 +102,43 @@ def rerank(call: Call) -> Reply:
 
 def predict(call: Call) -> Reply:
     """POST /predict: a text, a pair, or a batch of them; every label's score, best first."""
-    req = parse(PredictRequest, call.body)
+    req = parse(PredictRequest, call)
     single, inputs = _predict_inputs(req.inputs)
-    out = score(call, inputs, raw=req.raw_scores, truncate=req.truncate,
-                 direction=req.truncation_direction)
-    labels = call.engine().info.labels
+    engine = call.engine()
+    out = engine.score(inputs, raw=req.raw_scores, truncate=req.truncate,
+                       direction=req.truncation_direction, **call.waits)
+    labels = engine.info.labels
     predictions = [
         sorted(({"score": float(s), "label": labels[j]} for j, s in enumerate(row)),
                key=lambda p: -p["score"])
-        for row in out.scores
+        for row in out.vectors
     ]
     return embedded_reply(predictions[0] if single else predictions, out, len(inputs))
 
 
 def embed_sparse(call: Call) -> Reply:
     """POST /embed_sparse: the non-zero (index, value) pairs of each input's sparse vector."""
-    req = parse(EmbedSparseRequest, call.body)
-    texts = as_list(req.inputs)
+    req = parse(EmbedSparseRequest, call)
     engine = call.engine()
-    if req.prompt_name is not None:
-        prefix = rules.prompt(engine.info.prompts, req.prompt_name)
-        texts = [prefix + t for t in texts]
-    out, vectors = scoring.embed_sparse(
-        engine, texts, truncate=req.truncate, direction=req.truncation_direction,
-        deadline=call.deadline, disconnected=call.disconnected,
-    )
+    texts = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
+    out, vectors = engine.embed_sparse(texts, truncate=req.truncate,
+                                       direction=req.truncation_direction, **call.waits)
     body = [elements(idx, val) for idx, val in vectors]
     return embedded_reply(body, out, len(texts))
 
 
 def similarity(call: Call) -> Reply:
     """POST /similarity: TEI's sentence similarity, the cosine of each sentence to the source."""
-    req = parse(SimilarityRequest, call.body)
+    req = parse(SimilarityRequest, call)
     params = req.parameters
-    source, sentences = req.inputs.source_sentence, req.inputs.sentences
-    if not sentences:
-        raise InvalidRequest("'inputs.sentences' must not be empty", param="inputs",
-                             code="empty_input")
     engine = call.engine()
-    truncate, direction = None, "right"
+    truncate, direction, name = None, "right", None
     if params is not None:
-        truncate, direction = params.truncate, params.truncation_direction
-        if params.prompt_name is not None:
-            prefix = rules.prompt(engine.info.prompts, params.prompt_name)
-            source, sentences = prefix + source, [prefix + s for s in sentences]
-    out, cosines = scoring.similarities(engine, source, sentences, truncate=truncate,
-                                        direction=direction, deadline=call.deadline,
-                                        disconnected=call.disconnected)
+        truncate, direction, name = params.truncate, params.truncation_direction, params.prompt_name
+    source, *sentences = rules.prompted(engine.info.prompts, name,
+                                        [req.inputs.source_sentence, *req.inputs.sentences])
+    out, cosines = engine.similarity(source, sentences, truncate=truncate, direction=direction,
+                                     **call.waits)
     return embedded_reply([float(c) for c in cosines], out, len(sentences) + 1)
 
 

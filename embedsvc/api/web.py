@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import BaseModel
 
-from .. import scoring
-
 if TYPE_CHECKING:
     from ..engine import Embedded, Engine
     from ..service import Service
@@ -53,6 +51,11 @@ class Call:
     @property
     def deadline(self) -> float:
         return self.arrived + self.service.settings.request_timeout_s
+
+    @property
+    def waits(self) -> dict[str, Any]:
+        """The engine's ``deadline`` and ``disconnected`` options for this call."""
+        return {"deadline": self.deadline, "disconnected": self.disconnected}
 
     def engine(self) -> Engine:
         """The loaded engine, waiting for the model up to this request's deadline (else 503)."""
@@ -94,8 +97,3 @@ def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:
     reply.tokens = out.tokens
     return reply
 
-
-def score(call: Call, inputs: list[Any], **options: Any) -> scoring.Scored:
-    """Score texts or pairs for a handler, under the call's deadline and departure check."""
-    return scoring.score(call.engine(), inputs, deadline=call.deadline,
-                         disconnected=call.disconnected, **options)

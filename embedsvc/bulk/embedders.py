@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import scoring
 from ..errors import ApiError
 from ..model.sparse import elements
 from ..rules import InputRefused
@@ -64,7 +63,7 @@ class LocalEmbedder:
         deadline = time.monotonic() + _BULK_DEADLINE_S
         try:
             if self.kind == "sparse":
-                out, pairs = scoring.embed_sparse(self.engine, texts, deadline=deadline)
+                out, pairs = self.engine.embed_sparse(texts, deadline=deadline)
                 return [elements(i, v) for i, v in pairs], out.tokens
             out = self.engine.embed(texts, deadline=deadline)
         except InputRefused:

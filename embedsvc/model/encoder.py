@@ -75,6 +75,8 @@ class Encoder(Protocol):
     # def encode_tokens(self, batch) -> list[np.ndarray]: one (tokens, dimension) array per
     #     sequence of wrapped ids: the token vectors before pooling, special tokens included.
     # def decode(self, batch, skip_special_tokens) -> list[str]: ids back to text.
+    # def batch_tokens(self, max_batch_tokens) -> int: the padded tokens of one batch, when
+    #     the model's rows make MAX_BATCH_TOKENS too many (sparse.py).
 
 
 def bundled_model_path() -> str:

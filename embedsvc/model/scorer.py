@@ -19,6 +19,7 @@ import numpy as np
 
 from .st_encoder import SentenceTransformerEncoder, torch_forward
 from .tokenizer import plain_tokenizer
+from .window import pair_windows, text_window
 
 Sequenced = str | tuple[str, str]  # one input of a cross-encoder: a text or a pair of texts
 
@@ -28,14 +29,16 @@ class Pair(list):
 
     It is a list of ids, as the batcher expects of any input (it only takes ``len``), so a
     pair's tokens count against MAX_BATCH_TOKENS like any input's; ``encode`` reads
-    ``second`` to give segment B token type 1.
+    ``second`` to give segment B token type 1. ``cut``: a text was read only as far as the
+    model's limit (its full token count is unknown, and over the limit).
     """
 
-    __slots__ = ("second",)
+    __slots__ = ("second", "cut")
 
-    def __init__(self, ids: Sequence[int], second: int) -> None:
+    def __init__(self, ids: Sequence[int], second: int, cut: bool = False) -> None:
         super().__init__(ids)
         self.second = second
+        self.cut = cut
 
 
 class CrossEncoderScorer(SentenceTransformerEncoder):
@@ -86,11 +89,29 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
 
         ``direction`` (``right`` or ``left``) truncates to the model's limit the way
         CrossEncoder's tokenizer call does (``longest_first``: the longer text loses tokens
-        first); ``None`` leaves inputs whole, for the caller to refuse those over the limit.
+        first); ``None`` does not truncate, for the caller to refuse those over the limit.
+
+        Each distinct text is first cut to its window of the model's limit (``text_window``):
+        no side of a pair keeps more, and the truncation comes out the same, so the cost
+        follows the limit, not the text, and a long query shared by every pair is cut once.
+        Untruncated, a cut text still holds more tokens than the limit (``Pair.cut``).
         """
+        side = direction or "right"
+        texts = list(dict.fromkeys(t for item in inputs
+                                   for t in ((item,) if isinstance(item, str) else item)))
+        limit = self.info.max_input_tokens
+        cut = dict(zip(texts, text_window(self._tokenizer, texts, limit, side, self._margin),
+                       strict=True))
         tokenizer = self._tokenizer if direction is None else self._truncating_to[direction]
-        encodings = tokenizer.encode_batch(list(inputs), add_special_tokens=True)
-        return [_pair(e.ids, e.type_ids) for e in encodings]
+        sizes = dict(zip(cut, (len(e.ids) for e in self._tokenizer.encode_batch(
+            list(cut.values()), add_special_tokens=False)), strict=True))
+        sequences = [cut[item] if isinstance(item, str) else
+                     pair_windows(self._tokenizer, item, (cut[item[0]], cut[item[1]]), limit,
+                                  side, self._margin, (sizes[item[0]], sizes[item[1]]))
+                     for item in inputs]
+        encodings = tokenizer.encode_batch(sequences, add_special_tokens=True)
+        return [_pair(e.ids, e.type_ids, cut=sequence != item)
+                for e, sequence, item in zip(encodings, sequences, inputs, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         rows = torch_forward(self._modules, self.features(batch), "scores")
@@ -130,9 +151,9 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(self._dimension()))
 
 
-def _pair(ids: list[int], type_ids: list[int]) -> Pair:
+def _pair(ids: list[int], type_ids: list[int], cut: bool) -> Pair:
     second = next((i for i, t in enumerate(type_ids) if t), len(ids))
     if any(t != (i >= second) for i, t in enumerate(type_ids)):
         # every tokenizer template in use puts segment A, then B: 0...0 1...1
         raise ValueError(f"unexpected token types {type_ids} for a pair of texts")
-    return Pair(ids, second)
+    return Pair(ids, second, cut)

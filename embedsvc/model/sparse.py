@@ -17,6 +17,10 @@ import numpy as np
 
 from .st_encoder import SentenceTransformerEncoder, torch_forward
 
+# The float32 logits one batch may hold (tokens x vocabulary): a MAX_BATCH_TOKENS sized for
+# 384-wide rows (16,384) holds 16,384 x 30,522 of them, 2 GB, and a 16 KB request took 3.9 GB.
+LOGITS_BYTES = 128 << 20
+
 
 class SparseEmbedder(SentenceTransformerEncoder):
     """A sentence-transformers ``SparseEncoder``; rows are as wide as the vocabulary.
@@ -44,6 +48,12 @@ class SparseEmbedder(SentenceTransformerEncoder):
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         return torch_forward(self._modules, self.features(batch), "sentence_embedding")
+
+    def batch_tokens(self, max_batch_tokens: int) -> int:
+        """MAX_BATCH_TOKENS for this model: within LOGITS_BYTES of logits, and never below
+        one input at the model's limit."""
+        fits = LOGITS_BYTES // (4 * self.info.dimension)
+        return max(self.info.max_input_tokens, min(max_batch_tokens, fits))
 
     def _dimension(self) -> int:
         # SpladePooling learns its width on the first batch; the vocabulary is known now

@@ -15,7 +15,7 @@ tests/unit/test_window.py check this against full tokenization on the real token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 Offsets = list[tuple[int, int]]
@@ -35,6 +35,53 @@ def token_window(tokenizer: Any, texts: Sequence[str], limit: int | None,
     texts read whole (their list is then empty).
     """
     out: list[tuple[list[int], Offsets] | None] = [None] * len(texts)
+    for i, part, kept in _windows(tokenizer, texts, limit, direction, margin, offsets):
+        shift = len(texts[i]) - len(part) if direction == "left" else 0
+        out[i] = _cut(kept, limit, direction, shift)
+    return out  # type: ignore[return-value]
+
+
+def text_window(tokenizer: Any, texts: Sequence[str], limit: int, direction: str = "right",
+                margin: int = 0) -> list[str]:
+    """Each text, or the prefix (``right``) or suffix (``left``) of it whose tokens begin (or
+    end) with the text's own first (last) ``limit`` tokens: what a tokenizer that truncates
+    to ``limit`` needs to see of it, at a cost that follows ``limit`` (pairs, scorer.py)."""
+    out = list(texts)
+    for i, part, _ in _windows(tokenizer, texts, limit, direction, margin, offsets=False):
+        out[i] = part
+    return out
+
+
+def pair_windows(tokenizer: Any, texts: tuple[str, str], windows: tuple[str, str], limit: int,
+                 direction: str = "right", margin: int = 0,
+                 sizes: tuple[int, int] | None = None) -> tuple[str, str]:
+    """The ``text_window``s of a pair, widened until their token counts compare as the whole
+    texts' do. Truncating a pair ``longest_first`` gives the longer side (the second, on a
+    tie) what the limit leaves, so that order, not the lengths, decides which tokens stay;
+    a window that stops early can reverse it. ``sizes``: the windows' token counts, if known.
+    """
+    (a, b), (wa, wb) = texts, windows
+    na, nb = sizes or _sizes(tokenizer, wa, wb)
+    while True:
+        cut_a, cut_b = wa != a, wb != b
+        if not cut_a and not cut_b:
+            return wa, wb
+        if cut_a != cut_b and (na > nb) == cut_a:
+            return wa, wb  # the cut side is the longer, in its window as in its text
+        limit = max(2 * limit, min(na, nb) + 1)
+        wa, wb = text_window(tokenizer, [a, b], limit, direction, margin)
+        na, nb = _sizes(tokenizer, wa, wb)
+
+
+def _sizes(tokenizer: Any, *texts: str) -> tuple[int, int]:
+    first, second = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    return len(first.ids), len(second.ids)
+
+
+def _windows(tokenizer: Any, texts: Sequence[str], limit: int | None, direction: str,
+             margin: int, offsets: bool) -> Iterator[tuple[int, str, tuple[list[int], Offsets]]]:
+    """(index, window, tokens the window's edge cannot have changed) of each text, once the
+    window holds ``limit`` such tokens or covers the whole text."""
     span = {i: _CHARS_PER_TOKEN * (limit + 16) for i in range(len(texts))} if limit else {}
     todo = list(range(len(texts)))
     while todo:
@@ -51,10 +98,8 @@ def token_window(tokenizer: Any, texts: Sequence[str], limit: int | None,
                 span[i] *= _GROWTH
                 again.append(i)
                 continue
-            shift = len(texts[i]) - len(part) if direction == "left" else 0
-            out[i] = _cut(kept, limit, direction, shift)
+            yield i, part, kept
         todo = again
-    return out  # type: ignore[return-value]
 
 
 def _part(text: str, span: int | None, direction: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.engine import Engine, l2_normalize
-from embedsvc.errors import DeadlineExceeded, InvalidRequest
+from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.settings import Settings
@@ -160,8 +160,45 @@ def test_tokenizing_stops_at_the_deadline_with_504(spy):
     assert spy.engine.batcher.admitted == 0
 
 
-def test_tokenize_route_runs_under_the_same_admission(spy):
+def test_tokenize_route_runs_under_the_hosts_admission(spy):
+    """Admitted, as every route is, but on the host's budget: /tokenize never reaches the
+    device, so the device's admission does not count it (issue 26, finding 11)."""
+    held = []
+    pieces = spy.pieces
+    spy.pieces = lambda texts: (held.append(spy.engine.host.used_inputs), pieces(texts))[1]
     rows = spy.engine.pieces(["a b", "c"])
-    assert spy.calls == [("pieces", 2, 2, None, None)]
+    assert spy.calls == [("pieces", 2, 0, None, None)] and held == [2]
     assert [p.text for p in rows[0]] == ["[CLS]", "a", "b", "[SEP]"]
-    assert spy.engine.batcher.admitted == 0
+    assert spy.engine.batcher.admitted == 0 == spy.engine.host.used_inputs
+
+
+def test_tokenize_and_decode_are_admitted_on_their_own_cost_not_the_devices(engine):
+    """/tokenize and /decode never reach the device: its rate refuses only what does, and
+    their budget is their own."""
+    admission = engine.batcher.admission
+    admission.observe(tokens=1, inputs=1, seconds=100.0)  # a very slow device
+    held = engine.batcher.admit(1, 10, time.monotonic() + 5)  # 1,000 s of work ahead
+    try:
+        with pytest.raises(Overloaded):
+            engine.embed(["hello"])
+        assert [p.text for p in engine.pieces(["a b"])[0] if not p.special] == ["a", "b"]
+        assert engine.decode([[5, 6]]) == ["w5 w6"]
+        hogged = engine.host.admit(1, 1 << 30, time.monotonic() + 5)  # the host's budget full
+        try:
+            assert engine.embed(["hello"], deadline=time.monotonic() + 2000).vectors.shape[0] == 1
+        finally:
+            engine.host.cancel(hogged)
+    finally:
+        admission.cancel(held)
+    assert engine.batcher.admitted == 0 == engine.host.used_inputs
+
+
+def test_embed_all_takes_at_most_its_cap(engine):
+    from embedsvc.engine import EMBED_ALL_MAX_INPUTS
+
+    assert EMBED_ALL_MAX_INPUTS == 32
+    small = Engine(Settings(max_inputs_per_request=64), engine.encoder, engine.batcher)
+    with pytest.raises(InvalidRequest) as info:
+        small.embed_all(["x"] * 33)
+    assert info.value.code == "too_many_inputs" and "(32)" in info.value.message
+    assert len(small.embed_all(["x"] * 32)[0]) == 32

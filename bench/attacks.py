@@ -1,0 +1,133 @@
+"""Issue 26's single-request attacks, one at a time, against a live `embedsvc serve`: the
+answer's status and time and the peak growth of the server's resident memory.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/attacks.py
+    PYTHONPATH=$PWD .venv/bin/python bench/attacks.py --only rerank
+
+(PYTHONPATH: the server it starts runs this checkout's code even when the venv's editable
+install points at another checkout.)
+
+The embedding attacks run against the bundled model; the rerank ones against a random BERT
+of ms-marco-MiniLM-L6-v2's shape (bench/rerank.py builds it; 512-token limit). Each attack
+is sent alone, after the server's high-water mark is reset (/proc/PID/clear_refs, "5"); the
+growth is VmHWM minus VmRSS at the reset. Concurrent attacks (twelve /decode bodies, three
+document bodies) send their bodies at once. Clients and server share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rerank import minilm_shaped_reranker  # noqa: E402
+
+MiB = 1 << 20
+EMBEDDING = [
+    ("invalid 2 MB list", "/embed", orjson.dumps({"inputs": [1] * 999_999 + [1.5]}), 1),
+    ("16 MB /decode, 12 at once", "/decode", orjson.dumps({"ids": [[1] * 4090] * 2048}), 12),
+    ("/embed_all, 33 inputs (over the cap)", "/embed_all",
+     orjson.dumps({"inputs": ["!" * 254] * 33}), 1),
+    ("/embed_all, 32 inputs of 256 tokens", "/embed_all",
+     orjson.dumps({"inputs": ["!" * 254] * 32}), 1),
+    ("16 MB of OpenAI ids (128 spaces each)", "/v1/embeddings",
+     orjson.dumps({"input": [[58040] * 1364] * 2048}), 1),
+    ("/tokenize, 2048 x 8,000 characters", "/tokenize",
+     orjson.dumps({"inputs": ["word " * 1600] * 2048}), 1),
+]
+RERANK = [
+    ("200 KB query x 192 texts", "/rerank",
+     orjson.dumps({"query": "!" * 199_990, "texts": ["a"] * 192}), 1),
+    ("16 MB of documents, 3 at once", "/v1/rerank",
+     orjson.dumps({"query": "which document?",
+                   "documents": ["many words in a long document " * 266] * 2048}), 3),
+]
+
+
+def status_kib(pid: int, key: str) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1))
+
+
+def start(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
+    exe = Path(sys.executable).with_name("embedsvc")
+    extra = ["--model", model] if model else []
+    out = open(log, "wb")  # noqa: SIM115 - the server writes to it until it stops
+    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32", *extra],
+                            stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{log.read_text()}")
+        time.sleep(0.2)
+    raise SystemExit("server did not start")
+
+
+def attack(url: str, pid: int, route: str, body: bytes, copies: int) -> tuple[str, float, float]:
+    """Statuses, seconds until the last answer, peak RSS growth (MiB)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    base = status_kib(pid, "VmRSS")
+    statuses: list[int] = []
+    barrier = threading.Barrier(copies)
+
+    def send() -> None:
+        barrier.wait(60)
+        resp = httpx.post(url + route, content=body, timeout=300,
+                          headers={"content-type": "application/json"})
+        statuses.append(resp.status_code)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=send) for _ in range(copies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.monotonic() - started
+    growth = (status_kib(pid, "VmHWM") - base) / 1024
+    counted = ", ".join(f"{statuses.count(s)} x {s}" for s in sorted(set(statuses)))
+    return counted, took, growth
+
+
+def run(model: str | None, attacks: list, log: Path) -> None:
+    proc, url = start(model, log)
+    try:
+        for name, route, body, copies in attacks:
+            counted, took, growth = attack(url, proc.pid, route, body, copies)
+            print(f"| {name} | {route} | {len(body) / MiB:.1f} | {counted} | {took:.2f} | "
+                  f"{growth:.0f} |", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("embedding", "rerank"), help="one model's attacks")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="embedsvc-attacks-"))
+    print("| attack | route | body (MiB) | answers | seconds | peak RSS growth (MiB) |")
+    print("|---|---|---:|---|---:|---:|")
+    if args.only != "rerank":
+        run(None, EMBEDDING, work / "embedding.log")
+    if args.only != "embedding":
+        model = minilm_shaped_reranker(work / "reranker")
+        run(str(model), RERANK, work / "reranker.log")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

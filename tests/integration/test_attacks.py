@@ -1,0 +1,257 @@
+"""One request cannot freeze or exhaust the server (issue 26): each attack against a live
+`embedsvc serve` process, with the bounds the issue sets on its answer time and on the peak
+growth of the server's resident memory (VmHWM, reset before each attack)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from ..fakes import GatedEncoder
+from .fake_server import fake_server, healthy_answer
+from .servers import Server, running
+
+MB = 1 << 20
+_PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
+
+
+class PeakMemory:
+    """The peak growth of a process's resident memory since ``reset`` (Linux)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = 0
+
+    def _status(self, key: str) -> int:
+        text = Path(f"/proc/{self.pid}/status").read_text()
+        return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+    def reset(self) -> None:
+        # "5": the high-water mark restarts from the current resident size (proc(5))
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        self.base = self._status("VmRSS")
+
+    def growth(self) -> int:
+        return self._status("VmHWM") - self.base
+
+
+def probe_url(server: Server) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = _PROBES.search(server.output())
+        if found:
+            return f"http://127.0.0.1:{found.group(1)}/health"
+        time.sleep(0.1)
+    raise AssertionError(f"no probe port logged:\n{server.output()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("attacks") / "serve.log"
+    with running(["embedsvc", "serve", "--port", "0", "--threads", "32"], log,
+                 env={"EMBEDSVC_HEALTH_PORT": "0"}) as server:
+        server.memory = PeakMemory(server.proc.pid)  # type: ignore[attr-defined]
+        yield server
+
+
+@pytest.fixture(scope="module")
+def kinds(kind_dirs, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("attack-kinds")
+    with running(["embedsvc", "serve", "--model", str(kind_dirs["reranker"]), "--port", "0",
+                  "--threads", "32"], logs / "reranker.log") as reranker, \
+            running(["embedsvc", "serve", "--model", str(kind_dirs["sparse"]), "--port", "0",
+                     "--threads", "32"], logs / "sparse.log") as sparse:
+        for server in (reranker, sparse):
+            server.memory = PeakMemory(server.proc.pid)  # type: ignore[attr-defined]
+        yield {"reranker": reranker, "sparse": sparse}
+
+
+def post(server: Server, route: str, body: bytes, timeout: float = 120) -> tuple[int, dict,
+                                                                              float]:
+    started = time.monotonic()
+    resp = httpx.post(server.url + route, content=body, timeout=timeout,
+                      headers={"Content-Type": "application/json"})
+    return resp.status_code, resp.json(), time.monotonic() - started
+
+
+def all_at_once(work, n: int) -> list:
+    results: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        barrier.wait(30)
+        results[i] = work(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+INVALID_LIST = orjson.dumps({"inputs": [1] * 999_999 + [1.5]})  # 2 MB
+
+
+def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(embedding):
+    probe = probe_url(embedding)
+    slowest: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            assert httpx.get(probe, timeout=5).status_code == 200
+            slowest.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    embedding.memory.reset()
+    watcher.start()
+    try:
+        status, body, took = post(embedding, "/embed", INVALID_LIST)
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert status == 400, body
+    assert "item 999999 is a number (1.5)" in body["error"]["message"]
+    assert took < 0.5, took
+    assert embedding.memory.growth() < 100 * MB
+    assert slowest and max(slowest) < 0.5, max(slowest)
+
+
+def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embedding):
+    probe = probe_url(embedding)
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def attack() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                sent.append(client.post(embedding.url + "/embed", content=INVALID_LIST,
+                                        headers={"Content-Type": "application/json"})
+                            .status_code)
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    failed = []
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            started = time.monotonic()
+            try:  # a kubelet probe with timeoutSeconds: 1
+                if httpx.get(probe, timeout=1).status_code != 200:
+                    failed.append("status")
+            except httpx.TimeoutException:
+                failed.append("timeout")
+            time.sleep(max(0.0, 1 - (time.monotonic() - started)))
+    finally:
+        stop.set()
+        attacker.join(30)
+    assert not failed, failed
+    assert len(sent) > 10 and set(sent) == {400}
+
+
+def test_a_big_query_rerank_is_windowed(kinds):
+    server = kinds["reranker"]
+    server.memory.reset()
+    status, body, took = post(server, "/rerank",
+                              orjson.dumps({"query": "!" * 199_990, "texts": ["a"] * 192}))
+    assert status == 200, body
+    assert len(body) == 192 and took < 2, took
+    assert server.memory.growth() < 300 * MB
+
+
+def test_three_16_mb_document_bodies_at_once_stay_bounded(kinds):
+    server = kinds["reranker"]
+    doc = "many words in a long document " * 266  # 7,980 characters
+    body = orjson.dumps({"query": "which document?", "documents": [doc] * 2048})
+    assert 15 * MB < len(body) < 16 * MB
+    server.memory.reset()
+    answers = all_at_once(lambda i: post(server, "/v1/rerank", body), 3)
+    assert [status for status, _, _ in answers] == [200] * 3, answers[0][1]
+    assert all(len(answer["results"]) == 2048 for _, answer, _ in answers)
+    assert server.memory.growth() < 1536 * MB
+
+
+def test_twelve_16_mb_decode_bodies_at_once_stay_bounded(embedding):
+    body = orjson.dumps({"ids": [[1] * 4090] * 2048})  # 8.4M ids
+    assert 15 * MB < len(body) < 16 * MB
+    embedding.memory.reset()
+    answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
+    # Admitted one at a time (each is over MAX_QUEUE_TOKENS), a decoding of 8.4M ids takes
+    # seconds: those still waiting at their deadline get 504; none is cut off another way.
+    assert {status for status, _, _ in answers} <= {200, 504}, answers[0][1]
+    assert all(len(texts) == 2048 for status, texts, _ in answers if status == 200)
+    assert embedding.memory.growth() < 1536 * MB
+    status, texts, _ = post(embedding, "/decode", orjson.dumps({"ids": [[7592, 2088]]}))
+    assert (status, texts) == (200, ["hello world"])
+
+
+def test_embed_all_over_its_cap_is_refused_with_the_cap(embedding):
+    status, body, _ = post(embedding, "/embed_all", orjson.dumps({"inputs": ["!" * 254] * 33}))
+    assert status == 400 and body["error"]["code"] == "too_many_inputs"
+    assert "(32)" in body["error"]["message"] and "/embed" in body["error"]["message"]
+    status, rows, _ = post(embedding, "/embed_all", orjson.dumps({"inputs": ["!" * 254] * 32}))
+    assert status == 200 and [len(r) for r in rows] == [256] * 32
+
+
+def test_embed_all_drops_a_departed_client_and_keeps_its_deadline():
+    fake = GatedEncoder()
+    computed: list[int] = []
+    encode_tokens = fake.encode_tokens
+
+    def counted(batch):
+        computed.append(len(batch))
+        return encode_tokens(batch)
+
+    fake.encode_tokens = counted  # type: ignore[method-assign]
+    with fake_server(fake, request_timeout_s=1.5) as server:
+        fake.hold()  # the device stays busy with a batch of /embed
+        first = threading.Thread(target=lambda: httpx.post(
+            server.url + "/embed", json={"inputs": "holds the device"}, timeout=30))
+        first.start()
+        assert fake.entered.wait(5)
+        body = orjson.dumps({"inputs": ["goodbye"] * 5})
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)  # waiting for the device
+        sock.close()
+        started = time.monotonic()
+        late = httpx.post(server.url + "/embed_all", json={"inputs": ["late"]}, timeout=30)
+        waited = time.monotonic() - started
+        fake.gate.set()
+        first.join(10)
+        assert late.status_code == 504 and waited < 2.5, (late.text, waited)
+        dropped = {reason: server.registry.get_sample_value(
+            "embedsvc_dropped_inputs_total", {"reason": reason}) for reason in
+            ("disconnected", "timeout")}
+        assert dropped == {"disconnected": 5, "timeout": 1}
+        assert computed == []
+        healthy_answer(server, fake)
+
+
+def test_a_16_kb_sparse_request_stays_under_1_gb(kinds):
+    server = kinds["sparse"]
+    server.memory.reset()
+    status, body, _ = post(server, "/embed_sparse", orjson.dumps({"inputs": ["!" * 126] * 128}))
+    assert status == 200 and len(body) == 128
+    assert server.memory.growth() < 1024 * MB
+
+
+def test_a_16_mb_body_of_openai_ids_is_refused_fast(embedding):
+    body = orjson.dumps({"input": [[58040] * 1364] * 2048})  # cl100k 58040: 128 spaces
+    assert len(body) < 16 * MB
+    status, answer, took = post(embedding, "/v1/embeddings", body)
+    assert status == 400 and answer["error"]["code"] == "input_too_long", answer
+    assert "MAX_BODY_BYTES" in answer["error"]["message"]
+    assert took < 2, took

@@ -1,0 +1,74 @@
+"""shapes.py through the request models: list fields checked by shape, counted first, the
+first wrong item named by position, in a message that says what the route takes."""
+
+import pytest
+
+from embedsvc.api.schemas import (
+    CohereRerankRequest,
+    DecodeRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    PredictRequest,
+    RerankRequest,
+    SimilarityRequest,
+    TokenizeRequest,
+)
+from embedsvc.errors import InvalidRequest
+
+LIMIT = {"max_inputs": 4}
+
+
+def refused(model, body):
+    with pytest.raises(InvalidRequest) as info:
+        model.model_validate(body, context=LIMIT)
+    return info.value
+
+
+@pytest.mark.parametrize(("model", "body", "param", "says"), [
+    (EmbedRequest, {"inputs": [1, 2, 1.5]}, "inputs", "item 2 is a number (1.5)"),
+    (EmbedRequest, {"inputs": [[1], [2, True]]}, "inputs", "item 1, position 1, is true or false"),
+    (EmbedRequest, {"inputs": ["a", [5]]}, "inputs", "item 1 is a list"),
+    (EmbedRequest, {"inputs": {"a": 1}}, "inputs", "not an object"),
+    (EmbeddingsRequest, {"input": ["a", None]}, "input", "item 1 is null"),
+    (TokenizeRequest, {"inputs": [[1, 2]]}, "inputs", "item 0 is a list"),
+    (DecodeRequest, {"ids": ["a"]}, "ids", "item 0 is a string"),
+    (RerankRequest, {"query": "q", "texts": "a"}, "texts", "not a string"),
+    (CohereRerankRequest, {"query": "q", "documents": ["a", {"txt": "b"}]}, "documents",
+     "item 1 is an object"),
+    (PredictRequest, {"inputs": [["a", "b"], ["c", 3]]}, "inputs",
+     "item 1, position 1, is an integer (3)"),
+    (SimilarityRequest, {"inputs": {"source_sentence": "a", "sentences": ["b", 2]}}, "inputs",
+     "item 1 is an integer (2)"),
+])
+def test_the_first_wrong_item_is_named_by_position(model, body, param, says):
+    err = refused(model, body)
+    assert err.param == param and err.code == f"invalid_{param}"
+    assert says in err.message, err.message
+
+
+@pytest.mark.parametrize(("model", "body"), [
+    (PredictRequest, {"inputs": [["a", 1]]}),
+    (SimilarityRequest, {"inputs": {"source_sentence": "a", "sentences": [1]}}),
+    (TokenizeRequest, {"inputs": [1]}),
+    (RerankRequest, {"query": "q", "texts": [1]}),
+])
+def test_routes_that_take_no_token_ids_do_not_ask_for_them(model, body):
+    assert "token ids" not in refused(model, body).message
+
+
+def test_the_count_is_checked_before_any_item():
+    err = refused(EmbedRequest, {"inputs": ["a"] * 5 + [1.5]})
+    assert err.code == "too_many_inputs" and "MAX_INPUTS_PER_REQUEST (4)" in err.message
+    err = refused(CohereRerankRequest, {"query": "q", "documents": ["a"] * 5 + [None]})
+    assert err.code == "too_many_inputs" and err.param == "documents"
+    # one input's token ids are not a count of inputs
+    assert EmbedRequest.model_validate({"inputs": [1] * 10}, context=LIMIT).inputs == [1] * 10
+
+
+def test_valid_shapes_pass_as_sent_and_documents_become_texts():
+    for inputs in ("a", ["a", "b"], [1, 2], [[1], [2, 3]], []):
+        assert EmbedRequest.model_validate({"inputs": inputs}, context=LIMIT).inputs == inputs
+    req = CohereRerankRequest.model_validate(
+        {"query": "q", "documents": ["a", {"text": "b", "title": "x"}]}, context=LIMIT)
+    assert req.documents == ["a", "b"]
+    assert PredictRequest.model_validate({"inputs": ["a", "b"]}).inputs == ["a", "b"]
