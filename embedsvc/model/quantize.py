@@ -1,0 +1,142 @@
+"""Quantized embeddings: int8/uint8 codes from fixed per-dimension ranges, and packed bits.
+
+The ranges come from a calibration set the package ships (``calibration.txt``), embedded once
+through the served model and kept in the cache beside its graphs, so that a text's codes
+depend on the model and the text only, never on the other texts of its request or batch
+(sentence-transformers' ``quantize_embeddings`` takes them from the batch unless it is given
+fixed ones). Binary codes are packed as sentence-transformers packs them: one bit per
+dimension, set for a value > 0, eight to a byte; ``binary`` is ``ubinary - 128``.
+
+>>> rows = np.array([[0.5, -0.25, 0.0, 1.0]], np.float32)
+>>> quantize(rows, "ubinary").tolist(), quantize(rows, "binary").tolist()
+([[144]], [[16]])
+>>> ranges = Ranges(np.full(4, -1.0, np.float32), np.full(4, 1.0, np.float32))
+>>> quantize(rows, "int8", ranges).tolist()
+[[63, -32, -1, 127]]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .graph_cache import GraphCache
+
+log = logging.getLogger(__name__)
+
+FLOAT, INT8, UINT8, BINARY, UBINARY = "float", "int8", "uint8", "binary", "ubinary"
+DTYPES = (FLOAT, INT8, UINT8, BINARY, UBINARY)
+NUMPY_TYPES = {FLOAT: np.float32, INT8: np.int8, UINT8: np.uint8, BINARY: np.int8,
+               UBINARY: np.uint8}
+_FORMAT = "1"  # bump when what a calibration file holds changes
+_PROBES = 8  # calibration texts embedded again at load, to tell a changed model
+_PROBE_COSINE = 0.9999
+
+Embed = Callable[[list[str]], np.ndarray]  # texts -> raw (unnormalised) float32 rows
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """The lowest and highest value of each dimension over the calibration set."""
+
+    low: np.ndarray
+    high: np.ndarray
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration set's raw vectors through one model; ranges for any output shape."""
+
+    rows: np.ndarray  # (texts, dimension) float32, as the model gives them
+
+    def ranges(self, *, normalize: bool = True, dimensions: int | None = None) -> Ranges:
+        """The ranges of vectors shaped as a request shapes them: cut to ``dimensions``
+        first, then normalised (as the engine does), so that the codes use all 256 steps."""
+        rows = self.rows[:, :dimensions] if dimensions else self.rows
+        if normalize:
+            rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        return Ranges(rows.min(axis=0), rows.max(axis=0))
+
+
+def quantize(rows: np.ndarray, dtype: str, ranges: Ranges | None = None) -> np.ndarray:
+    """``rows`` as ``dtype`` (one of ``DTYPES``); int8 and uint8 need ``ranges``.
+
+    int8/uint8: each dimension's range cut into 255 equal steps, each value rounded to the
+    nearest step and clipped to the range (a value past the calibration set's extremes gets
+    the end code). binary/ubinary: ``ceil(dimension / 8)`` bytes per row.
+    """
+    if dtype == FLOAT:
+        return np.asarray(rows, np.float32)
+    if dtype in (BINARY, UBINARY):
+        packed = np.packbits(rows > 0, axis=-1)
+        return packed if dtype == UBINARY else (packed.astype(np.int16) - 128).astype(np.int8)
+    if dtype not in (INT8, UINT8):
+        raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
+    if ranges is None:
+        raise ValueError(f"{dtype} codes need calibrated ranges")
+    width = rows.shape[1]
+    low, high = ranges.low[:width], ranges.high[:width]
+    steps = np.maximum(high - low, 1e-12) / 255.0
+    codes = np.clip(np.rint((rows - low) / steps), 0, 255).astype(np.int16)
+    return codes.astype(np.uint8) if dtype == UINT8 else (codes - 128).astype(np.int8)
+
+
+def dequantize(codes: np.ndarray, dtype: str, ranges: Ranges) -> np.ndarray:
+    """int8/uint8 codes back to the middle of their steps (for quality checks)."""
+    width = codes.shape[1]
+    low, high = ranges.low[:width], ranges.high[:width]
+    steps = np.maximum(high - low, 1e-12) / 255.0
+    levels = codes.astype(np.float32) + (128 if dtype == INT8 else 0)
+    return low + levels * steps
+
+
+def calibration_texts() -> list[str]:
+    """The shipped calibration set: varied English sentences, one a line."""
+    text = resources.files(__package__).joinpath("calibration.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def calibrate(cache_root: Path, model: str, fingerprint: Sequence[str], embed: Embed,
+              texts: list[str] | None = None) -> Calibration:
+    """The model's calibration: read from the cache, else computed with ``embed`` and stored.
+
+    ``fingerprint`` names what makes the vectors (model, dimension, backend, dtype). A cached
+    file is used only after its first texts, embedded again now, still give its vectors, so
+    that a model changed under the same name is calibrated afresh.
+    """
+    texts = calibration_texts() if texts is None else texts
+    digest = hashlib.sha256("\n".join([*fingerprint, *texts, _FORMAT]).encode()).hexdigest()
+    cache = GraphCache(cache_root)
+    path = cache.path(model, digest, suffix=".calibration.npy")
+    probes: list[np.ndarray] = []
+
+    def build(target: Path) -> None:
+        log.info("calibrating int8 ranges for %s on %d texts", model, len(texts))
+        with open(target, "wb") as out:  # np.save on a path would add its own suffix
+            np.save(out, np.asarray(embed(texts), np.float32))
+
+    def load(source: Path) -> Calibration:
+        rows = np.load(source)
+        if rows.shape[0] != len(texts):
+            raise ValueError(f"{rows.shape[0]} rows for {len(texts)} calibration texts")
+        if not probes:
+            probes.append(np.asarray(embed(texts[:_PROBES]), np.float32))
+        if not _same(rows[:_PROBES], probes[0]):
+            raise ValueError("the model no longer gives these vectors")
+        return Calibration(rows)
+
+    calibration, _ = cache.get_or_build(path, build, load)
+    return calibration
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape:
+        return False
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return bool(((a * b).sum(axis=1) / np.maximum(norms, 1e-12) > _PROBE_COSINE).all())

@@ -1,0 +1,76 @@
+"""model/quantize.py: the codes against sentence-transformers', and the calibration cache."""
+
+import numpy as np
+from sentence_transformers.util.quantization import quantize_embeddings
+
+from embedsvc.model import quantize
+from embedsvc.model.quantize import Calibration, Ranges
+
+ROWS = np.random.default_rng(1).standard_normal((50, 37)).astype(np.float32)
+
+
+def test_bits_are_packed_as_sentence_transformers_packs_them():
+    for dtype in ("binary", "ubinary"):
+        want = quantize_embeddings(ROWS, precision=dtype)
+        got = quantize.quantize(ROWS, dtype)
+        assert got.dtype == want.dtype and got.shape == (50, 5)
+        assert np.array_equal(got, want)
+
+
+def test_int8_uses_sentence_transformers_steps_rounded_not_truncated():
+    ranges = Ranges(ROWS.min(axis=0), ROWS.max(axis=0))
+    want = quantize_embeddings(ROWS, precision="int8", ranges=np.stack([ranges.low, ranges.high]))
+    got = quantize.quantize(ROWS, "int8", ranges)
+    # the same 256 steps from the same ends; sentence-transformers truncates, this rounds
+    assert np.abs(got.astype(int) - want.astype(int)).max() == 1
+    assert got.min() == -128 and got.max() == 127
+    uint8 = quantize.quantize(ROWS, "uint8", ranges)
+    assert np.array_equal(uint8.astype(int) - 128, got.astype(int))
+    back = quantize.dequantize(got, "int8", ranges)
+    assert np.abs(back - ROWS).max() <= (ranges.high - ranges.low).max() / 255 / 2 + 1e-6
+
+
+def test_values_past_the_calibrated_range_get_the_end_codes():
+    ranges = Ranges(np.zeros(2, np.float32), np.ones(2, np.float32))
+    codes = quantize.quantize(np.array([[-5.0, 7.0]], np.float32), "int8", ranges)
+    assert codes.tolist() == [[-128, 127]]
+
+
+def test_ranges_follow_the_requests_shape():
+    calibration = Calibration(ROWS)
+    cut = ROWS[:, :8] / np.linalg.norm(ROWS[:, :8], axis=1, keepdims=True)
+    r = calibration.ranges(dimensions=8)
+    assert r.low.shape == (8,)
+    np.testing.assert_allclose(r.low, cut.min(axis=0), rtol=1e-6)
+    raw = calibration.ranges(normalize=False)
+    np.testing.assert_allclose(raw.high, ROWS.max(axis=0))
+
+
+def test_the_shipped_set_is_varied_and_unique():
+    texts = quantize.calibration_texts()
+    assert len(texts) >= 250 and len(set(texts)) == len(texts)
+
+
+def test_calibration_is_computed_once_then_read_and_checked(tmp_path):
+    texts = [f"text {i}" for i in range(20)]
+    table = np.random.default_rng(2).standard_normal((20, 6)).astype(np.float32)
+    calls = []
+
+    def embed(batch):
+        calls.append(len(batch))
+        return np.stack([table[int(t.split()[1])] for t in batch])
+
+    first = quantize.calibrate(tmp_path, "m", ["m", "6"], embed, texts)
+    np.testing.assert_array_equal(first.rows, table)
+    assert calls == [20, 8]  # all, then the probe before publishing
+    calls.clear()
+    again = quantize.calibrate(tmp_path, "m", ["m", "6"], embed, texts)
+    np.testing.assert_array_equal(again.rows, table)
+    assert calls == [8]  # read from disk, after the probe agreed
+    changed = table + 1.0  # the same name, other weights: calibrated afresh
+
+    def embed_changed(batch):
+        return np.stack([changed[int(t.split()[1])] for t in batch])
+
+    np.testing.assert_array_equal(
+        quantize.calibrate(tmp_path, "m", ["m", "6"], embed_changed, texts).rows, changed)
