@@ -37,6 +37,11 @@ NUMPY_TYPES = {FLOAT: np.float32, INT8: np.int8, UINT8: np.uint8, BINARY: np.int
 _FORMAT = "1"  # bump when what a calibration file holds changes
 _PROBES = 8  # calibration texts embedded again at load, to tell a changed model
 _PROBE_COSINE = 0.9999
+# The calibration set's extremes underestimate what other texts reach, and a clipped value
+# costs more than a coarser step: each range is widened by half its width on either side
+# (on the bundled model, the worst of eight unusual texts kept cosine 0.985 to its float
+# vector without the margin and 0.998 with it, while ordinary texts stay at 0.9999).
+MARGIN = 0.5
 
 Embed = Callable[[list[str]], np.ndarray]  # texts -> raw (unnormalised) float32 rows
 
@@ -57,11 +62,13 @@ class Calibration:
 
     def ranges(self, *, normalize: bool = True, dimensions: int | None = None) -> Ranges:
         """The ranges of vectors shaped as a request shapes them: cut to ``dimensions``
-        first, then normalised (as the engine does), so that the codes use all 256 steps."""
+        first, then normalised (as the engine does), widened by ``MARGIN``."""
         rows = self.rows[:, :dimensions] if dimensions else self.rows
         if normalize:
             rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-        return Ranges(rows.min(axis=0), rows.max(axis=0))
+        low, high = rows.min(axis=0), rows.max(axis=0)
+        wide = (high - low) * MARGIN
+        return Ranges(low - wide, high + wide)
 
 
 def quantize(rows: np.ndarray, dtype: str, ranges: Ranges | None = None) -> np.ndarray:
