@@ -84,6 +84,11 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
                        "cluster, else 1)")
     embed.add_argument("--actor-cpus", type=float, default=None,
                        help="with --ray: CPUs for each replica without a GPU (default: 1)")
+    embed.add_argument("--output-dtype", default="float",
+                       choices=("float", "int8", "uint8", "binary", "ubinary"),
+                       help="write quantized rows: int8/uint8 codes from the model's "
+                       "calibrated ranges, or binary/ubinary packed sign bits; .npy and "
+                       "Parquet hold the integer type (default: %(default)s)")
     Settings.add_arguments(embed, serving=False)
 
 

@@ -13,7 +13,7 @@ import base64
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -85,24 +85,21 @@ def calibration(engine: Engine) -> quantize.Calibration:
     with _calibrating:  # concurrent first requests compute it once
         found = _calibrations.get(engine)
         if found is None:
-            info = engine.info
-            fingerprint = [info.name, str(info.dimension), info.backend, info.dtype]
-            found = quantize.calibrate(cache_root(engine.settings.cache_dir), info.name,
-                                       fingerprint, _embedder(engine))
+            found = quantize.calibrate(cache_root(engine.settings.cache_dir), engine.info,
+                                       raw_embedder(engine), batch=_batch(engine))
             _calibrations[engine] = found
     return found
 
 
-def _embedder(engine: Engine) -> quantize.Embed:
-    """Raw vectors through the engine (and so the batcher), in requests it admits."""
-    step = max(1, min(_CALIBRATION_BATCH, engine.settings.max_inputs_per_request))
+def raw_embedder(engine: Engine) -> quantize.Embed:
+    """Raw vectors through the engine (and so the batcher), each call one admitted request."""
 
     def embed(texts: list[str]) -> np.ndarray:
-        parts: list[Any] = []
-        for start in range(0, len(texts), step):
-            deadline = time.monotonic() + engine.settings.request_timeout_s
-            parts.append(engine.embed(texts[start:start + step], normalize=False,
-                                      truncate=True, deadline=deadline).vectors)
-        return np.concatenate(parts)
+        deadline = time.monotonic() + engine.settings.request_timeout_s
+        return engine.embed(texts, normalize=False, truncate=True, deadline=deadline).vectors
 
     return embed
+
+
+def _batch(engine: Engine) -> int:
+    return max(1, min(_CALIBRATION_BATCH, engine.settings.max_inputs_per_request))

@@ -27,7 +27,7 @@ import numpy as np
 import orjson
 
 from .errors import JobChanged
-from .parts import PART_SUFFIX, PartWriter, assemble
+from .parts import PART_SUFFIX, PartWriter, assemble, row_type
 from .records import Position, Record
 
 MANIFEST = "manifest.json"
@@ -123,6 +123,7 @@ class Checkpoint:
         self._end = end
         if isinstance(rows, np.ndarray):  # sparse rows have no width; JSONL needs none
             self._manifest["dimension"] = int(rows.shape[1])
+            self._manifest["row_type"] = row_type(rows)  # int8 codes with --output-dtype
         if self._part.rows >= self.part_size:
             self.commit()
 
@@ -148,6 +149,7 @@ class Checkpoint:
         """Commit the last part, join all parts into the output, remove the directory."""
         self.commit()
         parts = [self.dir / p["file"] for p in self._manifest["parts"]]
-        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0)
+        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0,
+                        self._manifest.get("row_type", "<f4"))
         shutil.rmtree(self.dir)
         return rows

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..logs import quiet_model_libraries
+from ..model import quantize
+from ..model.graph_cache import cache_root
 from ..settings import Settings
 from .errors import BulkError, UsageError
 from .job import Summary, embed_file, open_checkpoint
@@ -79,6 +83,43 @@ def check_options(args: Any, settings: Settings) -> None:
                          f"{Path(args.output).name!r}")
     if not args.url:  # the kind from the model's config files; a server's, once asked
         _check_kind(expected_kind(settings), args)
+    if output_dtype(args) != quantize.FLOAT and (args.url or args.ray is not None):
+        raise UsageError("--output-dtype quantizes in this process, with the model's own "
+                         "calibration: drop --url and --ray, or ask the server's /v2/embed "
+                         "for embedding_types")
+
+
+def output_dtype(args: Any) -> str:
+    return getattr(args, "output_dtype", None) or quantize.FLOAT
+
+
+class Quantized:
+    """An in-process embedder whose rows come out as ``dtype`` codes (model/quantize.py):
+    int8/uint8 from the model's calibration, cached as the server caches it."""
+
+    def __init__(self, embedder: Any, dtype: str, settings: Settings) -> None:
+        if embedder.kind != "embedding":
+            raise BulkError(f"--output-dtype {dtype} quantizes dense embeddings; this is a "
+                            f"{embedder.kind} model: drop --output-dtype")
+        self.embedder, self.dtype, self.kind = embedder, dtype, embedder.kind
+        self.identity = {**embedder.identity, "output_dtype": dtype}
+        self.ranges = None
+        if dtype in (quantize.INT8, quantize.UINT8):
+            engine = embedder.engine
+
+            def raw(texts: list[str]) -> np.ndarray:
+                return engine.embed(texts, normalize=False, truncate=True).vectors
+
+            step = min(64, settings.max_inputs_per_request)
+            self.ranges = quantize.calibrate(cache_root(settings.cache_dir), engine.info, raw,
+                                             batch=step).ranges()
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        rows, tokens = self.embedder(texts)
+        return quantize.quantize(rows, self.dtype, self.ranges), tokens
+
+    def close(self) -> None:
+        self.embedder.close()
 
 
 def _check_kind(kind: str | None, args: Any) -> None:
@@ -124,12 +165,17 @@ def _run_file(args: Any, settings: Settings) -> Summary:
             _check_kind(embedder.kind, args)
         # an unfinished job is checked before the model loads
         identity = embedder.identity if embedder else local_identity(settings)
+        dtype = output_dtype(args)
+        if dtype != quantize.FLOAT:  # float jobs keep the identity they always had
+            identity = {**identity, "output_dtype": dtype}
         checkpoint = open_checkpoint(source, target, identity, text_field=args.text_field,
                                      id_field=args.id_field, part_size=args.part_size,
                                      restart=args.restart)
         if embedder is None:
             embedder = LocalEmbedder(settings)
             _check_kind(embedder.kind, args)  # the config files may not have told it
+            if dtype != quantize.FLOAT:
+                embedder = Quantized(embedder, dtype, settings)
         done = checkpoint.done.records
         with progress_bar(total=count_records(source), initial=done) as bar:
             return embed_file(source, target, embedder, text_field=args.text_field,

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+from .encoder import ModelInfo
 from .graph_cache import GraphCache
 
 log = logging.getLogger(__name__)
@@ -109,32 +110,35 @@ def calibration_texts() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def calibrate(cache_root: Path, model: str, fingerprint: Sequence[str], embed: Embed,
+def calibrate(cache_root: Path, info: ModelInfo, embed: Embed, *, batch: int = 64,
               texts: list[str] | None = None) -> Calibration:
-    """The model's calibration: read from the cache, else computed with ``embed`` and stored.
+    """The model's calibration: read from the cache, else computed with ``embed`` (texts to raw
+    rows, called with at most ``batch`` texts) and stored.
 
-    ``fingerprint`` names what makes the vectors (model, dimension, backend, dtype). A cached
-    file is used only after its first texts, embedded again now, still give its vectors, so
-    that a model changed under the same name is calibrated afresh.
+    The cache key names what makes the vectors (model, dimension, backend, dtype) and the
+    texts. A cached file is used only after its first texts, embedded again now, still give
+    its vectors, so that a model changed under the same name is calibrated afresh.
     """
     texts = calibration_texts() if texts is None else texts
-    digest = hashlib.sha256("\n".join([*fingerprint, *texts, _FORMAT]).encode()).hexdigest()
+    made_by = [info.name, str(info.dimension), info.backend, info.dtype]
+    digest = hashlib.sha256("\n".join([*made_by, *texts, _FORMAT]).encode()).hexdigest()
     cache = GraphCache(cache_root)
-    path = cache.path(model, digest, suffix=".calibration.npy")
+    path = cache.path(info.name, digest, suffix=".calibration.npy")
     probes: list[np.ndarray] = []
 
     def build(target: Path) -> None:
-        log.info("calibrating int8 ranges for %s on %d texts", model, len(texts))
+        log.info("calibrating int8 ranges for %s on %d texts", info.name, len(texts))
+        rows = [embed(texts[i:i + batch]) for i in range(0, len(texts), batch)]
         with open(target, "wb") as out:  # np.save on a path would add its own suffix
-            np.save(out, np.asarray(embed(texts), np.float32))
+            np.save(out, np.concatenate(rows).astype(np.float32))
 
     def load(source: Path) -> Calibration:
         rows = np.load(source)
         if rows.shape[0] != len(texts):
             raise ValueError(f"{rows.shape[0]} rows for {len(texts)} calibration texts")
         if not probes:
-            probes.append(np.asarray(embed(texts[:_PROBES]), np.float32))
-        if not _same(rows[:_PROBES], probes[0]):
+            probes.append(np.asarray(embed(texts[:min(_PROBES, batch)]), np.float32))
+        if not _same(rows[:len(probes[0])], probes[0]):
             raise ValueError("the model no longer gives these vectors")
         return Calibration(rows)
 

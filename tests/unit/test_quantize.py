@@ -1,9 +1,12 @@
 """model/quantize.py: the codes against sentence-transformers', and the calibration cache."""
 
+import dataclasses
+
 import numpy as np
 from sentence_transformers.util.quantization import quantize_embeddings
 
 from embedsvc.model import quantize
+from embedsvc.model.encoder import ModelInfo
 from embedsvc.model.quantize import Calibration, Ranges
 
 ROWS = np.random.default_rng(1).standard_normal((50, 37)).astype(np.float32)
@@ -62,11 +65,13 @@ def test_calibration_is_computed_once_then_read_and_checked(tmp_path):
         calls.append(len(batch))
         return np.stack([table[int(t.split()[1])] for t in batch])
 
-    first = quantize.calibrate(tmp_path, "m", ["m", "6"], embed, texts)
+    info = ModelInfo(name="m", dimension=6, max_input_tokens=8, vocab_size=10, device="cpu",
+                     dtype="float32")
+    first = quantize.calibrate(tmp_path, info, embed, batch=8, texts=texts)
     np.testing.assert_array_equal(first.rows, table)
-    assert calls == [20, 8]  # all, then the probe before publishing
+    assert calls == [8, 8, 4, 8]  # all, in batches, then the probe before publishing
     calls.clear()
-    again = quantize.calibrate(tmp_path, "m", ["m", "6"], embed, texts)
+    again = quantize.calibrate(tmp_path, info, embed, batch=8, texts=texts)
     np.testing.assert_array_equal(again.rows, table)
     assert calls == [8]  # read from disk, after the probe agreed
     changed = table + 1.0  # the same name, other weights: calibrated afresh
@@ -75,4 +80,7 @@ def test_calibration_is_computed_once_then_read_and_checked(tmp_path):
         return np.stack([changed[int(t.split()[1])] for t in batch])
 
     np.testing.assert_array_equal(
-        quantize.calibrate(tmp_path, "m", ["m", "6"], embed_changed, texts).rows, changed)
+        quantize.calibrate(tmp_path, info, embed_changed, batch=8, texts=texts).rows, changed)
+    other = dataclasses.replace(info, backend="onnx")  # another backend: its own file
+    np.testing.assert_array_equal(
+        quantize.calibrate(tmp_path, other, embed, batch=8, texts=texts).rows, table)
