@@ -20,23 +20,23 @@ def test_bits_are_packed_as_sentence_transformers_packs_them():
         assert np.array_equal(got, want)
 
 
-def test_int8_uses_sentence_transformers_steps_rounded_not_truncated():
+def test_int8_codes_span_the_range_and_come_back_within_half_a_step():
     ranges = Ranges(ROWS.min(axis=0), ROWS.max(axis=0))
-    want = quantize_embeddings(ROWS, precision="int8", ranges=np.stack([ranges.low, ranges.high]))
     got = quantize.quantize(ROWS, "int8", ranges)
-    # the same 256 steps from the same ends; sentence-transformers truncates, this rounds
-    assert np.abs(got.astype(int) - want.astype(int)).max() == 1
-    assert got.min() == -128 and got.max() == 127
+    assert got.min() == -127 and got.max() == 127
+    middle = quantize.quantize(((ranges.low + ranges.high) / 2)[None], "int8", ranges)
+    assert (middle == 0).all()
     uint8 = quantize.quantize(ROWS, "uint8", ranges)
     assert np.array_equal(uint8.astype(int) - 128, got.astype(int))
-    back = quantize.dequantize(got, "int8", ranges)
-    assert np.abs(back - ROWS).max() <= (ranges.high - ranges.low).max() / 255 / 2 + 1e-6
+    for dtype, codes in (("int8", got), ("uint8", uint8)):
+        back = quantize.dequantize(codes, dtype, ranges)
+        assert np.abs(back - ROWS).max() <= (ranges.high - ranges.low).max() / 254 / 2 + 1e-6
 
 
 def test_values_past_the_calibrated_range_get_the_end_codes():
     ranges = Ranges(np.zeros(2, np.float32), np.ones(2, np.float32))
     codes = quantize.quantize(np.array([[-5.0, 7.0]], np.float32), "int8", ranges)
-    assert codes.tolist() == [[-128, 127]]
+    assert codes.tolist() == [[-127, 127]]
 
 
 def test_ranges_follow_the_requests_shape():
@@ -44,11 +44,14 @@ def test_ranges_follow_the_requests_shape():
     cut = ROWS[:, :8] / np.linalg.norm(ROWS[:, :8], axis=1, keepdims=True)
     r = calibration.ranges(dimensions=8)
     assert r.low.shape == (8,)
-    width = cut.max(axis=0) - cut.min(axis=0)
-    np.testing.assert_allclose(r.low, cut.min(axis=0) - quantize.MARGIN * width, rtol=1e-5)
+    reach = np.abs(cut).max(axis=0) * (1 + quantize.MARGIN)
+    np.testing.assert_allclose(r.high, reach, rtol=1e-5)
+    np.testing.assert_array_equal(r.low, -r.high)  # symmetric: 0.0 is code 0
+    zero = quantize.quantize(np.zeros((1, 8), np.float32), "int8", r)
+    assert (zero == 0).all()
     raw = calibration.ranges(normalize=False)
-    width = ROWS.max(axis=0) - ROWS.min(axis=0)
-    np.testing.assert_allclose(raw.high, ROWS.max(axis=0) + quantize.MARGIN * width, rtol=1e-5)
+    np.testing.assert_allclose(raw.high, np.abs(ROWS).max(axis=0) * (1 + quantize.MARGIN),
+                               rtol=1e-5)
 
 
 def test_the_shipped_set_is_varied_and_unique():
