@@ -1,32 +1,49 @@
-"""The OpenAI embeddings route: ``POST /v1/embeddings`` (and ``/embeddings``)."""
+"""The OpenAI embeddings route: ``POST /v1/embeddings`` (and ``/embeddings``), with the fields
+Voyage's and Jina's clients add: an input role (``input_type``, ``task``), an output width
+(``output_dimension``) and type (``output_dtype``, ``embedding_type``). Each is honoured or
+refused: a client that asked for int8 and read float32 bytes as codes would compute garbage.
+"""
 
 from __future__ import annotations
 
-import base64
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+from ..errors import InvalidRequest
+from . import typed
 from .bodies import as_list, parse
 from .openai_tokens import decode_ids
-from .schemas import EmbeddingsRequest
+from .schemas import TypedEmbeddingsRequest
 from .web import Call, Reply, embedded_reply
+
+_VOYAGE_ROLES = {"query": "query", "document": "document"}
+_JINA_ROLES = {"retrieval.query": "query", "retrieval.passage": "document",
+               "text-matching": "similarity", "classification": "classification",
+               "separation": "clustering"}
 
 
 def embeddings(call: Call) -> Reply:
     """POST /v1/embeddings and /embeddings: the OpenAI shape."""
-    req = parse(EmbeddingsRequest, call)
+    req = parse(TypedEmbeddingsRequest, call)
     inputs = as_list(req.input)
     engine = call.engine()
-    # OpenAI clients send ids of the tiktoken encoding of the model they name
-    decode = (partial(decode_ids, model=req.model) if engine.settings.token_ids == "openai"
-              else None)
-    out = engine.embed(inputs, normalize=True, dimensions=req.dimensions, decode=decode,
-                       **call.waits)
-    if req.encoding_format == "base64":
-        encoded: list[Any] = [base64.b64encode(r.astype("<f4").tobytes()).decode()
-                              for r in out.vectors]
-    else:
-        encoded = list(out.vectors)
+    dimensions = _agreed(req, "dimensions", "output_dimension")
+    dtype = _agreed(req, "output_dtype", "embedding_type") or "float"
+    encoding = "base64" if dtype == "base64" else req.encoding_format
+    dtype = "float" if dtype == "base64" else dtype
+    normalize = req.normalized is not False
+    prefix = _role_prefix(engine, req)
+    decode = None
+    if engine.settings.token_ids == "openai":
+        # OpenAI clients send ids of the tiktoken encoding of the model they name; as text,
+        # they take the role's prompt too
+        decode = partial(_decoded, model=req.model, prefix=prefix)
+    inputs = _prompted(inputs, prefix, req, ids_take_prompts=decode is not None)
+    out = engine.embed(inputs, normalize=normalize, dimensions=dimensions,
+                       truncate=req.truncation, decode=decode, **call.waits)
+    rows = typed.encoded(engine, out.vectors, dtype, normalize=normalize, dimensions=dimensions)
+    encoded: list[Any] = typed.base64_rows(rows) if encoding == "base64" else list(rows)
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e}
@@ -35,3 +52,40 @@ def embeddings(call: Call) -> Reply:
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
     return embedded_reply(body, out, len(inputs))
+
+
+def _agreed(req: TypedEmbeddingsRequest, name: str, alias: str) -> Any:
+    """The value of a field two APIs spell differently; both, if they differ, is a 400."""
+    value, other = getattr(req, name), getattr(req, alias)
+    if value is not None and other is not None and value != other:
+        raise InvalidRequest(f"'{name}' ({value}) and '{alias}' ({other}) disagree; send one",
+                             param=alias, code=f"invalid_{alias}")
+    return other if value is None else value
+
+
+def _role_prefix(engine: Any, req: TypedEmbeddingsRequest) -> str:
+    """The prompt of Voyage's input_type or Jina's task, where the model has one."""
+    if req.input_type is not None and req.task is not None:
+        raise InvalidRequest("send 'input_type' (Voyage) or 'task' (Jina), not both",
+                             param="task", code="invalid_task")
+    sent, roles, param = ((req.task, _JINA_ROLES, "task") if req.task is not None
+                          else (req.input_type, _VOYAGE_ROLES, "input_type"))
+    return typed.with_role(engine, [""], sent, roles, param)[0]
+
+
+def _prompted(inputs: list[Any], prefix: str, req: TypedEmbeddingsRequest, *,
+              ids_take_prompts: bool) -> list[Any]:
+    if not prefix or not inputs:
+        return inputs
+    if isinstance(inputs[0], str):
+        return [prefix + t for t in inputs]
+    if ids_take_prompts:
+        return inputs  # the prompt goes before each decoded text (_decoded)
+    param = "task" if req.task is not None else "input_type"
+    raise InvalidRequest(f"'{param}' puts a prompt before text inputs; with token ids, put "
+                         "the prompt's ids first and leave it out", param=param,
+                         code=f"invalid_{param}")
+
+
+def _decoded(ids: Any, *, model: str | None, prefix: str, **limits: Any) -> Iterator[str]:
+    return (prefix + text for text in decode_ids(ids, model, **limits))

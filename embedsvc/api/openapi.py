@@ -47,7 +47,7 @@ def _operation(route: Route) -> dict[str, Any]:
 def openapi_document(routes: Iterable[Route]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     schemas: dict[str, Any] = {"Error": ERROR}
-    for route in routes:
+    for route in (r for r in routes if r.listed):
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route)
         if route.request is not None:
             schemas[route.request.__name__] = route.request.model_json_schema()

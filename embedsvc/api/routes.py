@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import orjson
 
-from . import cohere, openai, ops, schemas, tei
+from . import cohere, docs_page, ollama, openai, ops, schemas, tei
 from .openapi import openapi_document
 from .schemas import (
     DecodeRequest,
     EmbedAllRequest,
-    EmbeddingsRequest,
     EmbedRequest,
     TokenizeRequest,
+    TypedEmbeddingsRequest,
 )
 from .web import Call, Reply, Route
 
@@ -37,12 +37,29 @@ _COHERE = ("Cohere/Jina rerank: the best documents for a query, with relevance s
 
 _HEALTH_SUMMARY = ("200 once the model is loaded and the batcher runs; 503 with code loading, "
                    "unhealthy or draining")
-_EMBEDDINGS = Route("/v1/embeddings", "POST", openai.embeddings, "OpenAI-compatible embeddings",
-                    EmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING)
+_EMBEDDINGS = Route("/v1/embeddings", "POST", openai.embeddings, "OpenAI-compatible "
+                    "embeddings; also Voyage's and Jina's fields (input_type/task, "
+                    "output_dimension, output_dtype/embedding_type: int8, uint8, binary, "
+                    "ubinary)", TypedEmbeddingsRequest, schemas.EMBEDDINGS_RESPONSE,
+                    kinds=_EMBEDDING)
+_COHERE_EMBED = ("Cohere's embed API: every type of embedding_types (float, int8, uint8, "
+                 "binary, ubinary, base64) from one pass (an embedding model)")
+_OLLAMA_ONLY = "Ollama's; answers 501 in Ollama's error shape: this server embeds only"
+_OLLAMA_ROUTES = tuple(
+    Route(path, method, ollama.embeds_only, _OLLAMA_ONLY, response=schemas.OLLAMA_ERROR)
+    for path, method in (("/api/generate", "POST"), ("/api/chat", "POST"),
+                         ("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
+                         ("/api/copy", "POST"), ("/api/delete", "DELETE"), ("/api/ps", "GET"))
+)
+_DOCS_ASSETS = tuple(
+    Route(f"/docs/{name}", "GET", docs_page.asset(name), f"The /docs page's {name}",
+          open=True, listed=False)
+    for name in docs_page.ASSETS
+)
 
 ROUTES: tuple[Route, ...] = (
     _EMBEDDINGS,
-    Route("/embeddings", "POST", openai.embeddings, _EMBEDDINGS.summary, EmbeddingsRequest,
+    Route("/embeddings", "POST", openai.embeddings, _EMBEDDINGS.summary, TypedEmbeddingsRequest,
           schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING),
     Route("/embed", "POST", tei.embed, "TEI-compatible embeddings, one vector per input",
           EmbedRequest, schemas.VECTORS, kinds=_EMBEDDING),
@@ -54,6 +71,24 @@ ROUTES: tuple[Route, ...] = (
           "best first (a reranker model); a body with 'documents' instead of 'texts' is read "
           "and answered in the Cohere/Jina shape of /v1/rerank", schemas.RerankRequest,
           schemas.RANKS, kinds=_RERANKER),
+    Route("/v2/embed", "POST", cohere.cohere_embed_v2, _COHERE_EMBED + "; v2's shape",
+          schemas.CohereEmbedRequest, schemas.COHERE_EMBED_V2_RESPONSE, kinds=_EMBEDDING),
+    Route("/v1/embed", "POST", cohere.cohere_embed_v1, _COHERE_EMBED + "; v1's shape "
+          "(embeddings_floats unless embedding_types is given)", schemas.CohereEmbedRequest,
+          schemas.COHERE_EMBED_V1_RESPONSE, kinds=_EMBEDDING),
+    Route("/api/embed", "POST", ollama.embed, "Ollama's embeddings: normalised vectors, one "
+          "per input", schemas.OllamaEmbedRequest, schemas.OLLAMA_EMBED_RESPONSE,
+          kinds=_EMBEDDING),
+    Route("/api/embeddings", "POST", ollama.embeddings, "Ollama's legacy embeddings: one "
+          "prompt, the model's raw vector", schemas.OllamaEmbeddingsRequest,
+          schemas.OLLAMA_EMBEDDING_RESPONSE, kinds=_EMBEDDING),
+    Route("/api/tags", "GET", ollama.tags, "Ollama's model list: the served model, by the "
+          "name:tag its clients check", response=schemas.OLLAMA_TAGS),
+    Route("/api/show", "POST", ollama.show, "Ollama's model details, by the name /api/tags "
+          "lists", schemas.OllamaShowRequest, schemas.OLLAMA_SHOW),
+    Route("/api/version", "GET", ollama.version, "Ollama's version route: embedsvc's version",
+          response=schemas.OLLAMA_VERSION),
+    *_OLLAMA_ROUTES,
     Route("/v1/rerank", "POST", cohere.cohere_rerank, _COHERE,
           schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),
     Route("/v2/rerank", "POST", cohere.cohere_rerank, _COHERE + "; Cohere's v2 path",
@@ -84,4 +119,7 @@ ROUTES: tuple[Route, ...] = (
           response=schemas.HEALTH, open=True),
     Route("/metrics", "GET", ops.metrics, "Prometheus text exposition", open=True),
     Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
+    Route("/docs", "GET", docs_page.page, "This document as a page (Swagger UI, served "
+          "locally)", open=True),
+    *_DOCS_ASSETS,
 )

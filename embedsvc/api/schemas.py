@@ -211,6 +211,104 @@ class SimilarityRequest(Request):
     parameters: SimilarityParameters | None = None
 
 
+# -- Voyage's and Jina's fields on /v1/embeddings; Cohere's and Ollama's embed APIs ----------
+
+_DTYPE_DOC = ("int8/uint8: codes from the model's fixed per-dimension ranges (calibrated once, "
+              "offline); binary/ubinary: one bit per dimension (set for a value > 0), packed "
+              "eight to a byte, binary = ubinary - 128.")
+QuantizedType = Literal["float", "int8", "uint8", "binary", "ubinary"]
+CohereType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class TypedEmbeddingsRequest(EmbeddingsRequest):
+    """POST /v1/embeddings with the fields Voyage's and Jina's clients add to OpenAI's."""
+
+    input_type: StrictStr | None = Field(
+        None, description="Voyage: 'query' or 'document', mapped to the model's prompts where "
+        "it has them."
+    )
+    task: StrictStr | None = Field(
+        None, description="Jina: retrieval.query, retrieval.passage, text-matching, "
+        "classification or separation, mapped to the model's prompts where it has them."
+    )
+    output_dimension: StrictInt | None = Field(None, description="Voyage: as 'dimensions'.")
+    output_dtype: QuantizedType | None = Field(None, description="Voyage. " + _DTYPE_DOC)
+    embedding_type: Literal["float", "base64", "int8", "uint8", "binary", "ubinary"] | None = (
+        Field(None, description="Jina: as output_dtype; 'base64' as encoding_format.")
+    )
+    truncation: StrictBool | None = Field(
+        None, description="Voyage: false refuses over-long inputs; null: AUTO_TRUNCATE."
+    )
+    normalized: StrictBool | None = Field(
+        None, description="Jina: false gives the model's raw vectors (float only)."
+    )
+
+
+class CohereEmbedRequest(Request):
+    """POST /v1/embed, /v2/embed: Cohere's embed API (texts; images are refused)."""
+
+    texts: list[StrictStr] = Field(description="The texts to embed.")
+    model: StrictStr | None = Field(
+        None, description="Accepted and ignored: the response names the served model."
+    )
+    input_type: StrictStr | None = Field(
+        None, description="search_query, search_document, classification or clustering, "
+        "mapped to the model's prompts where it has them."
+    )
+    embedding_types: list[CohereType] | None = Field(
+        None, description="The types to answer (v2 default: float). base64: the little-endian "
+        "float32 bytes. " + _DTYPE_DOC
+    )
+    truncate: Literal["NONE", "START", "END"] | None = Field(
+        None, description="END (default) cuts the end of an over-long text, START its start; "
+        "NONE refuses it."
+    )
+    output_dimension: StrictInt | None = Field(
+        None, description="Keep the first N components, then L2-normalise again."
+    )
+    images: list[Any] | None = Field(None, description="Refused: this server embeds text.")
+    inputs: list[Any] | None = Field(None, description="Refused: send 'texts'.")
+    max_tokens: StrictInt | None = Field(
+        None, description="Refused: inputs are cut to the model's limit (see 'truncate')."
+    )
+
+
+class OllamaEmbedRequest(Request):
+    """POST /api/embed: Ollama's embedding API."""
+
+    model: StrictStr = Field("", description="Any name; the response names the served model.")
+    input: StrictStr | list[StrictStr] = Field(description="Text or texts.")
+    truncate: StrictBool | None = Field(
+        None, description="false refuses over-long inputs; null: AUTO_TRUNCATE."
+    )
+    dimensions: StrictInt | None = Field(
+        None, description="Keep the first N components, then L2-normalise again."
+    )
+    options: dict[str, Any] | None = Field(
+        None, description="Accepted and ignored: the model runs with the server's settings."
+    )
+    keep_alive: StrictStr | float | None = Field(
+        None, description="Accepted and ignored: the model stays loaded."
+    )
+
+
+class OllamaEmbeddingsRequest(Request):
+    """POST /api/embeddings: Ollama's legacy embedding API (one prompt, raw vector)."""
+
+    model: StrictStr = Field("", description="Any name.")
+    prompt: StrictStr = Field(description="The text to embed.")
+    options: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
+    keep_alive: StrictStr | float | None = Field(None, description="Accepted and ignored.")
+
+
+class OllamaShowRequest(Request):
+    """POST /api/show: the served model, by the name /api/tags lists."""
+
+    model: StrictStr | None = Field(None, description="The name /api/tags lists.")
+    name: StrictStr | None = Field(None, description="Older clients' spelling of 'model'.")
+    verbose: StrictBool | None = Field(None, description="Accepted and ignored.")
+
+
 # -- response shapes, as JSON schema ----------------------------------------------------------
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -376,3 +474,59 @@ ERROR: dict[str, Any] = {
     },
 }
 
+_INTS: dict[str, Any] = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}
+_BY_TYPE: dict[str, Any] = {
+    "type": "object",
+    "description": "One list per type asked for, each one entry per text.",
+    "properties": {"float": VECTORS, "int8": _INTS, "uint8": _INTS, "binary": _INTS,
+                   "ubinary": _INTS, "base64": TEXTS},
+}
+_COHERE_META: dict[str, Any] = {"type": "object", "properties": {
+    "api_version": OBJECT, "billed_units": {"type": "object", "properties": {
+        "input_tokens": {"type": "integer"}}}}}
+COHERE_EMBED_V2_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "embeddings": _BY_TYPE, "texts": TEXTS,
+                   "meta": _COHERE_META, "response_type": {"const": "embeddings_by_type"}},
+}
+COHERE_EMBED_V1_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "description": "embeddings_floats (a list of vectors) unless embedding_types is given.",
+    "properties": {"id": {"type": "string"}, "embeddings": {"oneOf": [VECTORS, _BY_TYPE]},
+                   "texts": TEXTS, "meta": _COHERE_META,
+                   "response_type": {"enum": ["embeddings_floats", "embeddings_by_type"]}},
+}
+OLLAMA_EMBED_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "embeddings": VECTORS,
+        "total_duration": {"type": "integer", "description": "Nanoseconds."},
+        "load_duration": {"type": "integer", "description": "Nanoseconds (0: loaded)."},
+        "prompt_eval_count": {"type": "integer", "description": "Tokens computed."},
+    },
+}
+OLLAMA_EMBEDDING_RESPONSE: dict[str, Any] = {
+    "type": "object", "properties": {"embedding": VECTOR}}
+OLLAMA_MODEL: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "model": {"type": "string"},
+        "modified_at": {"type": "string", "format": "date-time"},
+        "size": {"type": "integer"}, "digest": {"type": "string"},
+        "details": OBJECT,
+    },
+}
+OLLAMA_TAGS: dict[str, Any] = {
+    "type": "object", "properties": {"models": {"type": "array", "items": OLLAMA_MODEL}}}
+OLLAMA_SHOW: dict[str, Any] = {
+    "type": "object",
+    "properties": {"details": OBJECT, "model_info": OBJECT, "capabilities": TEXTS,
+                   "modified_at": {"type": "string"}, "modelfile": {"type": "string"},
+                   "parameters": {"type": "string"}, "template": {"type": "string"},
+                   "license": {"type": "string"}},
+}
+OLLAMA_VERSION: dict[str, Any] = {"type": "object", "properties": {"version": {"type": "string"}}}
+OLLAMA_ERROR: dict[str, Any] = {
+    "type": "object", "description": "Ollama's error shape", "required": ["error"],
+    "properties": {"error": {"type": "string"}}}

@@ -72,7 +72,8 @@ class Route:
     """One row of the route table.
 
     ``open`` routes need no API key; ``kinds`` (when set) are the model kinds the route
-    serves, and any other kind gets a 400 that names the kind being served.
+    serves, and any other kind gets a 400 that names the kind being served. Unlisted routes
+    (the /docs page's script and style files) are left out of /openapi.json.
     """
 
     path: str
@@ -83,6 +84,7 @@ class Route:
     response: dict[str, Any] | None = None  # the JSON schema of a 200 body
     open: bool = False
     kinds: frozenset[str] | None = None
+    listed: bool = True
 
 
 def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:

@@ -1,0 +1,159 @@
+"""Ollama's embedding API: ``/api/embed``, the legacy ``/api/embeddings``, and the model
+listing its clients check first (``/api/tags``, ``/api/show``, ``/api/version``).
+
+Errors on these routes come in Ollama's shape, ``{"error": "..."}``, which its clients read;
+Ollama's other routes (generate, chat, pull...) answer 501 saying this server embeds only::
+
+    POST /api/embed {"model": "any", "input": ["a", "b"]}
+      ->  {"model": "<served>", "embeddings": [[...], [...]], "prompt_eval_count": 6, ...}
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from .. import __version__
+from ..errors import ApiError, InvalidRequest, NotFound
+from ..model.encoder import ModelInfo
+from .bodies import as_list, parse
+from .schemas import OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaShowRequest
+from .web import Call, Handler, Reply, embedded_reply, json_reply
+
+_QUANTIZATION = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "Q8_0"}
+
+
+class EmbedsOnly(ApiError):
+    status = 501
+    type = "not_supported"
+    reason = "not_supported"
+
+
+def ollama_errors(handler: Handler) -> Handler:
+    """``handler`` with its errors in Ollama's shape, counted as the pipeline counts them."""
+
+    @functools.wraps(handler)
+    def answer(call: Call) -> Reply:
+        try:
+            return handler(call)
+        except ApiError as exc:
+            call.service.metrics.count_rejection(exc.reason)
+            return json_reply({"error": exc.message}, exc.status, list(exc.headers.items()))
+
+    return answer
+
+
+@ollama_errors
+def embed(call: Call) -> Reply:
+    """POST /api/embed: L2-normalised vectors, as Ollama gives them."""
+    req = parse(OllamaEmbedRequest, call)
+    inputs = as_list(req.input)
+    engine = call.engine()
+    if not inputs:  # Ollama answers an empty list with no vectors
+        return json_reply(_embed_body(engine.info, [], call, 0))
+    out = engine.embed(inputs, normalize=True, dimensions=req.dimensions, truncate=req.truncate,
+                       **call.waits)
+    return embedded_reply(_embed_body(engine.info, out.vectors, call, out.tokens), out,
+                          len(inputs))
+
+
+def _embed_body(info: ModelInfo, vectors: Any, call: Call, tokens: int) -> dict[str, Any]:
+    return {
+        "model": ollama_name(info),
+        "embeddings": vectors,
+        "total_duration": int((time.monotonic() - call.arrived) * 1e9),
+        "load_duration": 0,  # the model is loaded before the first request
+        "prompt_eval_count": tokens,
+    }
+
+
+@ollama_errors
+def embeddings(call: Call) -> Reply:
+    """POST /api/embeddings (legacy): one prompt, the model's raw vector, as Ollama gives it."""
+    req = parse(OllamaEmbeddingsRequest, call)
+    out = call.engine().embed([req.prompt], normalize=False, **call.waits)
+    return embedded_reply({"embedding": out.vectors[0]}, out, 1)
+
+
+@ollama_errors
+def tags(call: Call) -> Reply:
+    """GET /api/tags: the served model, as ``ollama list`` shows models."""
+    info = call.engine().info
+    name = ollama_name(info)
+    return json_reply({"models": [{
+        "name": name, "model": name, "modified_at": _listed_at(),
+        "size": info.size_bytes, "digest": _digest(info), "details": _details(info),
+    }]})
+
+
+@ollama_errors
+def show(call: Call) -> Reply:
+    """POST /api/show: the served model's details, by the name /api/tags lists."""
+    req = parse(OllamaShowRequest, call)
+    info = call.engine().info
+    asked = req.model or req.name
+    if asked is None:
+        raise InvalidRequest("'model' is required", param="model", code="invalid_model")
+    if not named(info, asked):
+        raise NotFound(f"model '{asked}' not found; this server serves '{ollama_name(info)}' "
+                       "(see /api/tags)", param="model", code="model_not_found")
+    return json_reply({
+        "modelfile": "", "parameters": "", "template": "", "license": "",
+        "details": _details(info),
+        "model_info": {"general.architecture": info.kind,
+                       "general.parameter_count": info.parameters,
+                       f"{info.kind}.embedding_length": info.dimension,
+                       f"{info.kind}.context_length": info.max_input_tokens},
+        "capabilities": ["embedding"],
+        "modified_at": _listed_at(),
+    })
+
+
+@ollama_errors
+def version(call: Call) -> Reply:
+    """GET /api/version: embedsvc's version."""
+    return json_reply({"version": __version__})
+
+
+@ollama_errors
+def embeds_only(call: Call) -> Reply:
+    """Ollama's generation and model-management routes: a 501 in Ollama's shape."""
+    raise EmbedsOnly("this server is embedsvc, which embeds only: it serves one embedding model "
+                     "(see /api/tags) through /api/embed and /api/embeddings; generate, chat "
+                     "and model management are not offered", code="not_supported")
+
+
+def ollama_name(info: ModelInfo) -> str:
+    """The served model's name with a tag, as Ollama lists models (``name:latest``)."""
+    return info.name if ":" in info.name.rsplit("/", 1)[-1] else info.name + ":latest"
+
+
+def named(info: ModelInfo, asked: str) -> bool:
+    """``asked`` names the served model (with or without its tag)."""
+    return asked in (info.name, ollama_name(info))
+
+
+def _details(info: ModelInfo) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": info.backend,
+        "family": info.kind,
+        "families": [info.kind],
+        "parameter_size": f"{info.parameters / 1e6:.1f}M",
+        "quantization_level": _QUANTIZATION.get(info.dtype, info.dtype.upper()),
+    }
+
+
+def _digest(info: ModelInfo) -> str:
+    """A stable id of what is served (Ollama's is its manifest's sha256)."""
+    served = f"{info.name}|{info.dimension}|{info.parameters}|{info.backend}|{info.dtype}"
+    return hashlib.sha256(served.encode()).hexdigest()
+
+
+@functools.cache
+def _listed_at() -> str:
+    """When this process first listed the model: the closest it has to Ollama's pull time."""
+    return datetime.now(timezone.utc).isoformat()
