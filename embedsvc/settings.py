@@ -200,6 +200,11 @@ class Settings:
         "auto", _choice("auto", "torch", "onnx"),
         "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx",
     )
+    lean: str = _setting(
+        "auto", _choice("auto", "off"),
+        "auto: on the CPU, serve from the exported record without importing PyTorch; off: "
+        "load PyTorch as well (the ONNX graph then computes the transformer only)",
+    )
     quantize: str = _setting(
         "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)"
     )

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 from ..settings import Settings, SettingsError
+from . import lean
 from .device import resolve_device
+from .encoder import Encoder
+from .graph_cache import GraphCache, cache_root
 from .kinds import load_model
+from .record import NotLean
+from .runtime import QualityBelowFloor
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -63,13 +69,26 @@ def _choose(kind: str, device: str, setting: str, dtype: str) -> Choice:
 
 
 def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | None = None
-                 ) -> SentenceTransformerEncoder:
+                 ) -> Encoder:
     """Load (unless a pre-fork master already did), pick the backend and place the model.
 
-    Call in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
+    On the CPU a model with a verified export record serves without PyTorch (lean.py); the
+    first start of a model exports that record with PyTorch, then serves from it too. Call
+    in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
     """
+    if preloaded is None:
+        warm = lean.warm_start(settings)
+        if warm.encoder is not None:
+            log.info("%s", warm.reason)
+            return warm.encoder
+        if not warm.export:
+            log.info("backend: not the PyTorch-free path (%s)", warm.reason)
     encoder = preloaded or load_model(settings.model, settings.kind)
     device = resolve_device(settings.device)
+    if lean.why_not(settings, device) is None:
+        served = _serve_lean(encoder, settings)
+        if served is not None:
+            return served
     choice = choose_backend(encoder.kind, device, settings.backend, settings.dtype,
                             settings.quantize)
     if choice.backend == "onnx":
@@ -79,6 +98,40 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     encoder.place(device, settings.dtype)
     encoder.release_replaced()  # an ONNX-served transformer's PyTorch weights, if any
     return encoder
+
+
+def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings) -> Encoder | None:
+    """The encoder of this model's record, exported now if there is none that verifies;
+    None (and the reason, logged) when the model cannot be served that way."""
+    from .export import build_record
+
+    found = lean.record_path(settings)
+    if found is None:
+        log.info("backend: not the PyTorch-free path (the model's files are not on disk)")
+        return None
+    path, key = found
+    if not path.exists():
+        log.info("first start of %s: exporting it once to %s, so that later starts serve it "
+                 "without PyTorch", encoder.info.name, path)
+    try:
+        served, path = record_cache(settings).get_or_build(
+            path, partial(build_record, encoder, key), partial(lean.open_lean, settings,
+                                                               key=key))
+    except QualityBelowFloor:
+        raise
+    except Exception as exc:  # noqa: BLE001 - today's path still serves this model
+        log.warning("backend: not the PyTorch-free path (its record failed: %s)", exc)
+        return None
+    if isinstance(served, NotLean):
+        log.info("backend: not the PyTorch-free path (%s)", served.reason)
+        return None
+    lean.gate(served, settings.quantize_min_cosine)
+    log.info("%s", lean.startup_line(served, path))
+    return served
+
+
+def record_cache(settings: Settings) -> GraphCache:
+    return GraphCache(cache_root(settings.cache_dir))
 
 
 def _attach_onnx(encoder: SentenceTransformerEncoder, settings: Settings, choice: Choice) -> None:
@@ -94,8 +147,16 @@ def _attach_onnx(encoder: SentenceTransformerEncoder, settings: Settings, choice
 
 
 def export(settings: Settings) -> str:
-    """What ``embedsvc export`` does: build (or find) the cached graphs; the startup line."""
+    """What ``embedsvc export`` does: build (or find) the model's record, or where the model
+    cannot be served without PyTorch the cached transformer graph; the startup line."""
     from .onnx_backend import attach
 
-    encoder = SentenceTransformerEncoder.load(settings.model)
+    encoder = load_model(settings.model, settings.kind)
+    if lean.why_not(settings, "cpu") is None:
+        served = _serve_lean(encoder, settings)
+        if served is not None:
+            return lean.startup_line(served, served.graph.parent)
+    if encoder.kind not in ONNX_KINDS:
+        raise RuntimeError(f"this {encoder.kind} model cannot be exported for the CPU (the log "
+                           "says why); it serves with PyTorch")
     return attach(encoder, settings)

@@ -90,7 +90,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         """
         tokenizer = self._tokenizer if direction is None else self._truncating_to[direction]
         encodings = tokenizer.encode_batch(list(inputs), add_special_tokens=True)
-        return [_pair(e.ids, e.type_ids) for e in encodings]
+        return [pair_of(e.ids, e.type_ids) for e in encodings]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         rows = torch_forward(self._modules, self.features(batch), "scores")
@@ -116,10 +116,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
     def _token_types(self, batch: Sequence[Sequence[int]], input_ids: Any) -> Any:
         import torch
 
-        types = np.zeros(tuple(input_ids.shape), dtype=np.int64)
-        for row, ids in enumerate(batch):
-            if isinstance(ids, Pair):
-                types[row, ids.second : len(ids)] = 1
+        types = segment_ids(batch, tuple(input_ids.shape))
         return torch.from_numpy(types).to(input_ids.device)
 
     def _dimension(self) -> int:
@@ -130,7 +127,17 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(self._dimension()))
 
 
-def _pair(ids: list[int], type_ids: list[int]) -> Pair:
+def segment_ids(batch: Sequence[Sequence[int]], shape: tuple[int, ...]) -> np.ndarray:
+    """Token type ids of a padded batch: 0, and 1 for a pair's second segment."""
+    types = np.zeros(shape, dtype=np.int64)
+    for row, ids in enumerate(batch):
+        if isinstance(ids, Pair):
+            types[row, ids.second : len(ids)] = 1
+    return types
+
+
+def pair_of(ids: list[int], type_ids: list[int]) -> Pair:
+    """A tokenized text or pair as a ``Pair``, its second segment read from the type ids."""
     second = next((i for i, t in enumerate(type_ids) if t), len(ids))
     if any(t != (i >= second) for i, t in enumerate(type_ids)):
         # every tokenizer template in use puts segment A, then B: 0...0 1...1

@@ -64,7 +64,7 @@ def test_a_truncated_cached_graph_is_rebuilt_and_serves_right_vectors(exported, 
 
 def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(exported,
                                                                               reference):
-    from embedsvc.model.onnx_backend import RUN_TOKENS
+    from embedsvc.model.runtime import RUN_TOKENS
 
     texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
     service = started(backend="onnx")
