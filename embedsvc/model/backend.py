@@ -39,7 +39,9 @@ class Choice:
 def choose_backend(kind: str, device: str, setting: str, dtype: str = "auto",
                    quantize: str = "none") -> Choice:
     """The backend for a model of ``kind`` on a resolved ``device``; SettingsError when the
-    settings ask for what cannot be."""
+    settings ask for what cannot be. ``onnx-torch`` is ``onnx`` here: whether PyTorch is
+    loaded at all is lean.py's question."""
+    setting = "onnx" if setting == "onnx-torch" else setting
     if setting == "onnx" and device != "cpu":
         raise SettingsError(f"BACKEND=onnx runs on the CPU, but DEVICE resolves to {device}: "
                             "set EMBEDSVC_DEVICE=cpu, or EMBEDSVC_BACKEND=auto or torch")
@@ -140,7 +142,7 @@ def _attach_onnx(encoder: SentenceTransformerEncoder, settings: Settings, choice
     try:
         log.info("%s", attach(encoder, settings))
     except OnnxUnavailable as exc:
-        if settings.backend == "onnx" or settings.quantize != "none":
+        if settings.backend in ("onnx", "onnx-torch") or settings.quantize != "none":
             raise RuntimeError(f"BACKEND=onnx cannot serve this model: {exc}; set "
                                "EMBEDSVC_BACKEND=torch") from exc
         log.warning("backend: PyTorch on cpu, not ONNX Runtime (%s): %s", choice.reason, exc)

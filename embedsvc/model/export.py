@@ -92,7 +92,7 @@ def _write(encoder: SentenceTransformerEncoder, key: str, path: Path) -> None:
                      "activation": _activation(encoder),
                      "max_active_dims": getattr(encoder, "max_active_dims", None)},
         "probe": {"inputs": inputs, "ids": [list(ids) for ids in batch]},
-        "files": {GRAPH: describe_file(path / GRAPH, digest=False),
+        "files": {GRAPH: describe_file(path / GRAPH),
                   TOKENIZER: describe_file(path / TOKENIZER), PROBE: describe_file(path / PROBE)},
     })
 

@@ -221,10 +221,8 @@ def why_not(settings: Settings, device: str | None = None) -> str | None:
     ``device``: the resolved device, once known; before, DEVICE=auto counts as the CPU on a
     machine with no GPU device file (no PyTorch import needed to tell).
     """
-    if settings.lean == "off":
-        return "LEAN=off"
-    if settings.backend == "torch":
-        return "BACKEND=torch"
+    if settings.backend in ("torch", "onnx-torch"):
+        return f"BACKEND={settings.backend}"
     if settings.dtype not in ("auto", "float32"):
         return f"DTYPE={settings.dtype} (this path computes in float32)"
     if device is not None:
@@ -352,7 +350,7 @@ def build_int8(fp32: LeanEncoder, path: Path) -> None:
     np.savez(path / PROBE, sentence_embedding=int8.encode(batch))
     write_record(path, {
         "quality": quality.__dict__, "probe": {"inputs": inputs, "ids": batch},
-        "files": {GRAPH: describe_file(path / GRAPH, digest=False),
+        "files": {GRAPH: describe_file(path / GRAPH),
                   PROBE: describe_file(path / PROBE)},
     })
 
