@@ -110,7 +110,7 @@ def build_embedding(path: Path, pooling="mean", dense: bool = False, normalize: 
     pool = Pooling(config.hidden_size, pooling)
     modules = [Transformer(str(raw), max_seq_length=MAX_LENGTH), pool]
     if dense:
-        modules.append(Dense(pool.get_sentence_embedding_dimension(), 24,
+        modules.append(Dense(pool.get_embedding_dimension(), 24,
                              activation_function=torch.nn.Tanh()))
     if normalize:
         modules.append(Normalize())

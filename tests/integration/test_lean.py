@@ -23,6 +23,7 @@ from embedsvc.settings import Settings
 from ..models import POOLING_MODES, build_classifier, build_embedding, build_reranker, build_sparse
 from .conftest import cosine
 from .servers import running
+from .test_launchers import GUNICORN, answering_pids, workers_of
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "short", "x",
          "Ein Satz auf Deutsch, mit Umlauten: äöü, und 東京は日本の首都です。",
@@ -220,11 +221,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_warm_start_with_torch_unimportable_serves_correct_vectors(bundled, tmp_path):
-    from sentence_transformers import SentenceTransformer
-
-    from embedsvc.model.encoder import bundled_model_path
-
+def test_a_warm_start_with_torch_unimportable_serves_correct_vectors(bundled, reference,
+                                                                     tmp_path):
     settings, _ = bundled
     log = tmp_path / "serve.log"
     cmd = ["python", "-c", GUARD, "serve", "--port", "0", "--cache-dir", settings.cache_dir]
@@ -235,7 +233,7 @@ def test_a_warm_start_with_torch_unimportable_serves_correct_vectors(bundled, tm
             maps = f.read()
         info = client.get("/info").json()
     got = np.array(resp.json(), dtype=np.float32)
-    want = SentenceTransformer(bundled_model_path(), device="cpu").encode(TEXTS)
+    want = reference.encode(TEXTS)
     assert (cosine(got, want) > PARITY).all()
     assert "libtorch" not in maps and "PyTorch-free" not in server.output()
     assert "without PyTorch" in server.output() and "is made unimportable" not in server.output()
@@ -257,3 +255,66 @@ print(sorted(m for m in sys.modules if m.startswith({BLOCKED!r})))
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    from embedsvc.model.encoder import bundled_model_path
+
+    return SentenceTransformer(bundled_model_path(), device="cpu")
+
+
+def _libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_gunicorn_preload_master_holds_no_session_and_no_process_loads_torch(
+        bundled, reference, tmp_path):
+    settings, _ = bundled
+    cmd = [*GUNICORN, "-w", "2", "--threads", "4", "--preload", "embedsvc:app"]
+    env = {"EMBEDSVC_CACHE_DIR": settings.cache_dir}
+    with running(cmd, tmp_path / "server.log", env=env, cwd=str(tmp_path)) as server:
+        workers = workers_of(server.proc.pid)
+        assert answering_pids(server, reference, want=2) == set(workers)
+        log = server.output()
+        assert "preloads nothing" in log and log.count("on the CPU without PyTorch") == 2, log
+        assert "onnxruntime" not in _libraries(server.proc.pid)
+        for pid in [server.proc.pid, *workers]:
+            assert "libtorch" not in _libraries(pid)
+
+
+def test_waitress_serve_serves_without_torch(bundled, reference, tmp_path):
+    settings, _ = bundled
+    cmd = ["waitress-serve", "--host=127.0.0.1", "--port=0", "embedsvc:app"]
+    env = {"EMBEDSVC_CACHE_DIR": settings.cache_dir}
+    with running(cmd, tmp_path / "waitress.log", env=env, cwd=str(tmp_path)) as server, \
+            server.client() as client:
+        got = np.array(client.post("/embed", json={"inputs": TEXTS}).json(), dtype=np.float32)
+        assert "libtorch" not in _libraries(server.proc.pid)
+        assert "without PyTorch" in server.output()
+    assert (cosine(got, reference.encode(TEXTS)) > PARITY).all()
+
+
+def _embedsvc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("embedsvc")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_embedsvc_export_builds_the_record_ahead_and_embed_then_runs_without_torch(
+        reference, tmp_path):
+    cache = tmp_path / "cache"
+    out = _embedsvc("export", "--cache-dir", str(cache))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "without PyTorch" in out.stdout and "first start of all-MiniLM-L6-v2" in out.stderr
+    [record] = cache.glob("*.lean")
+    source, target = tmp_path / "lines.txt", tmp_path / "vectors.npy"
+    source.write_text("\n".join(TEXTS) + "\n")
+    run = subprocess.run([sys.executable, "-c", GUARD, "embed", str(source), "--output",
+                          str(target), "--cache-dir", str(cache)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "first start" not in run.stderr
+    assert (cosine(np.load(target), reference.encode(TEXTS)) > PARITY).all()
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", record.name]
