@@ -28,8 +28,9 @@ import httpx
 
 BIN = Path(sys.executable).parent
 PATHS = {"lean (default)": {}, "before (BACKEND=onnx-torch)": {"EMBEDSVC_BACKEND": "onnx-torch"}}
-LIBRARIES = {"libtorch": "libtorch", "scikit-learn": "sklearn", "scipy": "scipy",
-             "pandas": "pandas"}
+# package directories: numpy's own OpenBLAS is named libscipy_openblas, and is not scipy
+LIBRARIES = {"libtorch": "/torch/lib/libtorch", "scikit-learn": "/sklearn/", "scipy": "/scipy/",
+             "pandas": "/pandas/"}
 TICKS = os.sysconf("SC_CLK_TCK")
 BODY = {"inputs": ["a first request after the start", "and a second input"]}
 

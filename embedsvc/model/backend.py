@@ -78,16 +78,15 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     first start of a model exports that record with PyTorch, then serves from it too. Call
     in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
     """
-    if preloaded is None:
-        warm = lean.warm_start(settings)
-        if warm.encoder is not None:
-            log.info("%s", warm.reason)
-            return warm.encoder
-        if not warm.export:
-            log.info("backend: not the PyTorch-free path (%s)", warm.reason)
+    warm = lean.warm_start(settings) if preloaded is None else None
+    if warm is not None and warm.encoder is not None:
+        log.info("%s", warm.reason)
+        return warm.encoder
+    if warm is not None and not warm.export:
+        log.info("backend: not the PyTorch-free path (%s)", warm.reason)
     encoder = preloaded or load_model(settings.model, settings.kind)
     device = resolve_device(settings.device)
-    if lean.why_not(settings, device) is None:
+    if (warm is None or warm.export) and lean.why_not(settings, device) is None:
         served = _serve_lean(encoder, settings)
         if served is not None:
             return served

@@ -218,8 +218,8 @@ def verify(encoder: LeanEncoder, record: dict[str, Any], probe: Path, whose: str
 def why_not(settings: Settings, device: str | None = None) -> str | None:
     """Why these settings keep this process off the PyTorch-free path, or None.
 
-    ``device``: the resolved device, once known; before, DEVICE=auto counts as the CPU on a
-    machine with no GPU device file (no PyTorch import needed to tell).
+    ``device``: the resolved device, once known; before, DEVICE=auto counts as the CPU
+    (``warm_start`` asks ``accelerator_present`` too).
     """
     if settings.backend in ("torch", "onnx-torch"):
         return f"BACKEND={settings.backend}"
@@ -229,8 +229,6 @@ def why_not(settings: Settings, device: str | None = None) -> str | None:
         return None if device == "cpu" else f"the device is {device}"
     if settings.device not in ("auto", "cpu"):
         return f"DEVICE={settings.device}"
-    if settings.device == "auto" and accelerator_present():
-        return "DEVICE=auto on a machine with a GPU: PyTorch decides which device serves"
     return None
 
 
@@ -256,7 +254,9 @@ def record_path(settings: Settings) -> tuple[Path, str] | None:
 
 def recorded(settings: Settings) -> bool:
     """Whether a start would serve from a record (its files checked, not yet its graph)."""
-    found = None if why_not(settings) else record_path(settings)
+    lean = why_not(settings) is None and not (settings.device == "auto"
+                                               and accelerator_present())
+    found = record_path(settings) if lean else None
     try:
         return found is not None and bool(read_record(found[0]).get("lean"))
     except RecordError:
@@ -272,6 +272,8 @@ def warm_start(settings: Settings) -> Warm:
     why = why_not(settings)
     if why:
         return Warm(None, why)
+    if settings.device == "auto" and accelerator_present():  # PyTorch resolves the device
+        return Warm(None, "DEVICE=auto on a machine with a GPU device", export=True)
     found = record_path(settings)
     if found is None:
         return Warm(None, f"{settings.model} is not in the hub cache yet", export=True)
