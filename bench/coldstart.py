@@ -9,7 +9,7 @@ For each path: exports into a private cache first (not timed), then starts `embe
 --starts times and reports the median of: seconds from launch to the first answered
 POST /embed, the process's CPU-seconds by then, VmRSS after ten more requests, and which of
 libtorch, scikit-learn, scipy, pandas appear in /proc/PID/maps. Then `embedsvc embed` on
-1,000 lines: seconds from launch to its first committed part of 100 rows, and to its end.
+1,000 lines: seconds from launch to its first committed part (50 rows), and to its end.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ def embed_run(env: dict[str, str], work: Path) -> tuple[float, float]:
     source.write_text("".join(f"line {i}: a short sentence to embed, number {i}\n"
                               for i in range(1000)))
     out = work / f"out-{time.monotonic_ns()}.jsonl"
+    # parts of 50 from chunks of 50: the first part is committed when the first chunk is done
     cmd = [str(BIN / "embedsvc"), "embed", str(source), "--output", str(out),
-           "--part-size", "100"]
+           "--chunk-size", "50", "--part-size", "50"]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = None

@@ -81,6 +81,7 @@ class LeanEncoder(TextSide):
 
     def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
         tok = record["tokenizer"]
+        self.kind = record["kind"]  # a scorer's: reranker or classifier
         self._text = (path / TOKENIZER).read_text(encoding="utf-8")
         self._use_tokenizer(tokenizer_from_json(self._text))
         if [self._prefix, self._suffix] != [tok["prefix"], tok["suffix"]]:
