@@ -63,11 +63,22 @@ def quiet_model_libraries() -> None:
 
     For the process that serves only: a library user's own process keeps its defaults. Errors
     still show, and anything that stops the model from loading reaches our log as the error.
+    Imports none of them: a process that serves without PyTorch never loads transformers, and
+    one that does reads the settings left in its environment when it first imports it.
     """
-    from transformers.utils import logging as transformers_logging
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # also huggingface_hub's bars
-    transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()  # also huggingface_hub's bars
+        transformers_logging.set_verbosity_error()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too
     for name in _MODEL_LIBRARIES:
         logging.getLogger(name).setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")

@@ -226,8 +226,10 @@ class Settings:
         serve_only=True,
     )
     backend: str = _setting(
-        "auto", _choice("auto", "torch", "onnx"),
-        "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx",
+        "auto", _choice("auto", "torch", "onnx", "onnx-torch"),
+        "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx, onnx-torch "
+        "(ONNX Runtime computes the transformer only, PyTorch loaded beside it: the path "
+        "before the PyTorch-free one)",
     )
     quantize: str = _setting(
         "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)",

@@ -86,3 +86,33 @@ def build_sparse(path: Path, seed: int = 2) -> Path:
         str(path)
     )
     return path
+
+
+# Every pooling mode sentence-transformers offers, and two at once (their concatenation).
+POOLING_MODES = ("mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean",
+                 ("cls", "mean"))
+
+
+def build_embedding(path: Path, pooling="mean", dense: bool = False, normalize: bool = True,
+                    seed: int = 3) -> Path:
+    """A BERT with ``pooling``, then optionally a Dense layer (tanh) and Normalize, saved as a
+    sentence-transformers model."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer()
+    config = _config(tokenizer)
+    raw = _save_hf(BertModel(config), tokenizer, path.with_name(path.name + "-hf"))
+    pool = Pooling(config.hidden_size, pooling)
+    modules = [Transformer(str(raw), max_seq_length=MAX_LENGTH), pool]
+    if dense:
+        modules.append(Dense(pool.get_embedding_dimension(), 24,
+                             activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save_pretrained(str(path))
+    return path

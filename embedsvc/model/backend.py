@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 from ..settings import Settings, SettingsError
+from . import lean
 from .device import resolve_device
+from .encoder import Encoder
+from .graph_cache import GraphCache, cache_root
 from .kinds import load_model
+from .record import NotLean
+from .runtime import QualityBelowFloor
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -33,7 +39,9 @@ class Choice:
 def choose_backend(kind: str, device: str, setting: str, dtype: str = "auto",
                    quantize: str = "none") -> Choice:
     """The backend for a model of ``kind`` on a resolved ``device``; SettingsError when the
-    settings ask for what cannot be."""
+    settings ask for what cannot be. ``onnx-torch`` is ``onnx`` here: whether PyTorch is
+    loaded at all is lean.py's question."""
+    setting = "onnx" if setting == "onnx-torch" else setting
     if setting == "onnx" and device != "cpu":
         raise SettingsError(f"BACKEND=onnx runs on the CPU, but DEVICE resolves to {device}: "
                             "set EMBEDSVC_DEVICE=cpu, or EMBEDSVC_BACKEND=auto or torch")
@@ -63,13 +71,25 @@ def _choose(kind: str, device: str, setting: str, dtype: str) -> Choice:
 
 
 def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | None = None
-                 ) -> SentenceTransformerEncoder:
+                 ) -> Encoder:
     """Load (unless a pre-fork master already did), pick the backend and place the model.
 
-    Call in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
+    On the CPU a model with a verified export record serves without PyTorch (lean.py); the
+    first start of a model exports that record with PyTorch, then serves from it too. Call
+    in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
     """
+    warm = lean.warm_start(settings) if preloaded is None else None
+    if warm is not None and warm.encoder is not None:
+        log.info("%s", warm.reason)
+        return warm.encoder
+    if warm is not None and not warm.export:
+        log.info("backend: not the PyTorch-free path (%s)", warm.reason)
     encoder = preloaded or load_model(settings.model, settings.kind)
     device = resolve_device(settings.device)
+    if (warm is None or warm.export) and lean.why_not(settings, device) is None:
+        served = _serve_lean(encoder, settings)
+        if served is not None:
+            return served
     choice = choose_backend(encoder.kind, device, settings.backend, settings.dtype,
                             settings.quantize)
     if choice.backend == "onnx":
@@ -81,21 +101,63 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     return encoder
 
 
+def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings) -> Encoder | None:
+    """The encoder of this model's record, exported now if there is none that verifies;
+    None (and the reason, logged) when the model cannot be served that way."""
+    from .export import build_record
+
+    found = lean.record_path(settings)
+    if found is None:
+        log.info("backend: not the PyTorch-free path (the model's files are not on disk)")
+        return None
+    path, key = found
+    if not path.exists():
+        log.info("first start of %s: exporting it once to %s, so that later starts serve it "
+                 "without PyTorch", encoder.info.name, path)
+    try:
+        served, path = record_cache(settings).get_or_build(
+            path, partial(build_record, encoder, key), partial(lean.open_lean, settings,
+                                                               key=key))
+    except QualityBelowFloor:
+        raise
+    except Exception as exc:  # noqa: BLE001 - today's path still serves this model
+        log.warning("backend: not the PyTorch-free path (its record failed: %s)", exc)
+        return None
+    if isinstance(served, NotLean):
+        log.info("backend: not the PyTorch-free path (%s)", served.reason)
+        return None
+    lean.gate(served, settings.quantize_min_cosine)
+    log.info("%s", lean.startup_line(served, path))
+    return served
+
+
+def record_cache(settings: Settings) -> GraphCache:
+    return GraphCache(cache_root(settings.cache_dir))
+
+
 def _attach_onnx(encoder: SentenceTransformerEncoder, settings: Settings, choice: Choice) -> None:
     from .onnx_backend import OnnxUnavailable, attach
 
     try:
         log.info("%s", attach(encoder, settings))
     except OnnxUnavailable as exc:
-        if settings.backend == "onnx" or settings.quantize != "none":
+        if settings.backend in ("onnx", "onnx-torch") or settings.quantize != "none":
             raise RuntimeError(f"BACKEND=onnx cannot serve this model: {exc}; set "
                                "EMBEDSVC_BACKEND=torch") from exc
         log.warning("backend: PyTorch on cpu, not ONNX Runtime (%s): %s", choice.reason, exc)
 
 
 def export(settings: Settings) -> str:
-    """What ``embedsvc export`` does: build (or find) the cached graphs; the startup line."""
+    """What ``embedsvc export`` does: build (or find) the model's record, or where the model
+    cannot be served without PyTorch the cached transformer graph; the startup line."""
     from .onnx_backend import attach
 
-    encoder = SentenceTransformerEncoder.load(settings.model)
+    encoder = load_model(settings.model, settings.kind)
+    if lean.why_not(settings, "cpu") is None:
+        served = _serve_lean(encoder, settings)
+        if served is not None:
+            return lean.startup_line(served, served.graph.parent)
+    if encoder.kind not in ONNX_KINDS:
+        raise RuntimeError(f"this {encoder.kind} model cannot be exported for the CPU (the log "
+                           "says why); it serves with PyTorch")
     return attach(encoder, settings)

@@ -2,7 +2,8 @@
 
 Request threads call ``tokenize``, ``wrap`` and ``pieces`` (thread-safe); only the batcher
 thread calls ``encode``. The encoders: st_encoder.py (sentence-transformers), scorer.py
-(cross-encoders), sparse.py (SPLADE), fake.py (tests and the simulated device).
+(cross-encoders), sparse.py (SPLADE), lean.py (all three on ONNX Runtime without PyTorch,
+from the record export.py writes), fake.py (tests and the simulated device).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Exported model graphs on disk, built once and shared by every process that starts.
 
-A file is published only after it was built and loaded without error, under a name that
-says what it holds (the key). Builders write to a unique temporary name and ``os.replace``
-it into place, holding an exclusive lock file meanwhile, so that two processes starting
-together build it once and never read half a file. A file that exists but fails to load
-(truncated, corrupt, or wrong) is rebuilt, never served.
+A file (or a directory of files, such as lean.py's record) is published only after it was
+built and loaded without error, under a name that says what it holds (the key). Builders
+write to a unique temporary name and ``os.replace`` it into place, holding an exclusive lock
+meanwhile, so that two processes starting together build it once and never read half a
+file. A file that exists but fails to load (truncated, corrupt, or wrong) is rebuilt, never
+served. The lock files live in the hidden ``.locks`` directory beside the graphs: deleting
+a lock file after use would let a third process lock a new file while a second still waits
+on the old one, so they stay, out of the way.
 
 >>> import tempfile
 >>> cache = GraphCache(Path(tempfile.mkdtemp()))
@@ -20,6 +23,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -103,15 +107,30 @@ def _publish(path: Path, build: Callable[[Path], object], load: Callable[[Path],
     try:
         build(tmp)
         loaded = load(tmp)  # never publish what does not load
+        if tmp.is_dir():
+            _discard(path)  # a directory is not replaced by a rename, as a file is
         os.replace(tmp, path)
         return loaded
     finally:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
+
+
+def _discard(path: Path) -> None:
+    """Remove a file or a directory, if there is one; a directory is first moved aside so
+    that no reader finds it half removed."""
+    if path.is_dir() and not path.is_symlink():
+        aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
+        os.replace(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    locks = path.parent / ".locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / (path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

@@ -17,9 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import warnings
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..settings import Settings
+from . import runtime
 from .graph_cache import GraphCache, cache_root
+from .runtime import QUALITY_TEXTS, Quality, QualityBelowFloor, available_cpus, run_sliced
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -39,58 +39,14 @@ EXPORTER = "torchscript"
 OPSET = 17
 FORMAT = 1
 PARITY = 0.9999  # minimum cosine to PyTorch on the probe batch for a float32 graph
-# Padded tokens per session run: a larger batch from the batcher runs in slices. ONNX
-# Runtime on the CPU peaked near 2,000-4,000 padded tokens and lost about half its rate at
-# 16,384 (MAX_BATCH_TOKENS' default), for short and long inputs; bulk runs of the same file
-# were faster with 4,096 (bench/RESULTS.md, measured under load).
-RUN_TOKENS = 4096
 _BROKEN = 0.5  # mean cosine to float32 under which an int8 file is damaged, not just lossy
 _SHIPPED = ("onnx/model.onnx", "model.onnx")
 _OUTPUTS = ("token_embeddings", "last_hidden_state")
 _PROBE = ["a probe", "a longer probe sentence, so that the batch holds padding", "x"]
-QUALITY_TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "How do I reset my password?",
-    "Embeddings map text to vectors that can be compared by cosine similarity.",
-    "The central bank raised interest rates by a quarter point on Tuesday.",
-    "Ein Satz auf Deutsch, mit Umlauten: äöü.",
-    "La tour Eiffel est le monument le plus visité de Paris.",
-    "def add(a, b):\n    return a + b",
-    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
-    "Symptoms include fever, dry cough and tiredness.",
-    "Preheat the oven to 200 degrees and bake for 25 minutes.",
-    "short",
-    "Error 503: the service is unavailable, retry later.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose.",
-    "The contract may be terminated by either party with thirty days' written notice.",
-    "Our team won the championship after a penalty shoot-out.",
-    "GPU memory is exhausted when the batch is too large for the device.",
-    "She sells sea shells by the sea shore.",
-    "Mount Everest is the highest mountain above sea level.",
-    "Refunds are issued to the original payment method within five business days.",
-    "The patient was discharged with a prescription for antibiotics.",
-    " ".join(["A long input that repeats itself to reach the truncation limit."] * 40),
-    "Quantum computers use qubits, which can be in superpositions of states.",
-    "Install the package with pip and import it in your script.",
-    "東京は日本の首都です。",
-]
 
 
 class OnnxUnavailable(RuntimeError):
     """This model cannot run on ONNX Runtime here; the message says why."""
-
-
-class QualityBelowFloor(RuntimeError):
-    """The int8 graph's vectors are too far from float32's to serve."""
-
-
-@dataclass(frozen=True)
-class Quality:
-    """Cosine of int8 vectors to float32 vectors over ``texts`` texts."""
-
-    mean: float
-    min: float
-    texts: int
 
 
 class OnnxForward:
@@ -109,12 +65,8 @@ class OnnxForward:
         import torch
 
         feeds = {name: features[name].numpy() for name in self.inputs}
-        rows, width = feeds["input_ids"].shape
-        step = max(1, RUN_TOKENS // width)
-        parts = [self.session.run([self._output], {k: v[i:i + step] for k, v in feeds.items()})[0]
-                 for i in range(0, rows, step)]
-        features[self.output_key] = torch.from_numpy(np.concatenate(parts) if len(parts) > 1
-                                                     else parts[0])
+        features[self.output_key] = torch.from_numpy(run_sliced(self.session, self._output,
+                                                                 feeds))
         return features
 
 
@@ -149,12 +101,6 @@ def _quiet_torch() -> None:
     import torch
 
     torch.set_num_threads(1)
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
-    getter = getattr(os, "sched_getaffinity", None)
-    return len(getter(0)) if getter else os.cpu_count() or 1
 
 
 def _check_exportable(encoder: SentenceTransformerEncoder) -> str:
@@ -201,8 +147,8 @@ def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[
     reference = _encode_sorted(encoder, fp32, batch)
 
     def load(path: Path) -> tuple[OnnxForward, Quality]:
-        forward = OnnxForward(_session(path, threads), fp32.output_key)
-        quality = _quality(reference, _encode_sorted(encoder, forward, batch))
+        forward = OnnxForward(runtime.session(path, threads), fp32.output_key)
+        quality = runtime.quality(reference, _encode_sorted(encoder, forward, batch))
         if quality.mean < _BROKEN:  # a damaged file, not the cost of quantizing: rebuild it
             raise ValueError(f"its vectors are unrelated to float32's: cosine {quality.mean:.3f}")
         return forward, quality
@@ -221,12 +167,12 @@ def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[
 def _verified(encoder: SentenceTransformerEncoder, output_key: str, threads: int,
               path: Path) -> OnnxForward:
     """A forward on the graph at ``path``, once its vectors match PyTorch's on a probe."""
-    forward = OnnxForward(_session(path, threads), output_key)
+    forward = OnnxForward(runtime.session(path, threads), output_key)
     missing = set(forward.inputs) - set(encoder.input_names)
     if missing:
         raise OnnxUnavailable(f"the graph at {path} needs inputs {sorted(missing)}")
     batch = [encoder.wrap(ids) for ids in encoder.tokenize(_PROBE)]
-    quality = _quality(encoder.encode_with(None, batch), encoder.encode_with(forward, batch))
+    quality = runtime.quality(encoder.encode_with(None, batch), encoder.encode_with(forward, batch))
     if quality.min < PARITY:
         raise ValueError(f"its vectors differ from PyTorch's: cosine {quality.min:.6f}")
     return forward
@@ -244,21 +190,6 @@ def _encode_sorted(encoder: SentenceTransformerEncoder, forward: OnnxForward,
     return rows
 
 
-def _session(path: Path, threads: int) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    # Idle pool threads would otherwise spin for the next batch, taking the cores that the
-    # request threads need to parse, tokenize and answer (bench/RESULTS.md).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def _output_name(session: Any) -> str:
     outputs = session.get_outputs()
     for wanted in _OUTPUTS:
@@ -268,12 +199,6 @@ def _output_name(session: Any) -> str:
         if len(o.shape) == 3:
             return o.name
     raise OnnxUnavailable(f"no token-embedding output among {[o.name for o in outputs]}")
-
-
-def _quality(reference: np.ndarray, got: np.ndarray) -> Quality:
-    cos = (reference * got).sum(1) / (
-        np.linalg.norm(reference, axis=1) * np.linalg.norm(got, axis=1) + 1e-12)
-    return Quality(float(cos.mean()), float(cos.min()), len(cos))
 
 
 def model_key(module: Any) -> str:

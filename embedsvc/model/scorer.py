@@ -96,22 +96,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         follows the limit, not the text, and a long query shared by every pair is cut once.
         Untruncated, a cut text still holds more tokens than the limit (``Pair.cut``).
         """
-        side = direction or "right"
-        texts = list(dict.fromkeys(t for item in inputs
-                                   for t in ((item,) if isinstance(item, str) else item)))
-        limit = self.info.max_input_tokens
-        cut = dict(zip(texts, text_window(self._tokenizer, texts, limit, side, self._margin),
-                       strict=True))
-        tokenizer = self._tokenizer if direction is None else self._truncating_to[direction]
-        sizes = dict(zip(cut, (len(e.ids) for e in self._tokenizer.encode_batch(
-            list(cut.values()), add_special_tokens=False)), strict=True))
-        sequences = [cut[item] if isinstance(item, str) else
-                     pair_windows(self._tokenizer, item, (cut[item[0]], cut[item[1]]), limit,
-                                  side, self._margin, (sizes[item[0]], sizes[item[1]]))
-                     for item in inputs]
-        encodings = tokenizer.encode_batch(sequences, add_special_tokens=True)
-        return [_pair(e.ids, e.type_ids, cut=sequence != item)
-                for e, sequence, item in zip(encodings, sequences, inputs, strict=True)]
+        return tokenize_pairs(self, self._truncating_to, inputs, direction)
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         rows = torch_forward(self._modules, self.features(batch), "scores")
@@ -137,10 +122,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
     def _token_types(self, batch: Sequence[Sequence[int]], input_ids: Any) -> Any:
         import torch
 
-        types = np.zeros(tuple(input_ids.shape), dtype=np.int64)
-        for row, ids in enumerate(batch):
-            if isinstance(ids, Pair):
-                types[row, ids.second : len(ids)] = 1
+        types = segment_ids(batch, tuple(input_ids.shape))
         return torch.from_numpy(types).to(input_ids.device)
 
     def _dimension(self) -> int:
@@ -151,7 +133,41 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(self._dimension()))
 
 
-def _pair(ids: list[int], type_ids: list[int], cut: bool) -> Pair:
+def tokenize_pairs(encoder: Any, truncating_to: dict[str, Any],
+                   inputs: Sequence[Sequenced], direction: str | None) -> list[Pair]:
+    """``tokenize_sequences`` of any cross-encoder: ``encoder._tokenizer`` (the plain fast
+    tokenizer), ``_margin`` and ``info``, and ``truncating_to`` each direction's truncating
+    copy. Each distinct text is cut to its window first (see ``tokenize_sequences``)."""
+    side = direction or "right"
+    plain, margin = encoder._tokenizer, encoder._margin
+    texts = list(dict.fromkeys(t for item in inputs
+                               for t in ((item,) if isinstance(item, str) else item)))
+    limit = encoder.info.max_input_tokens
+    cut = dict(zip(texts, text_window(plain, texts, limit, side, margin), strict=True))
+    sizes = dict(zip(cut, (len(e.ids) for e in plain.encode_batch(
+        list(cut.values()), add_special_tokens=False)), strict=True))
+    sequences = [cut[item] if isinstance(item, str) else
+                 pair_windows(plain, item, (cut[item[0]], cut[item[1]]), limit, side, margin,
+                              (sizes[item[0]], sizes[item[1]]))
+                 for item in inputs]
+    tokenizer = plain if direction is None else truncating_to[direction]
+    encodings = tokenizer.encode_batch(sequences, add_special_tokens=True)
+    return [pair_of(e.ids, e.type_ids, cut=sequence != item)
+            for e, sequence, item in zip(encodings, sequences, inputs, strict=True)]
+
+
+def segment_ids(batch: Sequence[Sequence[int]], shape: tuple[int, ...]) -> np.ndarray:
+    """Token type ids of a padded batch: 0, and 1 for a pair's second segment."""
+    types = np.zeros(shape, dtype=np.int64)
+    for row, ids in enumerate(batch):
+        if isinstance(ids, Pair):
+            types[row, ids.second : len(ids)] = 1
+    return types
+
+
+def pair_of(ids: list[int], type_ids: list[int], cut: bool = False) -> Pair:
+    """A tokenized text or pair as a ``Pair``, its second segment read from the type ids;
+    ``cut``: a text of it was read only as far as its window."""
     second = next((i for i, t in enumerate(type_ids) if t), len(ids))
     if any(t != (i >= second) for i, t in enumerate(type_ids)):
         # every tokenizer template in use puts segment A, then B: 0...0 1...1

@@ -68,14 +68,28 @@ def active(rows: np.ndarray, max_active_dims: int | None = None
     """The non-zero (index, value) pairs of each row, indices ascending, as
     ``SparseEncoder.encode`` gives them: at most ``max_active_dims`` of the largest."""
     if max_active_dims is not None:
-        import torch
-        from sentence_transformers.util import select_max_active_dims
-
-        rows = select_max_active_dims(torch.from_numpy(rows), max_active_dims).numpy()
+        rows = top_active(rows, max_active_dims)
     out = []
     for row in rows:
         indices = np.flatnonzero(row)
         out.append((indices, row[indices]))
+    return out
+
+
+def top_active(rows: np.ndarray, k: int) -> np.ndarray:
+    """Rows with all but the ``k`` largest values (in absolute terms) set to zero, as
+    sentence-transformers' ``select_max_active_dims`` gives them (in numpy: no torch).
+
+    >>> top_active(np.array([[0.5, -2.0, 1.0]], dtype=np.float32), 2).tolist()
+    [[0.0, -2.0, 1.0]]
+    """
+    if k <= 0:
+        raise ValueError(f"max_active_dims must be a positive integer, got {k}")
+    if k >= rows.shape[1]:
+        return rows
+    keep = np.argpartition(-np.abs(rows), k - 1, axis=1)[:, :k]
+    out = np.zeros_like(rows)
+    np.put_along_axis(out, keep, np.take_along_axis(rows, keep, axis=1), axis=1)
     return out
 
 

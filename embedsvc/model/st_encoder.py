@@ -12,14 +12,13 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory
 from .device import resolve_device, resolve_dtype
-from .encoder import ModelInfo, Piece, bundled_model_path, model_name
-from .tokenizer import plain_tokenizer, template_ids
-from .window import token_window
+from .encoder import ModelInfo, bundled_model_path, model_name
+from .tokenizer import TextSide, padded, plain_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class SentenceTransformerEncoder:
+class SentenceTransformerEncoder(TextSide):
     """A sentence-transformers model, loaded on the CPU first and placed on a device later.
 
     Loading and placing are separate so that a pre-forking server can load the weights once
@@ -44,10 +43,7 @@ class SentenceTransformerEncoder:
         self._name = name
         self.source = source  # the model's directory, when it was loaded from one
         tokenizer = model.tokenizer
-        self._tokenizer = plain_tokenizer(tokenizer)
-        self._margin = max((len(t.content) for t in
-                            self._tokenizer.get_added_tokens_decoder().values()), default=0)
-        self._prefix, self._suffix = template_ids(self._tokenizer)
+        self._use_tokenizer(plain_tokenizer(tokenizer))
         self._pad_id = tokenizer.pad_token_id or 0
         self._with_token_types = "token_type_ids" in tokenizer.model_input_names
         self._modules = _modules_without_normalize(model)
@@ -85,25 +81,6 @@ class SentenceTransformerEncoder:
         self._model.to(device=self._device, dtype=getattr(torch, self._dtype))
         self.info = self._describe()
         self.encode([self.wrap(self.tokenize(["warm up"])[0])])
-
-    def tokenize(self, texts: Sequence[str], limit: int | None = None,
-                 direction: str = "right") -> list[list[int]]:
-        if limit is None:
-            encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-            return [e.ids for e in encodings]
-        return [ids for ids, _ in token_window(self._tokenizer, texts, limit, direction,
-                                               self._margin, offsets=False)]
-
-    def wrap(self, ids: Sequence[int]) -> list[int]:
-        return [*self._prefix, *ids, *self._suffix]
-
-    def pieces(self, texts: Sequence[str]) -> list[list[Piece]]:
-        room = self.info.max_input_tokens - self.special_tokens
-        windows = token_window(self._tokenizer, texts, room, "right", self._margin)
-        return [[*map(self._special_piece, self._prefix),
-                 *(Piece(i, text[a:b], False, a, b) for i, (a, b) in zip(*window, strict=True)),
-                 *map(self._special_piece, self._suffix)]
-                for text, window in zip(texts, windows, strict=True)]
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         return self._run(self._pipeline, batch)
@@ -164,28 +141,11 @@ class SentenceTransformerEncoder:
             rows = tokens.float().cpu().numpy()
         return [rows[row, : len(ids)] for row, ids in enumerate(batch)]
 
-    def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
-               ) -> list[str]:
-        return self._tokenizer.decode_batch([list(ids) for ids in batch],
-                                            skip_special_tokens=skip_special_tokens)
-
-    @property
-    def special_tokens(self) -> int:
-        return len(self._prefix) + len(self._suffix)
-
-    def _special_piece(self, token_id: int) -> Piece:
-        return Piece(token_id, self._tokenizer.id_to_token(token_id), True, None, None)
-
     def features(self, batch: Sequence[Sequence[int]]) -> dict[str, Any]:
         """The padded tensors the first module reads for ``batch`` (wrapped ids)."""
         import torch
 
-        width = max(len(ids) for ids in batch)
-        input_ids = np.full((len(batch), width), self._pad_id, dtype=np.int64)
-        mask = np.zeros((len(batch), width), dtype=np.int64)
-        for row, ids in enumerate(batch):
-            input_ids[row, : len(ids)] = ids
-            mask[row, : len(ids)] = 1
+        input_ids, mask = padded(batch, self._pad_id)
         device = self._device
         features: dict[str, Any] = {
             "input_ids": torch.from_numpy(input_ids).to(device, non_blocking=True),

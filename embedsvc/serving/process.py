@@ -8,7 +8,8 @@ Around ``fork()``:
 - under ``gunicorn --preload`` the master loads the weights onto the CPU (no device
   probing) while it loads the app, so that its forked workers share those pages
   copy-on-write; each worker then places them on its device itself, so the master never
-  initialises CUDA;
+  initialises CUDA. A model that serves from its export record (model/lean.py) is not
+  preloaded: the master holds no ONNX Runtime session, whose threads a fork would break;
 - a child whose parent had initialised CUDA cannot use it: it stops at boot with one line
   that says why and what to do.
 """
@@ -204,8 +205,14 @@ class LazyApp:
 
     def _preload(self, settings: Settings) -> None:
         from ..model.kinds import load_model
+        from ..model.lean import recorded
 
         serving_process(settings)
+        if recorded(settings):
+            log.info("gunicorn master (pid %d) preloads nothing: the model serves from its "
+                     "exported record without PyTorch, and each worker opens its own ONNX "
+                     "Runtime session after the fork", os.getpid())
+            return
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
                  "to share; each worker places them on its device after the fork", os.getpid())
         self._preloaded = load_model(settings.model, settings.kind)

@@ -79,16 +79,19 @@ def answering_pids(server: Server, reference, want: int, timeout: float = 90) ->
     return seen
 
 
-def two_workers(preload: bool, reference, log: Path):
+def two_workers(preload: bool, reference, log: Path, env: dict[str, str] | None = None):
     cmd = [*GUNICORN, "-w", "2", "--threads", "4", *(["--preload"] if preload else []),
            "embedsvc:app"]
-    return running(cmd, log, cwd=str(log.parent))
+    return running(cmd, log, env=env, cwd=str(log.parent))
 
 
 def test_two_workers_both_serve_and_preload_shares_the_weights(reference, tmp_path):
     private: dict[bool, float] = {}
     for preload in (False, True):
-        with two_workers(preload, reference, tmp_path / f"preload-{preload}.log") as server:
+        # PyTorch's weights, which a preloading master shares (the PyTorch-free path loads
+        # none: test_lean.py)
+        with two_workers(preload, reference, tmp_path / f"preload-{preload}.log",
+                         env={"EMBEDSVC_BACKEND": "torch"}) as server:
             workers = workers_of(server.proc.pid)
             assert len(workers) == 2
             assert answering_pids(server, reference, want=2) == set(workers)

@@ -26,6 +26,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings map text to
 
 def started(**settings) -> Service:
     """A service on the real model; the run's shared cache unless ``cache_dir`` says."""
+    # this file tests the PyTorch-backed ONNX path (test_lean.py the PyTorch-free one)
+    if settings.get("backend", "onnx") == "onnx":
+        settings["backend"] = "onnx-torch"
     settings = Settings.from_env(os.environ, device="cpu", **settings)
     service = Service(settings, metrics=Metrics(CollectorRegistry()))
     service.start(background=False)
@@ -64,7 +67,7 @@ def test_a_truncated_cached_graph_is_rebuilt_and_serves_right_vectors(exported, 
 
 def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(exported,
                                                                               reference):
-    from embedsvc.model.onnx_backend import RUN_TOKENS
+    from embedsvc.model.runtime import RUN_TOKENS
 
     texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
     service = started(backend="onnx")
@@ -155,7 +158,7 @@ def test_cls_pooling_and_a_dense_layer_give_pytorchs_vectors(cls_dense_model, tm
 def test_gunicorn_preload_two_workers_each_build_their_own_session(reference, tmp_path):
     """Two workers start together on an empty cache: one export, two sessions, none in the
     master, both serving PyTorch's vectors."""
-    env = {"EMBEDSVC_BACKEND": "onnx", "EMBEDSVC_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"EMBEDSVC_BACKEND": "onnx-torch", "EMBEDSVC_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [*GUNICORN, "-w", "2", "--threads", "4", "--preload", "embedsvc:app"]
     with running(cmd, tmp_path / "server.log", env=env, cwd=str(tmp_path)) as server:
         workers = workers_of(server.proc.pid)
@@ -171,8 +174,8 @@ def test_gunicorn_preload_two_workers_each_build_their_own_session(reference, tm
 
 def test_embedsvc_export_builds_ahead_what_a_start_then_reads(tmp_path, caplog):
     exe = Path(sys.executable).parent / "embedsvc"
-    out = subprocess.run([str(exe), "export", "--cache-dir", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([str(exe), "export", "--backend", "onnx-torch", "--cache-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     [graph] = graphs(tmp_path)
     assert f"graph {graph}" in out.stdout and "exporting all-MiniLM-L6-v2" in out.stderr

@@ -11,12 +11,13 @@ import httpx
 from .servers import Server, running
 
 _OURS = r"\S+ \S+ INFO \[\d+\] embedsvc\."
-# on a first start only: the ONNX graph built into the cache
-BUILT = (_OURS + r"model\.onnx_backend: (exporting|quantizing) .*, once: "
-         r"later starts read it from .*")
+# on a first start only: the export record (or ONNX graph) built into the cache
+BUILT = _OURS + (r"model\.(onnx_backend: (exporting|quantizing) .*, once: later starts read "
+                 r"it from .*|backend: first start of .*: exporting it once to .*)")
 BACKEND = _OURS + r"model\.backend: backend: .*"
 MODEL_READY = _OURS + r"service: model ready: pid=\d+ device=cpu .*"
-SERVING = r"\S+ \S+ INFO \[\d+\] embedsvc\.serving\.server: serving on http://127\.0\.0\.1:\d+ .*"
+SERVING = (r"\S+ \S+ INFO \[\d+\] embedsvc\.serving\.server: serving on "
+           r"http://127\.0\.0\.1:\d+ .*")
 WAITRESS = r"INFO:waitress:Serving on http://127\.0\.0\.1:\d+"
 GUNICORN = r"\[[^]]+\] \[\d+\] \[INFO\] .*"
 

@@ -37,7 +37,9 @@ def test_a_missing_file_is_built_once_then_read(tmp_path):
     assert cache.get_or_build(path, build, load) == (GOOD, path)
     assert build.calls == 1
     assert path.read_text() == GOOD
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
+    # the lock file is hidden in .locks: nothing beside the graph but the graph
+    assert sorted(p.name for p in path.parent.iterdir()) == [".locks", path.name]
+    assert [p.name for p in (path.parent / ".locks").iterdir()] == [path.name + ".lock"]
 
 
 @pytest.mark.parametrize("content", ["graph", "", "garbage\x00\x01"], ids=["truncated", "empty",
@@ -56,7 +58,7 @@ def test_a_build_that_does_not_load_is_never_published(tmp_path):
     with pytest.raises(ValueError, match="not a graph"):
         cache.get_or_build(path, Builder("half a gra"), load)
     assert not path.exists()
-    assert [p.name for p in tmp_path.iterdir()] == [path.name + ".lock"]  # no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == [".locks"]  # no temporary left
 
 
 def _start(root: str, counter: str, out: str) -> None:

@@ -1,0 +1,134 @@
+"""Cold start of `embedsvc serve` and `embedsvc embed` on the CPU, warm cache: PyTorch-free
+path against the path before it (BACKEND=onnx-torch: ONNX Runtime for the transformer,
+PyTorch loaded beside it), in one run.
+
+    .venv/bin/python bench/coldstart.py            # 3 starts of each, the bundled model
+    .venv/bin/python bench/coldstart.py --starts 5
+
+For each path: exports into a private cache first (not timed), then starts `embedsvc serve`
+--starts times and reports the median of: seconds from launch to the first answered
+POST /embed, the process's CPU-seconds by then, VmRSS after ten more requests, and which of
+libtorch, scikit-learn, scipy, pandas appear in /proc/PID/maps. Then `embedsvc embed` on
+1,000 lines: seconds from launch to its first committed part (50 rows), and to its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+PATHS = {"lean (default)": {}, "before (BACKEND=onnx-torch)": {"EMBEDSVC_BACKEND": "onnx-torch"}}
+# package directories: numpy's own OpenBLAS is named libscipy_openblas, and is not scipy
+LIBRARIES = {"libtorch": "/torch/lib/libtorch", "scikit-learn": "/sklearn/", "scipy": "/scipy/",
+             "pandas": "/pandas/"}
+TICKS = os.sysconf("SC_CLK_TCK")
+BODY = {"inputs": ["a first request after the start", "and a second input"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / TICKS  # utime stime cutime cstime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def loaded(pid: int) -> list[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [name for name, needle in LIBRARIES.items() if needle in maps]
+
+
+def one_start(env: dict[str, str]) -> dict[str, object]:
+    port = free_port()
+    cmd = [str(BIN / "embedsvc"), "serve", "--port", str(port)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            while True:
+                try:
+                    if client.post("/embed", json=BODY).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"embedsvc serve exited with {proc.returncode}")
+                time.sleep(0.01)
+            first, cpu = time.monotonic() - start, cpu_seconds(proc.pid)
+            for _ in range(10):
+                assert client.post("/embed", json=BODY).status_code == 200
+            return {"first": first, "cpu": cpu, "rss": rss_mib(proc.pid),
+                    "maps": loaded(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def embed_run(env: dict[str, str], work: Path) -> tuple[float, float]:
+    source = work / "lines.txt"
+    source.write_text("".join(f"line {i}: a short sentence to embed, number {i}\n"
+                              for i in range(1000)))
+    out = work / f"out-{time.monotonic_ns()}.jsonl"
+    # parts of 50 from chunks of 50: the first part is committed when the first chunk is done
+    cmd = [str(BIN / "embedsvc"), "embed", str(source), "--output", str(out),
+           "--chunk-size", "50", "--part-size", "50"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = None
+    while proc.poll() is None:
+        if first is None and any(p.is_file() and p.stat().st_size and p != source
+                                 for p in work.rglob("*.jsonl")):
+            first = time.monotonic() - start
+        time.sleep(0.01)
+    total = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"embedsvc embed exited with {proc.returncode}")
+    return (first if first is not None else total), total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--starts", type=int, default=3)
+    args = parser.parse_args()
+    cache = Path(tempfile.mkdtemp(prefix="embedsvc-coldstart-"))
+    base = {**os.environ, "EMBEDSVC_CACHE_DIR": str(cache), "EMBEDSVC_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1"}
+    for extra in PATHS.values():  # a warm cache for both paths: exporting is not timed
+        subprocess.run([str(BIN / "embedsvc"), "export"], env={**base, **extra}, check=True,
+                       capture_output=True)
+    print(f"{'path':30} {'first /embed s':>14} {'CPU s':>6} {'RSS MiB':>8}  libraries mapped")
+    for name, extra in PATHS.items():
+        runs = [one_start({**base, **extra}) for _ in range(args.starts)]
+        med = {k: statistics.median(r[k] for r in runs) for k in ("first", "cpu", "rss")}
+        maps = ", ".join(sorted({m for r in runs for m in r["maps"]}))
+        each = ", ".join(f"{r['first']:.2f}" for r in runs)
+        print(f"{name:30} {med['first']:14.2f} {med['cpu']:6.2f} {med['rss']:8.0f}  "
+              f"{maps or 'none of ' + '/'.join(LIBRARIES)}   (launch to answer: {each})")
+    for name, extra in PATHS.items():
+        with tempfile.TemporaryDirectory() as work:
+            first, total = embed_run({**base, **extra}, Path(work))
+        print(f"embed 1,000 lines, {name:28} first part {first:5.2f} s, done {total:5.2f} s")
+
+
+if __name__ == "__main__":
+    main()

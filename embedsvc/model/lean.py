@@ -1,0 +1,377 @@
+"""Serving without PyTorch: tokenizers, ONNX Runtime and numpy, from an export record.
+
+A warm start on the CPU reads the model's record (record.py), checks its files, builds one
+ONNX Runtime session on its graph and runs the recorded probe inputs through it: the outputs
+must be PyTorch's, as export.py recorded them, or the record is rebuilt with PyTorch and
+never served. Nothing here imports torch, transformers or sentence-transformers, even
+indirectly (tests/unit/test_lean.py checks it in a fresh interpreter).
+
+The encoders implement the Encoder interface as the sentence-transformers ones do, with the
+same tokenizer code (``TextSide``), so token windows, pieces and truncation are identical:
+
+- ``LeanEncoder``: embedding models (``encode``, ``encode_tokens``, ``decode``);
+- ``LeanScorer``: rerankers and classifiers (logits; ``activate`` as ``CrossEncoder.predict``);
+- ``LeanSparse``: SPLADE (the graph ends in log1p(relu) and max pooling over the mask).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..settings import Settings
+from . import runtime
+from .encoder import Encoder, ModelInfo, model_name
+from .graph_cache import GraphCache, cache_root
+from .record import (
+    GRAPH,
+    INT8,
+    PROBE,
+    TOKENIZER,
+    NotLean,
+    RecordError,
+    compare,
+    describe_file,
+    fingerprint,
+    model_source,
+    read_record,
+    write_record,
+)
+from .scorer import Pair, Sequenced, segment_ids, tokenize_pairs
+from .tokenizer import TextSide, padded, tokenizer_from_json
+
+log = logging.getLogger(__name__)
+
+_BROKEN = 0.5  # mean cosine to float32 under which an int8 graph is damaged, not just lossy
+_ACTIVATIONS = {
+    "Identity": lambda x: x,
+    "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "Tanh": np.tanh,
+    "ReLU": lambda x: np.maximum(x, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class Warm:
+    """What a start found: an encoder to serve, or why not (and whether exporting helps)."""
+
+    encoder: Encoder | None
+    reason: str
+    export: bool = False  # True: no usable record yet; PyTorch can build one
+
+
+class LeanEncoder(TextSide):
+    """An embedding model's pipeline on one ONNX Runtime session.
+
+    Example (``path`` is a record directory that export.py wrote)::
+
+        enc = open_record(path, threads=2)
+        rows = enc.encode([enc.wrap(ids) for ids in enc.tokenize(["a text"])])
+    """
+
+    kind = "embedding"
+    output = "sentence_embedding"
+
+    def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
+        tok = record["tokenizer"]
+        self.kind = record["kind"]  # a scorer's: reranker or classifier
+        self._text = (path / TOKENIZER).read_text(encoding="utf-8")
+        self._use_tokenizer(tokenizer_from_json(self._text))
+        if [self._prefix, self._suffix] != [tok["prefix"], tok["suffix"]]:
+            raise RecordError("tokenizer.json's template differs from the recorded one")
+        self._pad_id = int(tok["pad_id"])
+        self._token_types = bool(tok["token_types"])
+        self._session = session
+        self.graph = path / GRAPH
+        self.probe_inputs: list[Any] = []
+        info = record["info"]
+        self.info = ModelInfo(**{**info, "labels": tuple(info["labels"])}, kind=record["kind"],
+                              device="cpu", dtype=precision, backend="onnx")
+        if "token_embeddings" in {o.name for o in session.get_outputs()}:
+            self.encode_tokens = self._encode_tokens  # optional in the Encoder interface
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        return runtime.run_sliced(self._session, self.output, self.features(batch))
+
+    def _encode_tokens(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        rows = runtime.run_sliced(self._session, "token_embeddings", self.features(batch))
+        return [rows[row, : len(ids)] for row, ids in enumerate(batch)]
+
+    def features(self, batch: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+        """The graph's inputs for ``batch`` (wrapped ids), as the sentence-transformers
+        encoder pads them."""
+        input_ids, mask = padded(batch, self._pad_id)
+        feeds = {"input_ids": input_ids, "attention_mask": mask}
+        if self._token_types:
+            feeds["token_type_ids"] = segment_ids(batch, input_ids.shape)
+        return feeds
+
+    def probe_batch(self, inputs: Sequence[Any]) -> list[list[int]]:
+        """The recorded probe inputs (texts) as this encoder's wrapped ids."""
+        return [self.wrap(ids) for ids in self.tokenize(list(inputs))]
+
+    def quantized(self, path: Path, session: Any) -> LeanEncoder:
+        """The same model on another session (its int8 graph at ``path``)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._session, twin.graph = session, path
+        twin.info = ModelInfo(**{**self.info.__dict__, "dtype": "int8"})
+        if hasattr(self, "encode_tokens"):
+            twin.encode_tokens = twin._encode_tokens
+        return twin
+
+
+class LeanSparse(LeanEncoder):
+    """SPLADE on ONNX Runtime: rows as wide as the vocabulary."""
+
+    kind = "sparse"
+
+    def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
+        super().__init__(path, record, session, precision)
+        self.max_active_dims: int | None = record["pipeline"].get("max_active_dims")
+
+
+class LeanScorer(LeanEncoder):
+    """A cross-encoder on ONNX Runtime: raw logits, one column per label."""
+
+    kind = "reranker"
+    output = "scores"
+
+    def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
+        super().__init__(path, record, session, precision)
+        limit = int(record["tokenizer"]["truncate_at"])
+        self._truncating_to = {side: tokenizer_from_json(self._text, limit, side)
+                               for side in ("right", "left")}
+        self._activation = _ACTIVATIONS[record["pipeline"]["activation"]]
+
+    def tokenize_sequences(self, inputs: Sequence[Sequenced], direction: str | None
+                           ) -> list[Pair]:
+        """As ``CrossEncoderScorer.tokenize_sequences``: see there."""
+        return tokenize_pairs(self, self._truncating_to, inputs, direction)
+
+    def activate(self, rows: np.ndarray, raw: bool) -> np.ndarray:
+        """As ``CrossEncoderScorer.activate``: the model's activation, then a softmax across
+        several labels; ``raw``: the logits."""
+        if raw:
+            return rows
+        scores = self._activation(rows.astype(np.float32))
+        if scores.shape[1] > 1:
+            scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+            scores /= scores.sum(axis=1, keepdims=True)
+        return scores.astype(np.float32)
+
+    def probe_batch(self, inputs: Sequence[Any]) -> list[list[int]]:
+        return list(self.tokenize_sequences([tuple(i) if isinstance(i, list) else i
+                                             for i in inputs], None))
+
+
+def activation_names() -> tuple[str, ...]:
+    """The cross-encoder activations this path computes (export.py refuses others)."""
+    return tuple(_ACTIVATIONS)
+
+
+def _encoder_class(kind: str) -> type[LeanEncoder]:
+    return {"embedding": LeanEncoder, "sparse": LeanSparse}.get(kind, LeanScorer)
+
+
+def open_record(path: Path, threads: int) -> LeanEncoder | NotLean:
+    """The float32 encoder of the record at ``path``, once its graph reproduces PyTorch's
+    probe outputs; RecordError (or ONNX Runtime's error) for a record not to serve."""
+    record = read_record(path)
+    if not record.get("lean"):
+        return NotLean(str(record.get("reason", "the record says so")))
+    encoder = _encoder_class(record["kind"])(path, record, runtime.session(path / GRAPH, threads),
+                                             "float32")
+    verify(encoder, record, path / PROBE, "PyTorch's")
+    encoder.probe_inputs = record["probe"]["inputs"]
+    return encoder
+
+
+def verify(encoder: LeanEncoder, record: dict[str, Any], probe: Path, whose: str) -> None:
+    """RecordError unless ``encoder`` tokenizes the probe as recorded and its graph gives the
+    outputs recorded in ``probe``."""
+    inputs = record["probe"]["inputs"]
+    batch = encoder.probe_batch(inputs)
+    if [list(ids) for ids in batch] != record["probe"]["ids"]:
+        raise RecordError("the tokenizer does not give the recorded probe ids")
+    with np.load(probe) as recorded:
+        want = {name: recorded[name] for name in recorded.files}
+    feeds = encoder.features(batch)
+    lengths = [len(ids) for ids in batch]
+    for name, value in want.items():
+        if name == "activated":
+            got = encoder.activate(want[LeanScorer.output], raw=False)  # type: ignore[attr-defined]
+        else:
+            got = encoder._session.run([name], feeds)[0]
+        compare(got, value, f"the graph's {name} (against {whose})",
+                lengths if value.ndim == 3 else None)
+
+
+def why_not(settings: Settings, device: str | None = None) -> str | None:
+    """Why these settings keep this process off the PyTorch-free path, or None.
+
+    ``device``: the resolved device, once known; before, DEVICE=auto counts as the CPU
+    (``warm_start`` asks ``accelerator_present`` too).
+    """
+    if settings.backend in ("torch", "onnx-torch"):
+        return f"BACKEND={settings.backend}"
+    if settings.dtype not in ("auto", "float32"):
+        return f"DTYPE={settings.dtype} (this path computes in float32)"
+    if device is not None:
+        return None if device == "cpu" else f"the device is {device}"
+    if settings.device not in ("auto", "cpu"):
+        return f"DEVICE={settings.device}"
+    return None
+
+
+def accelerator_present() -> bool:
+    """Whether PyTorch might find a CUDA, ROCm or MPS device here."""
+    if platform.system() == "Darwin":
+        return platform.machine() == "arm64"
+    dev = Path("/dev")
+    return (dev / "nvidiactl").exists() or (dev / "kfd").exists() or any(dev.glob("nvidia[0-9]*"))
+
+
+def record_path(settings: Settings) -> tuple[Path, str] | None:
+    """Where the record of MODEL, served as KIND, lies, and its fingerprint (None: the
+    model is not on disk)."""
+    source = model_source(settings.model)
+    if source is None:
+        return None
+    key = fingerprint(source, settings.kind)
+    path = GraphCache(cache_root(settings.cache_dir)).path(model_name(settings.model), key,
+                                                           ".lean")
+    return path, key
+
+
+def recorded(settings: Settings) -> bool:
+    """Whether a start would serve from a record (its files checked, not yet its graph)."""
+    lean = why_not(settings) is None and not (settings.device == "auto"
+                                               and accelerator_present())
+    found = record_path(settings) if lean else None
+    try:
+        return found is not None and bool(read_record(found[0]).get("lean"))
+    except RecordError:
+        return False
+
+
+def threads_for(settings: Settings) -> int:
+    return settings.onnx_threads or runtime.available_cpus()
+
+
+def warm_start(settings: Settings) -> Warm:
+    """The encoder of this model's verified record, without PyTorch; or why not."""
+    why = why_not(settings)
+    if why:
+        return Warm(None, why)
+    if settings.device == "auto" and accelerator_present():  # PyTorch resolves the device
+        return Warm(None, "DEVICE=auto on a machine with a GPU device", export=True)
+    found = record_path(settings)
+    if found is None:
+        return Warm(None, f"{settings.model} is not in the hub cache yet", export=True)
+    path, key = found
+    if not path.exists():
+        return Warm(None, f"first start of {model_name(settings.model)}: nothing exported yet",
+                    export=True)
+    try:
+        encoder = open_lean(settings, path, key)
+    except Exception as exc:  # noqa: BLE001 - any failure: the record is rebuilt, not served
+        log.warning("the record %s does not verify (%s); rebuilding it with PyTorch", path, exc)
+        return Warm(None, f"its record {path.name} did not verify", export=True)
+    if isinstance(encoder, NotLean):
+        return Warm(None, encoder.reason)
+    gate(encoder, settings.quantize_min_cosine)
+    return Warm(encoder, startup_line(encoder, path))
+
+
+def open_lean(settings: Settings, path: Path, key: str) -> LeanEncoder | NotLean:
+    """The record's encoder, int8 when QUANTIZE says so (quantized here once, no PyTorch);
+    RecordError for a record of another model."""
+    recorded_key = read_record(path).get("fingerprint")
+    if recorded_key != key:
+        raise RecordError(f"it was exported from other model files (fingerprint "
+                          f"{str(recorded_key)[:12]}, not {key[:12]})")
+    threads = threads_for(settings)
+    found = open_record(path, threads)
+    if isinstance(found, NotLean) or settings.quantize == "none":
+        return found
+    if found.kind != "embedding":
+        return NotLean(f"QUANTIZE={settings.quantize} serves embedding models, not "
+                       f"{found.kind} models")
+    int8, _ = GraphCache(path).get_or_build(path / INT8, partial(build_int8, found),
+                                            partial(open_int8, found, threads))
+    return int8
+
+
+def gate(encoder: LeanEncoder, floor: float) -> None:
+    """QualityBelowFloor for an int8 encoder whose recorded quality is under ``floor``."""
+    q = getattr(encoder, "quality", None)
+    if q is not None and q.mean < floor:
+        raise runtime.QualityBelowFloor(
+            f"QUANTIZE=int8 refused: mean cosine to float32 is {q.mean:.4f} (min {q.min:.4f}) "
+            f"on {q.texts} texts, below QUANTIZE_MIN_COSINE={floor}; serve with QUANTIZE=none, "
+            "or lower EMBEDSVC_QUANTIZE_MIN_COSINE")
+
+
+def startup_line(encoder: LeanEncoder, path: Path) -> str:
+    quality = getattr(encoder, "quality", None)
+    precision = "float32" if quality is None else (
+        f"int8 (QUANTIZE=int8; cosine to float32 on {quality.texts} texts: mean "
+        f"{quality.mean:.4f}, min {quality.min:.4f})")
+    return (f"backend: ONNX Runtime {precision} on the CPU without PyTorch, "
+            f"{encoder._session.get_session_options().intra_op_num_threads} intra-op threads, "
+            f"{encoder.kind} pipeline from {path} (its probe outputs match PyTorch's)")
+
+
+def build_int8(fp32: LeanEncoder, path: Path) -> None:
+    """The int8 record at ``path``: the float32 graph quantized (dynamic, per channel), its
+    own probe outputs and its quality against float32 on QUALITY_TEXTS."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    log.info("quantizing %s to int8, once: later starts read it from the cache", fp32.graph)
+    path.mkdir()
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # it advises pre-processing through the root logger
+    try:
+        quantize_dynamic(fp32.graph, path / GRAPH, per_channel=True, weight_type=QuantType.QInt8)
+    finally:
+        root.setLevel(level)
+    int8 = fp32.quantized(path / GRAPH, runtime.session(path / GRAPH, 1))
+    quality = _quality(fp32, int8)
+    inputs = fp32.probe_inputs
+    batch = int8.probe_batch(inputs)
+    np.savez(path / PROBE, sentence_embedding=int8.encode(batch))
+    write_record(path, {
+        "quality": quality.__dict__, "probe": {"inputs": inputs, "ids": batch},
+        "files": {GRAPH: describe_file(path / GRAPH),
+                  PROBE: describe_file(path / PROBE)},
+    })
+
+
+def open_int8(fp32: LeanEncoder, threads: int, path: Path) -> LeanEncoder:
+    record = read_record(path)
+    int8 = fp32.quantized(path / GRAPH, runtime.session(path / GRAPH, threads))
+    verify(int8, record, path / PROBE, "its own recorded outputs")
+    int8.quality = runtime.Quality(**record["quality"])  # type: ignore[attr-defined]
+    if int8.quality.mean < _BROKEN:  # a damaged file, not the cost of quantizing: rebuild it
+        raise RecordError(f"its vectors are unrelated to float32's: cosine "
+                          f"{int8.quality.mean:.3f}")
+    return int8
+
+
+def _quality(fp32: LeanEncoder, int8: LeanEncoder, size: int = 8) -> runtime.Quality:
+    """Cosine of int8 rows to float32 rows on QUALITY_TEXTS, in batches of similar length."""
+    room = fp32.info.max_input_tokens - fp32.special_tokens
+    batch = [fp32.wrap(ids[:room]) for ids in fp32.tokenize(runtime.QUALITY_TEXTS)]
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+    chunks = [[batch[i] for i in order[s:s + size]] for s in range(0, len(order), size)]
+    return runtime.quality(np.concatenate([fp32.encode(c) for c in chunks]),
+                           np.concatenate([int8.encode(c) for c in chunks]))

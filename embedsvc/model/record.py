@@ -1,0 +1,154 @@
+"""The export record: what serving a model without PyTorch needs, and the evidence.
+
+A record is a directory in the graph cache, ``<model>-<fingerprint>.lean/``, that export.py
+writes (with PyTorch) and lean.py reads (without it):
+
+- ``model.onnx``: the model's whole pipeline (transformer, pooling, Dense layers; a
+  cross-encoder's logits; SPLADE's MLM head and pooling) as one graph;
+- ``tokenizer.json``: the fast tokenizer exactly as the encoder uses it (no padding, no
+  truncation; ``token_window`` cuts);
+- ``probe.npz``: probe inputs' PyTorch outputs, which the graph must reproduce on every start;
+- ``record.json``: the pipeline's description, the tokenizer's settings (pad id, template,
+  token types, truncation), the model's description (``ModelInfo``), the probe inputs, and
+  the size and SHA-256 of every other file. Written last: a record without it is unfinished.
+
+A model the graph cannot express gets a record that says so (``lean: false`` and the
+reason), so that later starts know without PyTorch to take the PyTorch path, and say why.
+
+The fingerprint names the model's files (path, size, modification time) and the KIND
+setting: a model changed on disk gets a new record. It is read without hashing the weights,
+which would cost a start a tenth of a second per 100 MB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = 1  # bump whenever what a record holds, or means, changes
+RECORD = "record.json"
+GRAPH = "model.onnx"
+TOKENIZER = "tokenizer.json"
+PROBE = "probe.npz"
+INT8 = "int8"  # the int8 record's directory, inside the float32 record's
+# ONNX Runtime against PyTorch, both float32: the largest difference on the probe, relative
+# to the largest output; and the smallest cosine of any output row.
+TOLERANCE = 1e-3
+PARITY = 0.9999
+
+
+class RecordError(ValueError):
+    """A record that must not be served: unfinished, tampered with, or not this model's."""
+
+
+@dataclass(frozen=True)
+class NotLean:
+    """A record saying that this model cannot be served without PyTorch, and why."""
+
+    reason: str
+
+
+def model_source(setting: str) -> Path | None:
+    """The directory holding the model of MODEL ``setting``, found without downloading:
+    the bundled model, a local directory, or a hub id's snapshot in the hub cache."""
+    from .encoder import bundled_model_path
+
+    if not setting:
+        return Path(bundled_model_path())
+    if os.path.isdir(setting):
+        return Path(setting)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(setting, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the hub cache (or no hub): no record to read
+        return None
+
+
+def fingerprint(source: Path, kind: str) -> str:
+    """What the record of the model in ``source`` served as KIND ``kind`` is named by."""
+    h = hashlib.sha256(json.dumps([FORMAT, kind]).encode())
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if any(part.startswith(".") for part in relative.parts) or not path.is_file():
+            continue
+        st = path.stat()
+        h.update(f"{relative}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(partial(f.read, 1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_file(path: Path) -> dict[str, Any]:
+    """A file's size and SHA-256 as ``record.json`` keeps them, to find a changed file (the
+    graph's digest costs a start about 0.07 CPU-seconds per 90 MB: a weight that the probe
+    inputs do not reach would otherwise go unchecked)."""
+    return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """``record.json`` of the record at ``path``, with every file it lists checked;
+    RecordError if anything is missing, truncated or changed."""
+    try:
+        record = json.loads((path / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RecordError(f"{RECORD} does not read ({exc})") from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise RecordError(f"{RECORD} is not a format-{FORMAT} record")
+    for name, entry in record.get("files", {}).items():
+        _check_file(path / name, entry)
+    return record
+
+
+def _check_file(path: Path, entry: dict[str, Any]) -> None:
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise RecordError(f"{path.name} is missing ({exc.strerror})") from exc
+    if size != entry.get("bytes"):
+        raise RecordError(f"{path.name} has {size} bytes, not the {entry.get('bytes')} recorded")
+    if "sha256" in entry and file_digest(path) != entry["sha256"]:
+        raise RecordError(f"{path.name} is not the file that was recorded (SHA-256 differs)")
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    (path / RECORD).write_text(json.dumps({"format": FORMAT, **record}, indent=1),
+                               encoding="utf-8")
+
+
+def compare(got: np.ndarray, want: np.ndarray, what: str, lengths: Sequence[int] | None = None
+            ) -> None:
+    """RecordError unless ``got`` reproduces ``want`` (rows; token rows only up to each
+    input's length when ``lengths`` is given)."""
+    if got.shape != want.shape:
+        raise RecordError(f"{what}: shape {got.shape}, not the {want.shape} recorded")
+    if lengths is not None:
+        keep = np.arange(want.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        got, want = got[keep], want[keep]
+    got, want = got.reshape(len(got), -1), want.reshape(len(want), -1)
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    error = float(np.abs(got - want).max(initial=0.0)) / scale
+    if not error <= TOLERANCE:  # also refuses NaN
+        raise RecordError(f"{what} differs from the recorded output by {error:.2e} (relative; "
+                          f"at most {TOLERANCE})")
+    if want.shape[1] > 1:
+        norms = np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+        live = norms > 0
+        cos = (got * want).sum(1)[live] / norms[live]
+        if cos.size and not cos.min() >= PARITY:
+            raise RecordError(f"{what}: cosine {cos.min():.6f} to the recorded output (at "
+                              f"least {PARITY})")

@@ -1,0 +1,101 @@
+"""ONNX Runtime on the CPU, as both ONNX paths use it: sessions, sliced runs, vector quality.
+
+Imports neither torch nor transformers: lean.py serves from it alone.
+
+>>> a = np.array([[1.0, 0.0], [0.0, 2.0]], dtype=np.float32)
+>>> quality(a, a).min
+1.0
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Padded tokens per session run: a larger batch from the batcher runs in slices. ONNX
+# Runtime on the CPU peaked near 2,000-4,000 padded tokens and lost about half its rate at
+# 16,384 (MAX_BATCH_TOKENS' default), for short and long inputs; bulk runs of the same file
+# were faster with 4,096 (bench/RESULTS.md, measured under load).
+RUN_TOKENS = 4096
+# The fixed text set of QUANTIZE=int8's quality gate: cosine of int8 vectors to float32's.
+QUALITY_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I reset my password?",
+    "Embeddings map text to vectors that can be compared by cosine similarity.",
+    "The central bank raised interest rates by a quarter point on Tuesday.",
+    "Ein Satz auf Deutsch, mit Umlauten: äöü.",
+    "La tour Eiffel est le monument le plus visité de Paris.",
+    "def add(a, b):\n    return a + b",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "Symptoms include fever, dry cough and tiredness.",
+    "Preheat the oven to 200 degrees and bake for 25 minutes.",
+    "short",
+    "Error 503: the service is unavailable, retry later.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The contract may be terminated by either party with thirty days' written notice.",
+    "Our team won the championship after a penalty shoot-out.",
+    "GPU memory is exhausted when the batch is too large for the device.",
+    "She sells sea shells by the sea shore.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Refunds are issued to the original payment method within five business days.",
+    "The patient was discharged with a prescription for antibiotics.",
+    " ".join(["A long input that repeats itself to reach the truncation limit."] * 40),
+    "Quantum computers use qubits, which can be in superpositions of states.",
+    "Install the package with pip and import it in your script.",
+    "東京は日本の首都です。",
+]
+
+
+class QualityBelowFloor(RuntimeError):
+    """The int8 graph's vectors are too far from float32's to serve."""
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Cosine of one set of rows to another over ``texts`` rows."""
+
+    mean: float
+    min: float
+    texts: int
+
+
+def session(path: Path, threads: int) -> Any:
+    """An ONNX Runtime session on the CPU for the graph at ``path``."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    # Idle pool threads would otherwise spin for the next batch, taking the cores that the
+    # request threads need to parse, tokenize and answer (bench/RESULTS.md).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_sliced(session: Any, output: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """``output`` of ``session`` on ``feeds``, run in slices of about RUN_TOKENS tokens."""
+    rows, width = feeds["input_ids"].shape
+    step = max(1, RUN_TOKENS // max(1, width))
+    parts = [session.run([output], {k: v[i:i + step] for k, v in feeds.items()})[0]
+             for i in range(0, rows, step)]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return len(getter(0)) if getter else os.cpu_count() or 1
+
+
+def quality(reference: np.ndarray, got: np.ndarray) -> Quality:
+    """Row-wise cosine of ``got`` to ``reference``."""
+    cos = (reference * got).sum(1) / (
+        np.linalg.norm(reference, axis=1) * np.linalg.norm(got, axis=1) + 1e-12)
+    return Quality(float(cos.mean()), float(cos.min()), len(cos))

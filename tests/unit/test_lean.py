@@ -1,0 +1,102 @@
+"""The PyTorch-free path's pieces that need no model: when it applies, how records compare,
+sparse top-k, and record directories in the graph cache."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embedsvc.model import lean
+from embedsvc.model.graph_cache import GraphCache
+from embedsvc.model.record import RecordError, compare, fingerprint
+from embedsvc.model.sparse import top_active
+from embedsvc.settings import Settings
+
+
+@pytest.mark.parametrize(
+    ("env", "device", "reason"),
+    [
+        ({"EMBEDSVC_BACKEND": "onnx-torch"}, None, "BACKEND=onnx-torch"),
+        ({"EMBEDSVC_BACKEND": "torch"}, None, "BACKEND=torch"),
+        ({"EMBEDSVC_DTYPE": "bfloat16"}, None, "DTYPE=bfloat16 (this path computes in float32)"),
+        ({"EMBEDSVC_DEVICE": "cuda"}, None, "DEVICE=cuda"),
+        ({}, "cuda", "the device is cuda"),
+        ({"EMBEDSVC_DEVICE": "cpu"}, None, None),
+        ({"EMBEDSVC_BACKEND": "onnx"}, "cpu", None),
+    ],
+)
+def test_when_the_lean_path_applies(env, device, reason):
+    assert lean.why_not(Settings.from_env(env), device) == reason
+
+
+def test_device_auto_counts_as_the_cpu_only_without_a_gpu(monkeypatch, tmp_path):
+    settings = Settings.from_env({"EMBEDSVC_CACHE_DIR": str(tmp_path)})
+    monkeypatch.setattr(lean, "accelerator_present", lambda: True)
+    warm = lean.warm_start(settings)
+    assert "GPU" in warm.reason and warm.export  # PyTorch decides; on the CPU it exports
+    assert not lean.recorded(settings)
+    monkeypatch.setattr(lean, "accelerator_present", lambda: False)
+    warm = lean.warm_start(settings)
+    assert warm.reason.startswith("first start of all-MiniLM-L6-v2") and warm.export
+
+
+def test_compare_refuses_what_differs_and_accepts_rounding():
+    want = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    compare(want + 1e-6, want, "rows")
+    for bad in (want * 1.01, want[:2], np.full_like(want, np.nan)):
+        with pytest.raises(RecordError):
+            compare(bad, want, "rows")
+
+
+def test_compare_reads_token_rows_only_up_to_each_length():
+    want = np.zeros((2, 3, 4), dtype=np.float32) + 1.0
+    got = want.copy()
+    got[0, 2] = 99.0  # padding of the first input
+    compare(got, want, "tokens", lengths=[2, 3])
+    with pytest.raises(RecordError):
+        compare(got, want, "tokens", lengths=[3, 3])
+
+
+def test_top_active_matches_sentence_transformers():
+    torch = pytest.importorskip("torch")
+    from sentence_transformers.util import select_max_active_dims
+
+    rows = np.random.default_rng(1).normal(size=(4, 100)).astype(np.float32)
+    for k in (1, 7, 100, 150):
+        want = select_max_active_dims(torch.from_numpy(rows), k).numpy()
+        np.testing.assert_array_equal(top_active(rows, k), want)
+    with pytest.raises(ValueError, match="positive"):
+        top_active(rows, 0)
+
+
+def test_the_fingerprint_follows_the_files_and_the_kind(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    before = fingerprint(tmp_path, "auto")
+    assert fingerprint(tmp_path, "auto") == before != fingerprint(tmp_path, "sparse")
+    (tmp_path / "config.json").write_text('{"x": 1}')
+    assert fingerprint(tmp_path, "auto") != before
+
+
+def _build_dir(content: str, path: Path) -> None:
+    path.mkdir()
+    (path / "a").write_text(content)
+
+
+def _load_dir(path: Path) -> str:
+    text = (path / "a").read_text()
+    if text != "good":
+        raise ValueError("bad record")
+    return text
+
+
+def test_a_record_directory_is_published_whole_and_a_bad_one_replaced(tmp_path):
+    cache = GraphCache(tmp_path)
+    path = cache.path("m", "ab" * 32, ".lean")
+    assert cache.get_or_build(path, lambda p: _build_dir("good", p), _load_dir)[0] == "good"
+    (path / "a").write_text("tampered")
+    assert cache.get_or_build(path, lambda p: _build_dir("good", p), _load_dir)[0] == "good"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", path.name]
+    with pytest.raises(ValueError, match="bad record"):
+        cache.get_or_build(cache.path("n", "cd" * 32, ".lean"),
+                           lambda p: _build_dir("bad", p), _load_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", path.name]  # no temporary
