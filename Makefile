@@ -90,6 +90,7 @@ tools:
 
 lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
+	$(BIN)/mypy
 
 # Test files run in 4 processes: most of their time is spent waiting on servers they start.
 test: lint tools $(HUB1_VENV)/.installed

@@ -109,8 +109,8 @@ def predict(call: Call) -> Reply:
                        direction=req.truncation_direction, **call.waits)
     labels = engine.info.labels
     predictions = [
-        sorted(({"score": float(s), "label": labels[j]} for j, s in enumerate(row)),
-               key=lambda p: -p["score"])
+        [{"score": float(s), "label": labels[j]}
+         for s, j in sorted(((float(s), j) for j, s in enumerate(row)), key=lambda sj: -sj[0])]
         for row in out.vectors
     ]
     return embedded_reply(predictions[0] if single else predictions, out, len(inputs))

@@ -51,6 +51,7 @@ class EmbedActor:
         from .parts import vectors_table
 
         rows, _ = self.embedder(batch.column("text").to_pylist())
+        assert not isinstance(rows, list), "sparse rows: the driver refuses a sparse model"
         table = vectors_table(batch.column("id"), rows)
         return table.append_column("path", batch.column("path"))
 
@@ -175,8 +176,8 @@ def _actor_resources(settings: Settings, actors: int | None, actor_cpus: float |
 
 def _cause(exc: BaseException) -> str:
     """The message of the error an actor raised, without Ray's wrapping."""
-    seen = exc
-    while getattr(seen, "cause", None) is not None or seen.__cause__ is not None:
+    seen: BaseException | None = exc
+    while seen is not None:
         seen = getattr(seen, "cause", None) or seen.__cause__
         if isinstance(seen, BulkError):
             return str(seen)

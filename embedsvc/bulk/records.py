@@ -125,7 +125,8 @@ def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: O
         import pyarrow as pa
 
         source = _parquet_file(path, opener())
-        groups, before = [], 0
+        groups: list[int] = []
+        before = 0
         for g in range(source.num_row_groups):
             rows = source.metadata.row_group(g).num_rows
             if before + rows <= skip and not groups:

@@ -8,6 +8,7 @@ skips the files listed and rewrites any other shard.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -30,7 +31,7 @@ class ShardDirectory:
         if manifest and restart:
             manifest = None
         if manifest and manifest["shards"]:
-            check_same_job(self.root, manifest["job"], identity)
+            check_same_job(Path(self.root), manifest["job"], identity)
         self.manifest = manifest or {"version": _VERSION, "job": identity, "shards": {}}
         self._write_manifest()
 

@@ -101,7 +101,8 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     return encoder
 
 
-def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings) -> Encoder | None:
+def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
+                ) -> lean.LeanEncoder | None:
     """The encoder of this model's record, exported now if there is none that verifies;
     None (and the reason, logged) when the model cannot be served that way."""
     from .export import build_record

@@ -80,7 +80,7 @@ def _write(encoder: SentenceTransformerEncoder, key: str, path: Path) -> None:
     outputs = _outputs(encoder)
     probe = _torch_outputs(encoder, batch, outputs)
     _export_graph(encoder, outputs, path / GRAPH)
-    np.savez(path / PROBE, **probe)
+    np.savez(path / PROBE, **probe)  # type: ignore[arg-type]  # numpy's stub types allow_pickle only
     encoder._tokenizer.save(str(path / TOKENIZER))
     write_record(path, {
         "fingerprint": key, "lean": True, "kind": encoder.kind,
@@ -153,7 +153,7 @@ def _trace_inputs(encoder: SentenceTransformerEncoder) -> list[Any]:
 
 
 def _Pipeline(modules: list[Any], names: list[str], outputs: list[str],
-              encoder: SentenceTransformerEncoder) -> Any:  # noqa: N802 - builds a class
+              encoder: SentenceTransformerEncoder) -> Any:
     """The model's modules as one ``torch.nn.Module`` taking positional tensors."""
     import torch
 

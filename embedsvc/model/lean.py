@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,7 +50,7 @@ from .tokenizer import TextSide, padded, tokenizer_from_json
 log = logging.getLogger(__name__)
 
 _BROKEN = 0.5  # mean cosine to float32 under which an int8 graph is damaged, not just lossy
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Identity": lambda x: x,
     "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
     "Tanh": np.tanh,
@@ -78,6 +78,8 @@ class LeanEncoder(TextSide):
 
     kind = "embedding"
     output = "sentence_embedding"
+
+    quality: runtime.Quality | None = None  # an int8 graph's cosine to float32 (QUANTIZE)
 
     def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
         tok = record["tokenizer"]
@@ -360,7 +362,7 @@ def open_int8(fp32: LeanEncoder, threads: int, path: Path) -> LeanEncoder:
     record = read_record(path)
     int8 = fp32.quantized(path / GRAPH, runtime.session(path / GRAPH, threads))
     verify(int8, record, path / PROBE, "its own recorded outputs")
-    int8.quality = runtime.Quality(**record["quality"])  # type: ignore[attr-defined]
+    int8.quality = runtime.Quality(**record["quality"])
     if int8.quality.mean < _BROKEN:  # a damaged file, not the cost of quantizing: rebuild it
         raise RecordError(f"its vectors are unrelated to float32's: cosine "
                           f"{int8.quality.mean:.3f}")

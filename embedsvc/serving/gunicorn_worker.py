@@ -216,7 +216,7 @@ class ThreadWorker(gthread.ThreadWorker):
             while self._accept_one(listener):
                 pass
             listener.close()
-        self.sockets = []
+        self.sockets: list[Any] = []
         if self._service() is not None:
             self._drainer = threading.Thread(target=self._drain, name="embedsvc-drain",
                                              daemon=True)

@@ -86,7 +86,10 @@ class ProbeListener:
         if self._thread is None:
             return
         server = self.server
-        waitress_adapter.in_loop(server, lambda: (waitress_adapter.start_draining(server),
-                                                  waitress_adapter.close(server)))
+        def close() -> None:
+            waitress_adapter.start_draining(server)
+            waitress_adapter.close(server)
+
+        waitress_adapter.in_loop(server, close)
         self._thread.join(timeout)
         self._thread = None

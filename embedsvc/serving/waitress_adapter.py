@@ -120,6 +120,7 @@ class Channel(HTTPChannel):
     """One client connection, with head and body deadlines and half-close handling."""
 
     error_task_class = JsonErrorTask
+    request: HTTPRequestParser | None  # the request being read (waitress's own attribute)
 
     def __init__(self, server: Any, sock: Any, addr: Any, adj: Any, map: Any = None) -> None:
         self.head_since: float | None = time.monotonic()  # the first request's clock: accept
@@ -226,6 +227,8 @@ class Channel(HTTPChannel):
         """Answer the request whose body is late with 408 and close (in the loop thread)."""
         with self.requests_lock:
             request = self.request
+            if request is None:  # answered meanwhile
+                return
             request.error = RequestTimeout(http_errors.BODY_LATE)
             request.completed = True
             self.request = None
