@@ -19,7 +19,7 @@ import numpy as np
 
 from .st_encoder import SentenceTransformerEncoder, torch_forward
 from .tokenizer import plain_tokenizer
-from .window import pair_windows, text_window
+from .window import pair_windows, text_windows
 
 Sequenced = str | tuple[str, str]  # one input of a cross-encoder: a text or a pair of texts
 
@@ -91,7 +91,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         CrossEncoder's tokenizer call does (``longest_first``: the longer text loses tokens
         first); ``None`` does not truncate, for the caller to refuse those over the limit.
 
-        Each distinct text is first cut to its window of the model's limit (``text_window``):
+        Each distinct text is first cut to its window of the model's limit (``text_windows``):
         no side of a pair keeps more, and the truncation comes out the same, so the cost
         follows the limit, not the text, and a long query shared by every pair is cut once.
         Untruncated, a cut text still holds more tokens than the limit (``Pair.cut``).
@@ -143,12 +143,10 @@ def tokenize_pairs(encoder: Any, truncating_to: dict[str, Any],
     texts = list(dict.fromkeys(t for item in inputs
                                for t in ((item,) if isinstance(item, str) else item)))
     limit = encoder.info.max_input_tokens
-    cut = dict(zip(texts, text_window(plain, texts, limit, side, margin), strict=True))
-    sizes = dict(zip(cut, (len(e.ids) for e in plain.encode_batch(
-        list(cut.values()), add_special_tokens=False)), strict=True))
-    sequences = [cut[item] if isinstance(item, str) else
-                 pair_windows(plain, item, (cut[item[0]], cut[item[1]]), limit, side, margin,
-                              (sizes[item[0]], sizes[item[1]]))
+    windows = dict(zip(texts, text_windows(plain, texts, limit, side, margin), strict=True))
+    sequences = [windows[item][0] if isinstance(item, str) else
+                 pair_windows(plain, item, (windows[item[0]], windows[item[1]]), limit, side,
+                              margin)
                  for item in inputs]
     tokenizer = plain if direction is None else truncating_to[direction]
     encodings = tokenizer.encode_batch(sequences, add_special_tokens=True)

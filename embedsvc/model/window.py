@@ -46,36 +46,38 @@ def text_window(tokenizer: Any, texts: Sequence[str], limit: int, direction: str
     """Each text, or the prefix (``right``) or suffix (``left``) of it whose tokens begin (or
     end) with the text's own first (last) ``limit`` tokens: what a tokenizer that truncates
     to ``limit`` needs to see of it, at a cost that follows ``limit`` (pairs, scorer.py)."""
-    out = list(texts)
-    for i, part, _ in _windows(tokenizer, texts, limit, direction, margin, offsets=False):
-        out[i] = part
+    return [window for window, _ in text_windows(tokenizer, texts, limit, direction, margin)]
+
+
+def text_windows(tokenizer: Any, texts: Sequence[str], limit: int, direction: str = "right",
+                 margin: int = 0) -> list[tuple[str, int]]:
+    """``text_window`` of each text, with how many of the text's own tokens the window is
+    known to hold (all of them, for a text kept whole): a lower bound of its length."""
+    out = [(text, 0) for text in texts]
+    for i, part, kept in _windows(tokenizer, texts, limit, direction, margin, offsets=False):
+        out[i] = (part, len(kept[0]))
     return out
 
 
-def pair_windows(tokenizer: Any, texts: tuple[str, str], windows: tuple[str, str], limit: int,
-                 direction: str = "right", margin: int = 0,
-                 sizes: tuple[int, int] | None = None) -> tuple[str, str]:
-    """The ``text_window``s of a pair, widened until their token counts compare as the whole
-    texts' do. Truncating a pair ``longest_first`` gives the longer side (the second, on a
-    tie) what the limit leaves, so that order, not the lengths, decides which tokens stay;
-    a window that stops early can reverse it. ``sizes``: the windows' token counts, if known.
-    """
-    (a, b), (wa, wb) = texts, windows
-    na, nb = sizes or _sizes(tokenizer, wa, wb)
+def pair_windows(tokenizer: Any, texts: tuple[str, str], windows: Sequence[tuple[str, int]],
+                 limit: int, direction: str = "right", margin: int = 0) -> tuple[str, str]:
+    """The ``text_windows`` of a pair, widened until the windows' token counts compare as the
+    whole texts' do. Truncating a pair ``longest_first`` gives the longer side (the second,
+    on a tie) what the limit leaves, so that order, not the lengths, decides which tokens
+    stay; a window that stops early, or cuts a word into more tokens than it makes whole,
+    can reverse it. A cut window is trusted only when the tokens it is known to hold already
+    settle the order against the other side's whole text."""
+    (a, b), ((wa, ka), (wb, kb)) = texts, windows
     while True:
         cut_a, cut_b = wa != a, wb != b
         if not cut_a and not cut_b:
             return wa, wb
-        if cut_a != cut_b and (na > nb) == cut_a:
-            return wa, wb  # the cut side is the longer, in its window as in its text
-        limit = max(2 * limit, min(na, nb) + 1)
-        wa, wb = text_window(tokenizer, [a, b], limit, direction, margin)
-        na, nb = _sizes(tokenizer, wa, wb)
-
-
-def _sizes(tokenizer: Any, *texts: str) -> tuple[int, int]:
-    first, second = tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    return len(first.ids), len(second.ids)
+        if cut_a and not cut_b and ka > kb:
+            return wa, wb  # a is longer than b in the text, and so in the window
+        if cut_b and not cut_a and kb >= ka:
+            return wa, wb  # b is at least as long as a, in the text and in the window
+        limit = max(2 * limit, min(ka, kb) + 1)
+        (wa, ka), (wb, kb) = text_windows(tokenizer, [a, b], limit, direction, margin)
 
 
 def _windows(tokenizer: Any, texts: Sequence[str], limit: int | None, direction: str,

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from embedsvc.model.encoder import bundled_model_path
 from embedsvc.model.fake import FakeEncoder
-from embedsvc.model.window import pair_windows, text_window, token_window
+from embedsvc.model.window import pair_windows, text_window, text_windows, token_window
 
 # Pieces that stress a cut: whitespace runs, many-token characters, accents (composed and
 # combining), CJK (one word per character), punctuation (one word per mark), added tokens.
@@ -128,9 +128,8 @@ def test_pairs_of_windows_truncate_as_pairs_of_whole_texts(direction, query, doc
     """What a reranker reads of (query, document) is the same from their windows (scorer.py),
     the pair's special tokens and each side's share of the limit included."""
     tok = truncating(limit, direction)
-    windows = text_window(bert(), [query, document], limit, direction, margin(bert()))
-    cut = pair_windows(bert(), (query, document), tuple(windows), limit, direction,
-                       margin(bert()))
+    windows = text_windows(bert(), [query, document], limit, direction, margin(bert()))
+    cut = pair_windows(bert(), (query, document), windows, limit, direction, margin(bert()))
     whole = tok.encode(query, document)
     windowed = tok.encode(*cut)
     assert (windowed.ids, windowed.type_ids) == (whole.ids, whole.type_ids)
