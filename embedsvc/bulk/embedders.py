@@ -22,7 +22,7 @@ from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
 from .errors import BulkError, UsageError
-from .kinds import expected_kind, kind_problem, served_kind
+from .kinds import dtype_problem, expected_kind, kind_problem, served_kind
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
 
@@ -85,9 +85,9 @@ class Quantized:
         if not isinstance(embedder, LocalEmbedder):
             raise UsageError(f"--output-dtype {dtype} quantizes with the model in this "
                              "process: embed with a LocalEmbedder, or drop --output-dtype")
-        if embedder.kind != "embedding":
-            raise UsageError(f"--output-dtype {dtype} quantizes dense embeddings; this is a "
-                             f"{embedder.kind} model: drop --output-dtype")
+        problem = dtype_problem(embedder.kind, dtype)
+        if problem:
+            raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
         self.ranges = None
         if dtype in (quantize.INT8, quantize.UINT8):

@@ -294,6 +294,8 @@ class NoModel:
       "sparse"], "--kind shapes the in-process model"),
     (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--output-dtype", "int8"],
      "--output-dtype quantizes in this process"),
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "sparse", "--output-dtype", "int8"],
+     "--output-dtype int8 quantizes dense embeddings and MODEL is a sparse model"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--output-dtype", "int4"],
      "argument --output-dtype: invalid choice: 'int4'"),
 ])
