@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_embed(commands: argparse._SubParsersAction) -> None:
+    from .bulk.options import OUTPUT_DTYPES
     from .bulk.options import option_default as default
 
     embed = commands.add_parser(
@@ -99,6 +100,10 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
                        "cluster, else 1)")
     embed.add_argument("--actor-cpus", type=_positive(float), default=None,
                        help="with --ray: CPUs for each replica without a GPU (default: 1)")
+    embed.add_argument("--output-dtype", default=default("output_dtype"), choices=OUTPUT_DTYPES,
+                       help="write quantized rows: int8/uint8 codes from the model's "
+                       "calibrated ranges, or binary/ubinary packed sign bits; .npy and "
+                       "Parquet hold the integer type (default: %(default)s)")
     Settings.add_arguments(embed, command="embed")
 
 
@@ -134,8 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "embed":
         from .bulk.command import run
+        from .bulk.errors import UsageError
 
-        return run(_bulk_options(args, argv), settings)
+        try:
+            options = _bulk_options(args, argv)
+        except UsageError as exc:  # options that exclude each other
+            print(f"embedsvc: {exc}", file=sys.stderr)
+            return 2
+        return run(options, settings)
     if args.command == "export":
         return _export(settings)
     return _serve(settings)

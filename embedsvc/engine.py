@@ -18,6 +18,7 @@ nothing on the request path is ever half-initialised.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,7 +32,9 @@ from .batching.admission import Admission, Ticket, deadline_error
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .errors import ApiError, ClientDisconnected, InvalidRequest
 from .metrics import Metrics
+from .model import quantize
 from .model.encoder import Encoder, ModelInfo, Piece
+from .model.graph_cache import cache_root
 from .model.scorer import CrossEncoderScorer, Pair, Sequenced
 from .model.sparse import SparseEmbedder, active
 from .rules import Inputs
@@ -46,6 +49,7 @@ EMBED_ALL_MAX_INPUTS = 32
 _CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
 _TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline and the client
 _LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
+_CALIBRATION_BATCH = 64  # calibration texts per request through the batcher
 T = TypeVar("T")
 
 
@@ -89,10 +93,28 @@ class Engine:
         marked = encoder.wrap([-1])  # where the model's template puts the text
         at = marked.index(-1)
         self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
+        self._calibration: quantize.Calibration | None = None
+        self._calibrating = threading.Lock()
 
     @property
     def info(self) -> ModelInfo:
         return self.encoder.info
+
+    def calibration(self) -> quantize.Calibration:
+        """The model's int8/uint8 calibration (model/quantize.py): computed through this
+        engine, or read from the cache, once, by the first caller that asks (the server's
+        first int8 request, a bulk job's start), so that startup never pays for it."""
+        with self._calibrating:  # concurrent first callers compute it once
+            if self._calibration is None:
+                batch = max(1, min(_CALIBRATION_BATCH, self.settings.max_inputs_per_request))
+                self._calibration = quantize.calibrate(
+                    cache_root(self.settings.cache_dir), self.info, self._raw_rows, batch=batch)
+        return self._calibration
+
+    def _raw_rows(self, texts: list[str]) -> np.ndarray:
+        """Unnormalised rows, each call one admitted request through the batcher."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        return self.embed(texts, normalize=False, truncate=True, deadline=deadline).vectors
 
     def shutdown(self, timeout: float) -> ShutdownReport:
         """Refuse new work (503), finish what was admitted within ``timeout``."""

@@ -1,7 +1,7 @@
 """What the Cohere, Voyage and Jina embedding fields share: an input role (a query, a
 document) mapped to the model's prompts, and vectors out as float, int8, uint8 or packed bits.
 
-int8/uint8 codes need the model's calibration (model/quantize.py). It is computed at the
+int8/uint8 codes need the model's calibration (``Engine.calibration``). It is computed at the
 first request that asks for them, not at startup: most deployments never ask, and for them
 startup stays as it was; with the cache warm it is read from disk (bench/RESULTS.md has both
 times).
@@ -10,16 +10,12 @@ times).
 from __future__ import annotations
 
 import base64
-import threading
-import time
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidRequest
 from ..model import quantize
-from ..model.graph_cache import cache_root
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -32,11 +28,6 @@ _ROLE_PROMPTS = {
     "clustering": ("clustering", "separation"),
     "similarity": ("text-matching", "similarity", "sts"),
 }
-_CALIBRATION_BATCH = 64
-
-_calibrations: weakref.WeakKeyDictionary[Engine, quantize.Calibration] = (
-    weakref.WeakKeyDictionary())
-_calibrating = threading.Lock()
 
 
 def role_prefix(prompts: dict[str, str], sent: str, role: str) -> str:
@@ -67,7 +58,7 @@ def encoded(engine: Engine, rows: np.ndarray, dtype: str, *, normalize: bool = T
     """``rows`` (shaped by ``normalize`` and ``dimensions``) as ``dtype``."""
     ranges = None
     if dtype in (quantize.INT8, quantize.UINT8):
-        ranges = calibration(engine).ranges(normalize=normalize, dimensions=dimensions)
+        ranges = engine.calibration().ranges(normalize=normalize, dimensions=dimensions)
     return quantize.quantize(rows, dtype, ranges)
 
 
@@ -75,31 +66,3 @@ def base64_rows(rows: np.ndarray) -> list[str]:
     """Each row's little-endian bytes, base64-encoded (float32 rows: OpenAI's base64)."""
     little = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
     return [base64.b64encode(r.tobytes()).decode() for r in little]
-
-
-def calibration(engine: Engine) -> quantize.Calibration:
-    """The served model's calibration, computed (or read from the cache) once per engine."""
-    found = _calibrations.get(engine)
-    if found is not None:
-        return found
-    with _calibrating:  # concurrent first requests compute it once
-        found = _calibrations.get(engine)
-        if found is None:
-            found = quantize.calibrate(cache_root(engine.settings.cache_dir), engine.info,
-                                       raw_embedder(engine), batch=_batch(engine))
-            _calibrations[engine] = found
-    return found
-
-
-def raw_embedder(engine: Engine) -> quantize.Embed:
-    """Raw vectors through the engine (and so the batcher), each call one admitted request."""
-
-    def embed(texts: list[str]) -> np.ndarray:
-        deadline = time.monotonic() + engine.settings.request_timeout_s
-        return engine.embed(texts, normalize=False, truncate=True, deadline=deadline).vectors
-
-    return embed
-
-
-def _batch(engine: Engine) -> int:
-    return max(1, min(_CALIBRATION_BATCH, engine.settings.max_inputs_per_request))

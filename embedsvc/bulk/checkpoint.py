@@ -3,14 +3,15 @@
 For ``--output vectors.npy`` the parts live in ``vectors.npy.parts/`` until the last one is
 written, then they are joined into ``vectors.npy`` and the directory is removed. The manifest
 (``manifest.json``, replaced whole through a temporary file and ``os.replace``) records the
-job's identity, the input range each part covers and the position to continue from. A part
-that the manifest does not list (a kill between its rename and the manifest's) is written
-again under the same name.
+job's identity, the input range each part covers, the rows' width and type (float32, or
+int8/uint8 codes) and the position to continue from. A part that the manifest does not list
+(a kill between its rename and the manifest's) is written again under the same name.
 
 The identity is what the output depends on: the input file (its absolute path, size,
 modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
 any write to the file changes its size or mtime), the output format, the fields read, and
-the model (name, device, dtype and kind) or the server's URL and kind. Chunk size,
+the model (name, device, dtype and kind) or the server's URL and kind, and the output dtype
+of a quantized job (``--output-dtype``; a float job's identity names none). Chunk size,
 concurrency, part size and part seconds change only how the work is cut, so they may change
 between runs.
 """
@@ -29,7 +30,7 @@ import numpy as np
 import orjson
 
 from .errors import JobChanged
-from .parts import PART_SUFFIX, PartWriter, assemble
+from .parts import PART_SUFFIX, PartWriter, assemble, row_type
 from .records import Position, Record
 
 MANIFEST = "manifest.json"
@@ -134,6 +135,7 @@ class Checkpoint:
         self._end = end
         if isinstance(rows, np.ndarray):  # sparse rows have no width; JSONL needs none
             self._manifest["dimension"] = int(rows.shape[1])
+            self._manifest["row_type"] = row_type(rows)  # int8 codes with --output-dtype
         if (self._part.rows >= self.part_size
                 or time.monotonic() - self._opened >= self.part_seconds):
             self.commit()
@@ -160,6 +162,7 @@ class Checkpoint:
         """Commit the last part, join all parts into the output, remove the directory."""
         self.commit()
         parts = [self.dir / p["file"] for p in self._manifest["parts"]]
-        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0)
+        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0,
+                        self._manifest.get("row_type", "<f4"))
         shutil.rmtree(self.dir)
         return rows

@@ -20,7 +20,7 @@ from ..settings import Settings
 from .errors import BulkError, UsageError
 from .interrupt import Interrupted, StopSignals
 from .job import Summary, embed_file, open_checkpoint
-from .kinds import SPARSE_ON_RAY, expected_kind, kind_problem
+from .kinds import SPARSE_ON_RAY, dtype_problem, expected_kind, kind_problem
 from .options import BulkOptions
 from .parts import PARQUET, output_kind
 from .records import TABLES, check_table, count_records, input_kind
@@ -105,7 +105,7 @@ def check_options(options: BulkOptions, settings: Settings) -> None:
 
 def _check_kind(kind: str | None, options: BulkOptions) -> None:
     output = PARQUET if options.on_ray else output_kind(Path(options.output))
-    problem = kind_problem(kind, output)
+    problem = kind_problem(kind, output) or dtype_problem(kind, options.output_dtype)
     if problem and options.on_ray and kind == "sparse":
         problem = SPARSE_ON_RAY
     if problem:

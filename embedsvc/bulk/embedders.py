@@ -16,12 +16,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ApiError
+from ..model import quantize
 from ..model.sparse import elements
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
 from .errors import BulkError, UsageError
-from .kinds import expected_kind, kind_problem, served_kind
+from .kinds import dtype_problem, expected_kind, kind_problem, served_kind
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
 
@@ -74,6 +75,30 @@ class LocalEmbedder:
 
     def close(self) -> None:
         self.service.drain(timeout=5)
+
+
+class Quantized:
+    """A ``LocalEmbedder`` whose dense rows come out as ``dtype`` codes (model/quantize.py):
+    int8/uint8 from the model's calibration, the server's own for the same model and cache."""
+
+    def __init__(self, embedder: Embedder, dtype: str) -> None:
+        if not isinstance(embedder, LocalEmbedder):
+            raise UsageError(f"--output-dtype {dtype} quantizes with the model in this "
+                             "process: embed with a LocalEmbedder, or drop --output-dtype")
+        problem = dtype_problem(embedder.kind, dtype)
+        if problem:
+            raise UsageError(problem)
+        self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
+        self.ranges = None
+        if dtype in (quantize.INT8, quantize.UINT8):
+            try:
+                self.ranges = embedder.engine.calibration().ranges()
+            except ApiError as exc:
+                raise BulkError(f"calibrating the int8 ranges failed: {exc.message}") from None
+
+    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+        rows, tokens = self.embedder(texts)
+        return quantize.quantize(np.asarray(rows), self.dtype, self.ranges), tokens
 
 
 class RemoteEmbedder:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..rules import InputRefused
 from .checkpoint import Checkpoint, fingerprint
-from .embedders import Embedder
+from .embedders import Embedder, Quantized
 from .errors import BulkError, UsageError
 from .interrupt import POLL_S, Interrupted, StopSignals
 from .options import BulkOptions
@@ -63,6 +63,8 @@ def open_checkpoint(options: BulkOptions, engine: dict[str, Any]) -> Checkpoint:
     if kind is None:
         raise UsageError(f"--output must end in .npy, .jsonl or .parquet, not {target.name!r}")
     identity = job_identity(source, target, engine, options.text_field, options.id_field)
+    if options.output_dtype != "float":  # float jobs keep the identity they always had
+        identity["output dtype"] = options.output_dtype
     return Checkpoint.open(target, kind, identity, part_size=options.part_size,
                            part_seconds=options.part_seconds, restart=options.restart)
 
@@ -73,8 +75,11 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
                ) -> Summary:
     """Embed every input of ``options.input`` into ``options.output``, continuing an
     unfinished run. On a signal that ``stop`` caught, the rows computed are committed and
-    ``Interrupted`` says how many are saved."""
+    ``Interrupted`` says how many are saved. With ``options.output_dtype`` other than float,
+    ``embedder`` must be a ``LocalEmbedder``: its rows are quantized here."""
     checkpoint = checkpoint or open_checkpoint(options, embedder.identity)
+    if options.output_dtype != "float":
+        embedder = Quantized(embedder, options.output_dtype)
     stop = stop or StopSignals()  # not entered: catches nothing, so never stops the job
     start = checkpoint.done
     started = time.monotonic()

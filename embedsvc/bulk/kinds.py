@@ -41,6 +41,14 @@ def kind_problem(kind: str | None, output: str | None, serving: str = "MODEL is"
     return None
 
 
+def dtype_problem(kind: str | None, dtype: str) -> str | None:
+    """Why rows of a model of ``kind`` cannot be written as ``dtype`` (--output-dtype)."""
+    if dtype != "float" and kind == "sparse":
+        return (f"--output-dtype {dtype} quantizes dense embeddings and MODEL is a sparse "
+                "model: drop --output-dtype")
+    return None
+
+
 def served_kind(resp: Any) -> str:
     """The kind a GET /info answer names: embedsvc's ``kind``, else TEI's ``model_type``
     (``{"reranker": ...}``, ``{"embedding": {"pooling": "splade"}}``); else embeddings."""

@@ -16,6 +16,9 @@ from dataclasses import dataclass, fields
 from .errors import UsageError
 
 _POSITIVE = ("chunk_size", "concurrency", "part_size", "part_seconds", "actors", "actor_cpus")
+# model/quantize.py's DTYPES, named here so that the command line parses without numpy
+# (tests/unit/test_bulk.py holds the two equal).
+OUTPUT_DTYPES = ("float", "int8", "uint8", "binary", "ubinary")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class BulkOptions:
     ray: str | None = None  # None: not on Ray; "": a local Ray or RAY_ADDRESS; else its address
     actors: int | None = None  # with ray: model replicas (None: one per GPU, else 1)
     actor_cpus: float | None = None  # with ray: CPUs of each replica without a GPU
+    output_dtype: str = "float"  # or int8/uint8 codes, binary/ubinary bits (model/quantize.py)
     # Settings given as flags rather than EMBEDSVC_* variables: with url, the in-process
     # model's are refused (a variable may be set for a server on the same machine).
     setting_flags: frozenset[str] = frozenset()
@@ -47,6 +51,16 @@ class BulkOptions:
             if value is not None and not value > 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be greater than 0, "
                                  f"not {value!r}")
+        self._check_output_dtype()
+
+    def _check_output_dtype(self) -> None:
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise UsageError(f"--output-dtype must be one of {', '.join(OUTPUT_DTYPES)}, "
+                             f"not {self.output_dtype!r}")
+        if self.output_dtype != "float" and (self.url or self.on_ray):
+            raise UsageError("--output-dtype quantizes in this process, with the model's own "
+                             "calibration: drop --url or --ray, or ask the server's /v2/embed "
+                             "for embedding_types")
 
     @property
     def on_ray(self) -> bool:

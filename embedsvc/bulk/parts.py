@@ -4,7 +4,8 @@ so a part that exists is complete; ``assemble`` joins the parts into the final f
 Formats, by the output's suffix: ``.npy`` (float32 rows in input order; a part holds raw
 little-endian float32 rows), JSONL (``{"id", "embedding"}`` per line; a sparse model's rows,
 lists of ``{"index", "value"}``, as ``{"id", "sparse"}``) and Parquet (an ``id`` column and an
-``embedding`` column of ``fixed_size_list<float32>``).
+``embedding`` column of ``fixed_size_list<float32>``). Quantized rows (``--output-dtype``) keep
+their integer type: int8 or uint8 in the ``.npy`` file, its parts and the Parquet column.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def output_kind(path: Path) -> str | None:
 
 
 def vectors_table(ids: Sequence[Any], rows: np.ndarray) -> Any:
-    """An Arrow table of ``id`` and ``embedding`` (fixed_size_list<float32>)."""
+    """An Arrow table of ``id`` and ``embedding`` (fixed_size_list of the rows' type)."""
     import pyarrow as pa
 
-    values = pa.array(np.ascontiguousarray(rows, dtype=np.float32).ravel(), pa.float32())
+    rows = np.ascontiguousarray(rows, dtype=row_type(rows))
+    values = pa.array(rows.ravel(), pa.from_numpy_dtype(rows.dtype))
     id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else _id_array(list(ids))
     embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
     return pa.table({"id": id_column, "embedding": embedding})
@@ -84,7 +86,7 @@ class PartWriter:
         elif self._file is None:
             self._write_parquet(vectors_table([r.id for r in records], rows))
         elif self.kind == NPY:
-            self._file.write(np.ascontiguousarray(rows, dtype="<f4").tobytes())
+            self._file.write(np.ascontiguousarray(rows, dtype=row_type(rows)).tobytes())
         elif self.kind == JSONL:
             for record, row in zip(records, rows, strict=True):
                 self._file.write(_jsonl_line(record.id, "embedding", row,
@@ -129,24 +131,31 @@ class PartWriter:
             self._file.close()
 
 
-def assemble(kind: str, parts: list[Path], target: Path, dimension: int) -> int:
-    """Join ``parts`` in order into ``target`` (written aside, then renamed); the row count."""
+def row_type(rows: np.ndarray) -> str:
+    """What a part holds: little-endian float32, or the rows' own one-byte integer codes."""
+    return rows.dtype.str if rows.dtype in (np.int8, np.uint8) else "<f4"
+
+
+def assemble(kind: str, parts: list[Path], target: Path, dimension: int,
+             dtype: str = "<f4") -> int:
+    """Join ``parts`` in order into ``target`` (written aside, then renamed); the row count.
+    ``dtype`` is what the parts hold (``row_type``)."""
     tmp = target.with_name(target.name + ".tmp")
     if kind == NPY:
-        rows = _assemble_npy(parts, tmp, dimension)
+        rows = _assemble_npy(parts, tmp, dimension, dtype)
     elif kind == JSONL:
         rows = _assemble_jsonl(parts, tmp)
     else:
-        rows = _assemble_parquet(parts, tmp, dimension)
+        rows = _assemble_parquet(parts, tmp, dimension, dtype)
     os.replace(tmp, target)
     return rows
 
 
-def _assemble_npy(parts: list[Path], tmp: Path, dimension: int) -> int:
-    row_bytes = 4 * dimension
+def _assemble_npy(parts: list[Path], tmp: Path, dimension: int, dtype: str) -> int:
+    row_bytes = np.dtype(dtype).itemsize * dimension
     rows = sum(p.stat().st_size // row_bytes for p in parts)
     with open(tmp, "wb") as out:
-        header = {"descr": "<f4", "fortran_order": False, "shape": (rows, dimension)}
+        header = {"descr": dtype, "fortran_order": False, "shape": (rows, dimension)}
         np.lib.format.write_array_header_1_0(out, header)
         for part in parts:
             with open(part, "rb") as f:
@@ -165,11 +174,11 @@ def _assemble_jsonl(parts: list[Path], tmp: Path) -> int:
     return rows
 
 
-def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int) -> int:
+def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int, dtype: str) -> int:
     import pyarrow.parquet as pq
 
     if not parts:  # an input without rows still gives a file with the columns
-        pq.write_table(vectors_table([], np.zeros((0, dimension), np.float32)), tmp)
+        pq.write_table(vectors_table([], np.zeros((0, dimension), dtype)), tmp)
         return 0
     rows, writer = 0, None
     try:

@@ -10,10 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedsvc.bulk import BulkError, BulkOptions, JobChanged, embed_file
-from embedsvc.bulk.checkpoint import parts_dir
+from embedsvc.bulk.checkpoint import Checkpoint, parts_dir
 from embedsvc.bulk.kinds import served_kind
+from embedsvc.bulk.options import OUTPUT_DTYPES
 from embedsvc.bulk.records import Position, read_records
 from embedsvc.cli import main
+from embedsvc.model import quantize
 from embedsvc.model.sparse import elements
 
 
@@ -290,6 +292,12 @@ class NoModel:
      "classification are request/response jobs (serve the model and POST /rerank or /predict)"),
     (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--url", "http://127.0.0.1:9", "--kind",
       "sparse"], "--kind shapes the in-process model"),
+    (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--output-dtype", "int8"],
+     "--output-dtype quantizes in this process"),
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "sparse", "--output-dtype", "int8"],
+     "--output-dtype int8 quantizes dense embeddings and MODEL is a sparse model"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--output-dtype", "int4"],
+     "argument --output-dtype: invalid choice: 'int4'"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatch, capsys,
                                                            argv, message):
@@ -468,3 +476,35 @@ def test_options_refuse_what_cannot_cut_a_job():
     for name in ("chunk_size", "concurrency", "part_size", "part_seconds"):
         with pytest.raises(BulkError, match=f"--{name.replace('_', '-')} must be greater"):
             BulkOptions("in.txt", "out.npy", **{name: 0})
+
+
+def test_output_dtypes_are_the_quantizers_and_only_those():
+    assert OUTPUT_DTYPES == quantize.DTYPES
+    with pytest.raises(BulkError, match="--output-dtype must be one of float, int8, uint8, "):
+        BulkOptions("in.txt", "out.npy", output_dtype="int4")
+    with pytest.raises(BulkError, match="--output-dtype quantizes in this process"):
+        BulkOptions("in.txt", "out.npy", output_dtype="int8", url="http://127.0.0.1:9")
+
+
+def test_only_the_in_process_model_gives_quantized_rows(tmp_path):
+    _, inputs = write_inputs(tmp_path, n=3)
+    with pytest.raises(BulkError, match="quantizes with the model in this process"):
+        run_job(inputs["txt"], tmp_path / "o.npy", HashEmbedder(), output_dtype="int8")
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".parquet"])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_integer_rows_keep_their_type_across_parts(tmp_path, suffix, dtype):
+    target = tmp_path / f"codes{suffix}"
+    rows = np.random.default_rng(0).integers(0, 120, (10, 6)).astype(dtype)
+    records = list(read_records(write_inputs(tmp_path, n=10)[1]["txt"], "text", None))
+    checkpoint = Checkpoint.open(target, suffix, {"job": 1}, part_size=4)
+    for at in range(0, 10, 2):  # parts of 4, 4 and 2 rows
+        chunk = records[at:at + 2]
+        checkpoint.write([r for r, _ in chunk], rows[at:at + 2], chunk[-1][1])
+    assert checkpoint.finish() == 10
+    if suffix == ".npy":
+        back = np.load(target)
+    else:
+        back = np.stack(pq.read_table(target).column("embedding").to_numpy(zero_copy_only=False))
+    assert back.dtype == dtype and np.array_equal(back, rows)

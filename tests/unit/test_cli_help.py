@@ -17,7 +17,8 @@ ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-s
           "--onnx-threads", "--max-queue-tokens", "--kind"}
 LOGS = {"--log-level", "--log-format"}
 JOB = {"--output", "--text-field", "--id-field", "--url", "--chunk-size", "--concurrency",
-       "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus"}
+       "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus",
+       "--output-dtype"}
 EXPORT = {"--model", "--quantize", "--quantize-min-cosine", "--cache-dir", "--onnx-threads"}
 FLAGS = {
     "serve": SERVER | ENGINE | LOGS | {"--api-key"},

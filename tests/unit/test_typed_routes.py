@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from embedsvc.api import typed
 from embedsvc.model import quantize
 
 from .conftest import TEXTS, assert_error, assert_still_serving, make_app, vectors
@@ -27,7 +26,7 @@ def client(app):
 
 def ranges(app, dimensions=None):
     engine = app.extensions["embedsvc"].ready(1.0)
-    return typed.calibration(engine).ranges(dimensions=dimensions)
+    return engine.calibration().ranges(dimensions=dimensions)
 
 
 def test_cohere_v2_answers_every_type_from_one_pass(client, app, fake):
