@@ -33,10 +33,10 @@ from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .errors import ApiError, ClientDisconnected, InvalidRequest
 from .metrics import Metrics
 from .model import quantize
-from .model.encoder import Encoder, ModelInfo, Piece
+from .model.encoder import Encoder, ModelInfo, Piece, Scorer, Sparse
 from .model.graph_cache import cache_root
-from .model.scorer import CrossEncoderScorer, Pair, Sequenced
-from .model.sparse import SparseEmbedder, active
+from .model.scorer import Pair, Sequenced
+from .model.sparse import active
 from .rules import Inputs
 from .settings import Settings
 
@@ -170,7 +170,7 @@ class Engine:
                      ) -> tuple[Embedded, list[tuple[np.ndarray, np.ndarray]]]:
         """The active (index, value) pairs of each text, as ``SparseEncoder.encode`` gives
         them; ``options`` are ``embed``'s (truncation, deadline, disconnected)."""
-        sparse = self._serving(SparseEmbedder, "gives no sparse vectors; use /embed")
+        sparse = self._sparse()
         out = self.embed(list(texts), normalize=False, **options)
         return out, active(out.vectors, sparse.max_active_dims)
 
@@ -202,7 +202,7 @@ class Engine:
         """
         arrived = time.monotonic()
         s = self.settings
-        scorer = self._serving(CrossEncoderScorer, "scores no texts or pairs")
+        scorer = self._scorer()
         deadline = deadline or arrived + s.request_timeout_s
         rules.check_sequences(inputs, max_inputs=s.max_inputs_per_request,
                               max_chars=s.max_input_chars)
@@ -410,7 +410,7 @@ class Engine:
         return sum(min(most, (len(item) if isinstance(item, str) else len(item[0]) + len(item[1]))
                        // _CHARS_PER_TOKEN + 1 + special) for item in inputs)
 
-    def _sequences(self, scorer: CrossEncoderScorer, inputs: Sequence[Sequenced],
+    def _sequences(self, scorer: Scorer, inputs: Sequence[Sequenced],
                    truncate: bool, direction: str, deadline: float, disconnected: Disconnected
                    ) -> list[list[int]]:
         """Ids of each text or pair, within the deadline while the client is there; refused
@@ -426,13 +426,20 @@ class Engine:
         out: list[list[int]] = list(pairs)
         return out
 
-    def _serving(self, kind: type[T], what: str) -> T:
-        """The encoder, if it is of ``kind``; else a 400 that says what this model is."""
-        encoder = self.encoder
-        if not isinstance(encoder, kind):
-            raise InvalidRequest(f"this server's {self.info.kind} model {what}",
-                                 code="not_supported")
-        return encoder
+    def _sparse(self) -> Sparse:
+        if not isinstance(self.encoder, Sparse):
+            raise self._not_serving("gives no sparse vectors; use /embed")
+        return self.encoder
+
+    def _scorer(self) -> Scorer:
+        if not isinstance(self.encoder, Scorer):
+            raise self._not_serving("scores no texts or pairs")
+        return self.encoder
+
+    def _not_serving(self, what: str) -> InvalidRequest:
+        """A 400 that says what this model is."""
+        return InvalidRequest(f"this server's {self.info.kind} model {what}",
+                              code="not_supported")
 
     def _optional(self, method: str, what: str) -> Callable[..., Any]:
         """One of the encoder's optional methods; else a 400 that says what is missing."""

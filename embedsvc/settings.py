@@ -230,6 +230,8 @@ class Settings:
         "auto (PyTorch on CUDA and MPS, ONNX Runtime on the CPU), torch, onnx, onnx-torch "
         "(ONNX Runtime computes the transformer only, PyTorch loaded beside it: the path "
         "before the PyTorch-free one)",
+        commands=_EXPORT, help_for={"export": "onnx-torch: build the transformer's graph of "
+                                    "that path instead of the PyTorch-free record"},
     )
     quantize: str = _setting(
         "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -93,3 +93,24 @@ def model_name(setting: str) -> str:
     if os.path.isabs(setting) or setting.startswith(".") or os.path.exists(setting):
         return os.path.basename(os.path.normpath(setting))
     return setting
+
+
+@runtime_checkable
+class Scorer(Encoder, Protocol):
+    """A cross-encoder (reranker or classifier): rows are logits of texts or pairs."""
+
+    def tokenize_sequences(self, inputs: Sequence[Any], direction: str | None) -> list[Any]:
+        """Ids with special tokens of each text or (text, text) pair (scorer.py)."""
+
+    def activate(self, rows: np.ndarray, raw: bool) -> np.ndarray:
+        """Scores from logits, as ``CrossEncoder.predict`` gives them."""
+
+
+@runtime_checkable
+class Sparse(Encoder, Protocol):
+    """A sparse encoder (SPLADE): rows as wide as the vocabulary."""
+
+    max_active_dims: int | None
+
+    def batch_tokens(self, max_batch_tokens: int) -> int:
+        """MAX_BATCH_TOKENS for this model, so that a batch's logits stay bounded."""

@@ -45,6 +45,7 @@ from .record import (
     write_record,
 )
 from .scorer import Pair, Sequenced, segment_ids, tokenize_pairs
+from .sparse import sparse_batch_tokens
 from .tokenizer import TextSide, padded, tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class LeanSparse(LeanEncoder):
     def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
         super().__init__(path, record, session, precision)
         self.max_active_dims: int | None = record["pipeline"].get("max_active_dims")
+
+    def batch_tokens(self, max_batch_tokens: int) -> int:
+        return sparse_batch_tokens(self.info, max_batch_tokens)
 
 
 class LeanScorer(LeanEncoder):

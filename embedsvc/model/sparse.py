@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .encoder import ModelInfo
 from .st_encoder import SentenceTransformerEncoder, torch_forward
 
 # The float32 logits one batch may hold (tokens x vocabulary): a MAX_BATCH_TOKENS sized for
@@ -50,10 +51,7 @@ class SparseEmbedder(SentenceTransformerEncoder):
         return torch_forward(self._modules, self.features(batch), "sentence_embedding")
 
     def batch_tokens(self, max_batch_tokens: int) -> int:
-        """MAX_BATCH_TOKENS for this model: within LOGITS_BYTES of logits, and never below
-        one input at the model's limit."""
-        fits = LOGITS_BYTES // (4 * self.info.dimension)
-        return max(self.info.max_input_tokens, min(max_batch_tokens, fits))
+        return sparse_batch_tokens(self.info, max_batch_tokens)
 
     def _dimension(self) -> int:
         # SpladePooling learns its width on the first batch; the vocabulary is known now
@@ -61,6 +59,13 @@ class SparseEmbedder(SentenceTransformerEncoder):
         config = getattr(transformer, "config", None)
         size = getattr(config, "vocab_size", None) or super()._dimension()
         return int(size)
+
+
+def sparse_batch_tokens(info: ModelInfo, max_batch_tokens: int) -> int:
+    """MAX_BATCH_TOKENS for a sparse model: within LOGITS_BYTES of logits (tokens x
+    vocabulary floats), and never below one input at the model's limit."""
+    fits = LOGITS_BYTES // (4 * info.dimension)
+    return max(info.max_input_tokens, min(max_batch_tokens, fits))
 
 
 def active(rows: np.ndarray, max_active_dims: int | None = None
