@@ -280,14 +280,6 @@ class Engine:
 
     # -- the rules and the tokens -------------------------------------------------------------
 
-    def prepare(
-        self, inputs: Inputs, *, truncate: bool | None = None, direction: str = "right",
-        deadline: float | None = None,
-    ) -> list[list[int]]:
-        """Token ids with special tokens, truncated (or refused) to the model's limit."""
-        self.check(inputs)
-        return self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline)
-
     def check(self, inputs: Inputs) -> None:
         """The input rules (count, type, emptiness, characters): before any admission."""
         s = self.settings

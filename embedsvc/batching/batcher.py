@@ -201,7 +201,7 @@ class Batcher:
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
         # read at scrape time, so that the request path pays nothing for them
-        self.metrics.queue_depth.set_function(lambda: len(self._pending))
+        self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
         self.metrics.admission_limit.set_function(lambda: self.admission.limit)
 
@@ -263,6 +263,7 @@ class Batcher:
 
     @property
     def depth(self) -> int:
+        """Inputs queued for the device (embedsvc_queue_depth)."""
         return len(self._pending)
 
     @property
@@ -298,7 +299,7 @@ class Batcher:
         self.admission.close()
         with self._cond:
             computed_before = self._computed
-            while self.admission.used_inputs and time.monotonic() < deadline and self.alive:
+            while self.admitted and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             leftover = {id(it.job): it.job for it in self._pending}
             failed = sum(len(job.inputs) for job in leftover.values())

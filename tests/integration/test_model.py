@@ -154,7 +154,7 @@ def test_long_inputs_are_cut_exactly_as_the_tokenizer_truncates(real_app, refere
         finally:
             tok.truncation_side = "right"
         engine = real_app.extensions["embedsvc"].ready()
-        assert engine.prepare([LONG], direction=side) == [ids]
+        assert engine.tokens([LONG], direction=side) == [ids]
 
 
 def test_info_describes_the_model(real_app):

@@ -72,7 +72,7 @@ def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(e
     texts = [f"input {i}: " + " ".join(["slices of one batch"] * (20 + i)) for i in range(48)]
     service = started(backend="onnx")
     engine = service.ready()
-    batch = engine.prepare(texts)
+    batch = engine.tokens(texts)
     assert len(batch) * max(map(len, batch)) > 2 * RUN_TOKENS  # three runs or more
     rows = engine.encoder.encode(batch)
     service.drain(timeout=5)

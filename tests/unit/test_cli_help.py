@@ -19,7 +19,8 @@ LOGS = {"--log-level", "--log-format"}
 JOB = {"--output", "--text-field", "--id-field", "--url", "--chunk-size", "--concurrency",
        "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus",
        "--output-dtype"}
-EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-cosine", "--cache-dir", "--onnx-threads"}
+EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-cosine", "--cache-dir",
+          "--onnx-threads"}
 FLAGS = {
     "serve": SERVER | ENGINE | LOGS | {"--api-key"},
     "embed": JOB | ENGINE | LOGS | {"--api-key"},

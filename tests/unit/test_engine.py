@@ -65,7 +65,7 @@ def test_token_ids_and_their_text_give_the_same_row(engine):
 
 def test_truncation_keeps_the_right_end_when_asked(engine):
     words = [f"w{i}" for i in range(12)]
-    left = engine.prepare([" ".join(words)], direction="left")[0]
+    left = engine.tokens([" ".join(words)], direction="left")[0]
     assert left == engine.encoder.wrap(engine.encoder.tokenize([" ".join(words[-6:])])[0])
 
 
