@@ -191,7 +191,7 @@ class Admission:
         raise Overloaded(
             f"this request would reach the model in about {wait:.1f}s, after its deadline "
             f"({budget:.1f}s, REQUEST_TIMEOUT_S): {self.used_inputs} inputs are admitted and "
-            f"{len(self._waiting)} requests wait; retry after the time in Retry-After",
+            f"{self.waiting} requests wait; retry after the time in Retry-After",
             retry_after_s=retry,
         )
 

@@ -47,7 +47,8 @@ def checkout(tmp_path):
 def clean_env() -> dict[str, str]:
     """This environment without the Makefile's inputs (and an outer make's flags)."""
     return {k: v for k, v in os.environ.items()
-            if k not in ("PYTHON", "TORCH_PIP_ARGS", "TORCH_SPEC", "VENV", "MAKEFLAGS")}
+            if k not in ("PYTHON", "TORCH_PIP_ARGS", "TORCH_SPEC", "VENV", "MAKEFLAGS", "MFLAGS",
+                         "MAKELEVEL")}
 
 
 def make(checkout: Path, *args: str, **env: str) -> list[str]:
