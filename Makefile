@@ -69,16 +69,17 @@ serve: $(SERVE_INSTALL)
 	$(BIN)/embedsvc serve
 
 # System tools the tests run for real, as apt packages: promtool (Debian's prometheus), nginx
-# (the load balancer of the scale-out test) and kubectl (renders the kustomize base; from
-# Kubernetes' apt repository, which must be configured for apt-get to find it).
+# (the load balancer of the scale-out test), kubectl (renders the kustomize base; from
+# Kubernetes' apt repository, which must be configured for apt-get to find it) and chromium
+# (the /docs page in a real browser).
 # Missing ones are installed with apt-get, which needs root; the README says so.
-TOOLS := promtool:prometheus nginx:nginx kubectl:kubectl
+TOOLS := promtool:prometheus nginx:nginx kubectl:kubectl chromium:chromium
 tools:
 	@missing=""; for t in $(TOOLS); do \
 	  command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
-	  echo "make test needs the packages$$missing (promtool, nginx, kubectl):" \
+	  echo "make test needs the packages$$missing (promtool, nginx, kubectl, chromium):" \
 	    "run it as root on Debian or Ubuntu to install them with apt-get, or install them" \
 	    "yourself (sudo apt-get install$$missing)" >&2; \
 	  exit 1; \
