@@ -15,6 +15,9 @@ the code of git revision REV (checked out under bench/out/), in the same run, so
 change's cost per request is measured against what it replaced:
 
     .venv/bin/python bench/run.py --only sim --baseline 16bca89 --duration 15
+
+``embedsvc-onnx-torch`` (in ``--only``) serves with BACKEND=onnx-torch, the CPU path before
+the PyTorch-free one, beside the default in the same run.
 """
 
 from __future__ import annotations
@@ -92,9 +95,11 @@ def model_path() -> str:
 
 def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
     """(command, route, extra environment) for one of the servers under test."""
-    if name == "embedsvc":
+    if name in ("embedsvc", "embedsvc-onnx-torch"):
+        # embedsvc-onnx-torch: the CPU path before the PyTorch-free one, for comparison
+        env = {"EMBEDSVC_BACKEND": "onnx-torch"} if name == "embedsvc-onnx-torch" else {}
         return [str(VENV_BIN / "embedsvc"), "serve", "--port", str(port), "--threads", "64",
-                "--log-level", "warning"], "/v1/embeddings", {}
+                "--log-level", "warning"], "/v1/embeddings", env
     if name == "naive":
         return [str(VENV_BIN / "waitress-serve"), "--threads=32", f"--port={port}",
                 "--call", "bench.naive_app:create"], "/v1/embeddings", {}
@@ -223,14 +228,14 @@ def wrk(server: Running, sc: Scenario, seconds: float) -> dict:
 def measure(server: Running, sc: Scenario, seconds: float) -> Result:
     wrk(server, sc, 2)  # warm-up: caches, thread pools, allocator
     padded_before = real_before = 0.0
-    if server.name == "embedsvc":
+    if server.name.startswith("embedsvc"):
         padded_before = server.metric("embedsvc_batch_tokens_sum")
         real_before = server.metric("embedsvc_input_tokens_total")
     cpu_before = server.cpu_seconds()
     stats = wrk(server, sc, seconds)
     cpu = server.cpu_seconds() - cpu_before
     padding = None
-    if server.name == "embedsvc":
+    if server.name.startswith("embedsvc"):
         padded = server.metric("embedsvc_batch_tokens_sum") - padded_before
         real = server.metric("embedsvc_input_tokens_total") - real_before
         padding = real / padded if padded else None
@@ -353,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     print("offline limit ...", flush=True)
     offline = offline_limits()
     results: list[Result] = []
-    plan = [(n, SCENARIOS) for n in ("embedsvc", "naive", "infinity") if n in wanted]
+    plan = [(n, SCENARIOS) for n in ("embedsvc", "embedsvc-onnx-torch", "naive", "infinity")
+            if n in wanted]
     if "sim" in wanted:
         if args.baseline:
             plan.append(("sim-baseline", SIM_SCENARIOS))
