@@ -17,7 +17,6 @@ document bodies) send their bodies at once. Clients and server share this machin
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rerank import minilm_shaped_reranker  # noqa: E402
+from soak import start_server  # noqa: E402
 
 MiB = 1 << 20
 EMBEDDING = [
@@ -60,21 +60,7 @@ def status_kib(pid: int, key: str) -> int:
 
 
 def start(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
-    exe = Path(sys.executable).with_name("embedsvc")
-    extra = ["--model", model] if model else []
-    out = open(log, "wb")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32", *extra],
-                            stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()}")
-        time.sleep(0.2)
-    raise SystemExit("server did not start")
+    return start_server(log, ["--model", model] if model else [], timeout=300)
 
 
 def attack(url: str, pid: int, route: str, body: bytes, copies: int) -> tuple[str, float, float]:

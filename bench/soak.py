@@ -53,13 +53,15 @@ def proc_stats(pid: int) -> tuple[float, int, int]:
     return rss_kib / 1024, threads, fds
 
 
-def start_server(log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(log: Path, extra: list[str], timeout: float = 120
+                 ) -> tuple[subprocess.Popen, str]:
+    """``embedsvc serve`` on a free port, its output in ``log``; the process and its URL."""
     exe = Path(sys.executable).with_name("embedsvc")
     out = open(log, "wb")  # noqa: SIM115 - the server writes to it until it stops
     proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32", *extra],
                             stdout=out,
                             stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
         if found:

@@ -27,6 +27,7 @@ import numpy as np
 from ..settings import Settings
 from . import runtime
 from .graph_cache import GraphCache, cache_root
+from .record import file_digest
 from .runtime import QUALITY_TEXTS, Quality, QualityBelowFloor, available_cpus, run_sliced
 from .st_encoder import SentenceTransformerEncoder
 
@@ -128,7 +129,7 @@ def _float32(encoder: SentenceTransformerEncoder, output_key: str, cache: GraphC
         shipped = Path(encoder.source or "") / relative
         if encoder.source and shipped.is_file():
             try:
-                return verified(shipped), shipped, _file_key(shipped)
+                return verified(shipped), shipped, file_digest(shipped)
             except Exception as exc:  # noqa: BLE001 - any failure: export our own instead
                 log.warning("%s is not used: %s; exporting the model instead", shipped, exc)
             break
@@ -216,14 +217,6 @@ def model_key(module: Any) -> str:
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         h.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}".encode())
         h.update(flat.view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _file_key(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(partial(f.read, 1 << 20), b""):
-            h.update(block)
     return h.hexdigest()
 
 
