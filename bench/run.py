@@ -426,7 +426,7 @@ def targets(results: list[Result], offline: Offline | None) -> str:
     def vs_offline(scenario: str) -> float | None:
         r = by.get(("embedsvc", scenario))
         limit = offline and r and offline.limit(r.scenario)
-        return r.inputs_per_s / limit if r and limit else None
+        return r.inputs_per_s / limit if r and r.requests and limit else None
 
     e1 = by.get(("embedsvc", "1x1"))
     e32, inf32 = by.get(("embedsvc", "32x1")), by.get(("infinity", "32x1"))
