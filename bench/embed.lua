@@ -3,6 +3,9 @@
 --   BENCH_INPUTS     inputs per request (1)
 --   BENCH_MIN_WORDS  BENCH_MAX_WORDS  words per input (10, 10)
 --   BENCH_MODEL      the "model" field, for servers that check it ("bench")
+--   BENCH_BODIES     a file of request bodies, one JSON body a line, sent in turn instead
+--                    of generated ones (bench/run.py writes them, so that its offline
+--                    rates are measured on the same inputs)
 -- Prints one JSON line at the end: requests, seconds, errors, p50/p90/p99 latency in ms.
 local words = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "service",
   "embedding", "vector", "batch", "token", "model", "request", "latency", "search", "query",
@@ -29,8 +32,12 @@ function setup(thread)
 end
 
 function init(args)
+  local bodies = os.getenv("BENCH_BODIES")
+  if bodies then
+    for line in io.lines(bodies) do pool[#pool + 1] = line end
+  end
   math.randomseed(os.time() * 1000 + (seed or 0))
-  for b = 1, 500 do
+  for b = 1, (bodies and 0 or 500) do
     local items = {}
     for i = 1, inputs do items[i] = '"' .. sentence() .. " " .. b .. '"' end
     pool[b] = '{"model": "' .. model .. '", "input": [' .. table.concat(items, ", ") .. ']}'

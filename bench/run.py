@@ -5,10 +5,18 @@
 Servers run one at a time on loopback; wrk (one thread, a Lua script) drives them from the
 same cores, so every figure is relative to this machine and this run: compare ratios, not
 absolute numbers. Scenarios: 1 client x 1 input; 32 clients x 1 input; 4 clients x 32
-inputs (10-word sentences); 32 clients x 1 input of 5 to 200 words. Then embedsvc over a
-simulated zero-cost device (bench/sim_server.py): its sustained requests/s and the server
-CPU microseconds per request and per input, for 1- and 32-input requests, next to
-Infinity's debugengine and, when granian is installed (the bench extra), the same app
+inputs (10-word sentences); 32 clients x 1 input of 5 to 200 words; 4 clients x 8 RAG
+chunks (200 words of prose and code, cut at the model's 256 tokens). Every scenario sends
+bodies written here (bench/out/bodies-*.jsonl), and the offline limit is measured on the
+same texts: the encoder embedsvc serves (ONNX Runtime on the CPU), in this process, on
+pre-tokenized batches, one session run per batch (no slicing), at batch 1, 32 and 128 for
+the sentences and at its best batch size for the chunks.
+
+Then embedsvc over a simulated zero-cost device (bench/sim_server.py): its sustained
+requests/s and the server CPU microseconds per request and per input, for 1- and 32-input
+requests, next to a bare waitress app with the same threads that answers every request
+with one precomputed answer of the same size (bench/bare_server.py: the HTTP server's own
+pace), Infinity's debugengine and, when granian is installed (the bench extra), the same app
 under granian's WSGI server instead of waitress. Infinity is installed into
 bench/out/infinity-venv on first use. ``--baseline REV`` also runs the simulated device on
 the code of git revision REV (checked out under bench/out/), in the same run, so that a
@@ -26,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import subprocess
 import sys
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import httpx
 
@@ -48,6 +58,12 @@ WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "servic
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+POOL = 1024  # distinct texts per scenario
+BODIES = 500  # distinct request bodies per scenario, sent in turn
+CHUNK_WORDS = 200
+CHUNK_BATCHES = (1, 2, 4, 8, 16, 32)  # offline batch sizes tried on the chunks
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -56,6 +72,7 @@ class Scenario:
     min_words: int = 10
     max_words: int = 10
     offline_batch: int | None = None  # the offline figure this scenario is compared with
+    chunks: bool = False  # RAG chunks (compared with offline's best batch) instead of sentences
 
 
 SCENARIOS = [
@@ -63,8 +80,43 @@ SCENARIOS = [
     Scenario("32x1", 32, 1, offline_batch=32),
     Scenario("4x32", 4, 32, offline_batch=128),
     Scenario("mixed 32x1", 32, 1, 5, 200),
+    Scenario("rag 4x8", 4, 8, CHUNK_WORDS, CHUNK_WORDS, chunks=True),
 ]
 SIM_SCENARIOS = [Scenario("sim 64x1", 64, 1), Scenario("sim 8x32", 8, 32)]
+BARE_SCENARIOS = SIM_SCENARIOS[:1]  # its one answer holds one vector
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+
+def texts(sc: Scenario) -> list[str]:
+    """The texts of a scenario, the same in every run: sentences of WORDS, or chunks."""
+    if sc.chunks:
+        return chunk_texts()
+    rng = random.Random(0)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(sc.min_words, sc.max_words))) + f" {i}"
+            for i in range(POOL)]
+
+
+def chunk_texts() -> list[str]:
+    """RAG-sized chunks: Python's help topics (prose with code), cut every CHUNK_WORDS words;
+    most hold more than the model's 256 tokens, so the model's window cuts them."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[name] for name in sorted(topics)).split()
+    return [" ".join(words[i:i + CHUNK_WORDS])
+            for i in range(0, len(words) - CHUNK_WORDS + 1, CHUNK_WORDS)]
+
+
+def bodies_file(sc: Scenario) -> Path:
+    """The scenario's request bodies, one a line, for embed.lua (BENCH_BODIES)."""
+    pool = texts(sc)
+    path = OUT / f"bodies-{re.sub(r'[^a-z0-9]+', '-', sc.name)}.jsonl"
+    lines = [json.dumps({"model": "bench", "input": [pool[(b * sc.inputs + j) % len(pool)]
+                                                     for j in range(sc.inputs)]})
+             for b in range(BODIES)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @dataclass
@@ -106,6 +158,9 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     if name == "sim":
         return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
             "/v1/embeddings", {}
+    if name == "bare":
+        return [sys.executable, str(BENCH / "bare_server.py"), "--port", str(port),
+                "--threads", "64"], "/v1/embeddings", {}
     if name == "sim-baseline":
         tree = baseline_tree()
         return [sys.executable, str(tree / "bench" / "sim_server.py"), "--port", str(port)], \
@@ -218,7 +273,8 @@ def _cpu_ticks(pid: int) -> int:
 
 def wrk(server: Running, sc: Scenario, seconds: float) -> dict:
     env = {**os.environ, "BENCH_ROUTE": server.route, "BENCH_INPUTS": str(sc.inputs),
-           "BENCH_MIN_WORDS": str(sc.min_words), "BENCH_MAX_WORDS": str(sc.max_words)}
+           "BENCH_MIN_WORDS": str(sc.min_words), "BENCH_MAX_WORDS": str(sc.max_words),
+           "BENCH_BODIES": str(bodies_file(sc))}
     cmd = ["wrk", "-t1", f"-c{sc.clients}", f"-d{seconds:.0f}s", "--timeout", "60s",
            "-s", str(BENCH / "embed.lua"), server.url]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
@@ -243,43 +299,84 @@ def measure(server: Running, sc: Scenario, seconds: float) -> Result:
                   stats["p99_ms"], stats["errors"], cpu, stats["requests"], padding)
 
 
-def offline_limits() -> dict[int, float]:
-    """Sentences/s of SentenceTransformer.encode in this process, and single-input latency."""
-    import random
+@dataclass
+class Offline:
+    """Inputs/s of the served encoder in this process, by batch size, and one input's latency."""
 
-    import torch
-    from sentence_transformers import SentenceTransformer
+    backend: str
+    sentences: dict[int, float]  # 10-word sentences (the short scenarios' texts)
+    latency_ms: float  # one sentence at a time, median
+    chunks: dict[int, float]  # the RAG chunks
+    chunk_tokens: float  # tokens per chunk after the model's cut, mean
 
-    model = SentenceTransformer(model_path(), device=os.environ.get("EMBEDSVC_DEVICE", "cpu"))
-    rng = random.Random(0)
-    sentences = [" ".join(rng.choices(WORDS, k=10)) + f" {i}" for i in range(1024)]
-    limits: dict[int, float] = {}
-    with torch.inference_mode():
-        model.encode(sentences[:64], batch_size=32)
-        for batch, count in ((1, 200), (32, 640), (128, 768)):
-            started = time.perf_counter()
-            model.encode(sentences[:count], batch_size=batch)
-            limits[batch] = count / (time.perf_counter() - started)
+    @property
+    def best_chunk_batch(self) -> int:
+        return max(self.chunks, key=self.chunks.__getitem__)
+
+    def limit(self, sc: Scenario) -> float | None:
+        """The offline rate ``sc`` is compared with."""
+        if sc.chunks:
+            return self.chunks[self.best_chunk_batch]
+        return self.sentences.get(sc.offline_batch or -1)
+
+
+def offline_limits(seconds: float) -> Offline:
+    """The model's own pace on the scenarios' texts: the encoder embedsvc serves (on the CPU,
+    ONNX Runtime), on pre-tokenized batches (the tokenizer's cut at the model's limit), one
+    session run per batch: padding, the run and pooling, without HTTP, queueing or tokenizing."""
+    from embedsvc.model import runtime
+    from embedsvc.model.backend import load_encoder
+    from embedsvc.settings import Settings
+
+    encoder = load_encoder(Settings.from_env(os.environ, device=os.environ["EMBEDSVC_DEVICE"]))
+    room = encoder.info.max_input_tokens - encoder.special_tokens
+    short = [encoder.wrap(ids) for ids in encoder.tokenize(texts(SCENARIOS[1]), room)]
+    chunks = [encoder.wrap(ids) for ids in encoder.tokenize(chunk_texts(), room)]
+    sliced, runtime.RUN_TOKENS = runtime.RUN_TOKENS, 1 << 30  # each batch in one run
+    try:
+        sentences = {size: _rate(encoder, short, size, seconds) for size in (1, 32, 128)}
         latencies = []
-        for s in sentences[:100]:
+        for ids in short[:100]:
             started = time.perf_counter()
-            model.encode([s], batch_size=1)
+            encoder.encode([ids])
             latencies.append((time.perf_counter() - started) * 1000)
-    limits[0] = median(latencies)  # key 0: single-input latency in ms
-    return limits
+        by_batch = {size: _rate(encoder, chunks, size, seconds) for size in CHUNK_BATCHES}
+    finally:
+        runtime.RUN_TOKENS = sliced
+    info = encoder.info
+    return Offline(f"{info.backend} on {info.device}", sentences, median(latencies), by_batch,
+                   sum(map(len, chunks)) / len(chunks))
+
+
+def _rate(encoder: Any, batch: list[list[int]], size: int, seconds: float) -> float:
+    """Inputs/s of ``encoder.encode`` on consecutive runs of ``size`` inputs of ``batch``."""
+    encoder.encode(batch[:size])
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        start = done % (len(batch) - size + 1)
+        encoder.encode(batch[start:start + size])
+        done += size
+    return done / (time.perf_counter() - started)
 
 
 # -- reporting ----------------------------------------------------------------------------------
 
 
-def table(results: list[Result], offline: dict[int, float]) -> str:
+_SIM_SERVERS = ("bare", "infinity-debug")  # with the sim* servers: no model
+
+
+def simulated(server: str) -> bool:
+    return server.startswith("sim") or server in _SIM_SERVERS
+
+
+def table(results: list[Result], offline: Offline | None) -> str:
     by = {(r.server, r.scenario.name): r for r in results}
     lines = ["| scenario | server | inputs/s | req/s | p50 ms | p99 ms | errors | vs offline "
              "| vs naive | vs Infinity |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        if r.server.startswith("sim") or r.server == "infinity-debug":
+        if simulated(r.server):
             continue
-        limit = offline.get(r.scenario.offline_batch or -1)
+        limit = offline and offline.limit(r.scenario)
         cells = [f"{r.inputs_per_s / limit:.2f}" if limit else ""]
         for peer in ("naive", "infinity"):
             other = by.get((peer, r.scenario.name))
@@ -294,7 +391,7 @@ def sim_table(results: list[Result]) -> str:
     lines = ["| scenario | server | req/s | inputs/s | p50 ms | p99 ms | errors | server CPU "
              "us/request | us/input |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        if not (r.server.startswith("sim") or r.server == "infinity-debug"):
+        if not simulated(r.server):
             continue
         per_req = r.cpu_s / r.requests * 1e6 if r.requests else 0.0
         lines.append(f"| {r.scenario.name} | {r.server} | {r.rps:.0f} | {r.inputs_per_s:.0f} | "
@@ -303,7 +400,18 @@ def sim_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[Result], offline: dict[int, float]) -> str:
+def offline_line(offline: Offline) -> str:
+    s, c = offline.sentences, offline.chunks
+    best = offline.best_chunk_batch
+    return (f"Offline ({offline.backend}, this process, pre-tokenized, one run per batch; "
+            f"inputs/s): sentences batch 1 {s[1]:.1f}, batch 32 {s[32]:.1f}, batch 128 "
+            f"{s[128]:.1f}; single-input latency p50 {offline.latency_ms:.2f} ms. RAG chunks "
+            f"({offline.chunk_tokens:.0f} tokens each on average after the cut): "
+            + ", ".join(f"batch {b} {r:.1f}" for b, r in c.items())
+            + f"; best batch {best}.")
+
+
+def targets(results: list[Result], offline: Offline | None) -> str:
     by = {(r.server, r.scenario.name): r for r in results}
     rows = []
 
@@ -315,23 +423,32 @@ def targets(results: list[Result], offline: dict[int, float]) -> str:
         rows.append(f"| {name} | {fmt.format(value)} | {fmt.format(goal)} | "
                     f"{'met' if met else 'MISSED'} |")
 
-    e32, e128, e1 = by.get(("embedsvc", "32x1")), by.get(("embedsvc", "4x32")), \
-        by.get(("embedsvc", "1x1"))
-    inf32, mixed = by.get(("infinity", "32x1")), by.get(("embedsvc", "mixed 32x1"))
+    def vs_offline(scenario: str) -> float | None:
+        r = by.get(("embedsvc", scenario))
+        limit = offline and r and offline.limit(r.scenario)
+        return r.inputs_per_s / limit if r and r.requests and limit else None
+
+    e1 = by.get(("embedsvc", "1x1"))
+    e32, inf32 = by.get(("embedsvc", "32x1")), by.get(("infinity", "32x1"))
+    mixed = by.get(("embedsvc", "mixed 32x1"))
     sim, granian = by.get(("sim", "sim 64x1")), by.get(("sim-granian", "sim 64x1"))
+    bare = by.get(("bare", "sim 64x1"))
     for sc in SIM_SCENARIOS:
         now, base = by.get(("sim", sc.name)), by.get(("sim-baseline", sc.name))
         if now and base and now.requests and base.requests:
             ratio = (now.cpu_s / now.requests) / (base.cpu_s / base.requests)
             row(f"{sc.name}: server CPU per request / baseline", ratio, 1.0, "{:.2f}",
                 higher=False)
-    row("32x1 / offline batch 32", e32 and e32.inputs_per_s / offline[32], 0.75, "{:.2f}")
+    row("32x1 / offline batch 32", vs_offline("32x1"), 0.90, "{:.2f}")
+    row("rag 4x8 / offline at its best batch", vs_offline("rag 4x8"), 0.90, "{:.2f}")
+    row("4x32 / offline batch 128", vs_offline("4x32"), 1.12, "{:.2f}")
+    row("1x1 p50 - offline single latency (ms)",
+        e1 and offline and e1.p50_ms - offline.latency_ms, 2.0, "{:.2f}", higher=False)
     row("32x1 / Infinity 32x1", e32 and inf32 and e32.inputs_per_s / inf32.inputs_per_s, 2.0,
         "{:.2f}")
-    row("4x32 / offline batch 128", e128 and e128.inputs_per_s / offline[128], 0.95, "{:.2f}")
-    row("1x1 p50 - offline single latency (ms)", e1 and e1.p50_ms - offline[0], 2.0, "{:.2f}",
-        higher=False)
     row("mixed padding efficiency", mixed and mixed.padding, 0.8, "{:.2f}")
+    row("simulated device / bare waitress app, 1-input req/s",
+        sim and bare and bare.rps and sim.rps / bare.rps, 0.60, "{:.2f}")
     row("simulated zero-cost device, 1-input req/s", sim and sim.rps, 2000, "{:.0f}")
     row("the same under granian instead of waitress", granian and granian.rps, 2000, "{:.0f}")
     return "| target | measured | goal | |\n|---|---:|---:|---|\n" + "\n".join(rows)
@@ -341,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=15, help="seconds per scenario")
     parser.add_argument("--only", default="embedsvc,naive,infinity,sim",
-                        help="comma-separated: embedsvc, naive, infinity, sim")
+                        help="comma-separated: embedsvc, embedsvc-onnx-torch, naive, infinity, "
+                        "sim (with the bare app beside it), bare")
+    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all), "
+                        "such as '32x1,rag 4x8'")
+    parser.add_argument("--offline-seconds", type=float, default=3,
+                        help="seconds per offline rate")
     parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
     parser.add_argument("--baseline", metavar="REV",
@@ -355,22 +477,34 @@ def main(argv: list[str] | None = None) -> int:
     if "infinity" in wanted and not ensure_infinity():
         wanted.remove("infinity")
 
-    print("offline limit ...", flush=True)
-    offline = offline_limits()
+    chosen = args.scenarios.split(",") if args.scenarios else None
+
+    def pick(scenarios: list[Scenario]) -> list[Scenario]:
+        return [sc for sc in scenarios if chosen is None or sc.name in chosen]
+
     results: list[Result] = []
-    plan = [(n, SCENARIOS) for n in ("embedsvc", "embedsvc-onnx-torch", "naive", "infinity")
-            if n in wanted]
+    plan = [(n, pick(SCENARIOS)) for n in ("embedsvc", "embedsvc-onnx-torch", "naive",
+                                           "infinity") if n in wanted]
+    offline = None
+    if any(scenarios for _, scenarios in plan):
+        print("offline limit ...", flush=True)
+        offline = offline_limits(args.offline_seconds)
+        print("  " + offline_line(offline), flush=True)
+    if "sim" in wanted and args.baseline:
+        plan.append(("sim-baseline", pick(SIM_SCENARIOS)))
+    if "bare" in wanted or "sim" in wanted:  # beside the simulated device: its floor
+        plan.append(("bare", pick(BARE_SCENARIOS)))
     if "sim" in wanted:
-        if args.baseline:
-            plan.append(("sim-baseline", SIM_SCENARIOS))
-        plan.append(("sim", SIM_SCENARIOS))
+        plan.append(("sim", pick(SIM_SCENARIOS)))
         if (VENV_BIN / "granian").exists():
-            plan.append(("sim-granian", SIM_SCENARIOS))
+            plan.append(("sim-granian", pick(SIM_SCENARIOS)))
         else:
             print("sim-granian left out: pip install -e '.[bench]' to compare with granian")
         if "infinity" in wanted:
-            plan.append(("infinity-debug", SIM_SCENARIOS))
+            plan.append(("infinity-debug", pick(SIM_SCENARIOS)))
     for port, (name, scenarios) in enumerate(plan, start=18801):
+        if not scenarios:
+            continue
         print(f"{name} ...", flush=True)
         try:
             server = Running(name, port)
@@ -386,11 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
 
-    report = "\n\n".join([
-        f"Offline `SentenceTransformer.encode` (sentences/s): batch 1 {offline[1]:.1f}, "
-        f"batch 32 {offline[32]:.1f}, batch 128 {offline[128]:.1f}; single-input latency "
-        f"p50 {offline[0]:.2f} ms.",
-        table(results, offline), sim_table(results), targets(results, offline)])
+    report = "\n\n".join([offline_line(offline) if offline else "Offline: not measured.",
+                          table(results, offline), sim_table(results),
+                          targets(results, offline)])
     print("\n" + report)
     if args.record:
         command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -329,12 +329,17 @@ class Engine:
              arrived: float, deadline: float, disconnected: Disconnected) -> Embedded:
         """Admit -> tokenize -> submit -> wait: how every kind's request reaches the model."""
         asked = time.monotonic()
-        with self._admitted(inputs, estimate, deadline, disconnected) as ticket:
+        # what _admitted does, without a generator: every request passes here
+        gate = self.batcher.admission
+        ticket = gate.admit(inputs, estimate, deadline, disconnected)
+        try:
             tokenizing = time.monotonic()  # the wait for admission counts as queue time
             ids = tokenize()
             tokenize_s = time.monotonic() - tokenizing
             self.metrics.tokenization.observe(tokenize_s)
             job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket)
+        finally:
+            gate.cancel(ticket)  # a no-op once the batcher took it over
         rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
         return Embedded(
             vectors=rows,

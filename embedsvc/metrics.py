@@ -193,7 +193,9 @@ class BulkHistogram(Collector):
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        self.observe_many((value,))
+        with self._lock:  # observe_many's loop for one value, without building a tuple
+            self._counts[bisect_left(self._bounds, value)] += 1
+            self._sum += value
 
     def observe_many(self, values: Iterable[float]) -> None:
         bounds, counts, total = self._bounds, self._counts, 0.0

@@ -65,6 +65,8 @@ def _agreed(req: TypedEmbeddingsRequest, name: str, alias: str) -> Any:
 
 def _role_prefix(engine: Any, req: TypedEmbeddingsRequest) -> str:
     """The prompt of Voyage's input_type or Jina's task, where the model has one."""
+    if req.input_type is None and req.task is None:  # OpenAI's requests: no role
+        return ""
     if req.input_type is not None and req.task is not None:
         raise InvalidRequest("send 'input_type' (Voyage) or 'task' (Jina), not both",
                              param="task", code="invalid_task")

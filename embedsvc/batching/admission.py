@@ -132,7 +132,7 @@ class Admission:
             if ticket.open:
                 self.used_tokens += tokens - ticket.tokens
                 ticket.tokens, ticket.open = tokens, False
-                self._cond.notify_all()
+                self._wake()
 
     def cancel(self, ticket: Ticket) -> None:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
@@ -176,7 +176,14 @@ class Admission:
     def _free(self, inputs: int, tokens: int) -> None:
         self.used_inputs -= inputs
         self.used_tokens -= tokens
-        self._cond.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Tell the waiting requests that room may have freed. Only they wait on the
+        condition (``_wait_turn``), each listed in ``_waiting`` while it does; when none is,
+        the notification is skipped (every request frees and settles once)."""
+        if self._waiting:
+            self._cond.notify_all()
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
