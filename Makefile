@@ -36,7 +36,7 @@ TEST_STAMP := $(VENV)/.installed
 # nothing more, and a rebuild (changed pyproject.toml or torch source) keeps the test extra.
 SERVE_INSTALL := $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP))
 
-.PHONY: setup setup-serve tools serve test lint clean FORCE
+.PHONY: setup setup-serve tools serve test coverage lint clean FORCE
 
 setup-serve: $(SERVE_INSTALL)
 
@@ -97,5 +97,10 @@ lint: setup
 test: lint tools $(HUB1_VENV)/.installed
 	$(BIN)/python -m pytest -n 4 --dist loadfile
 
+# The same run, measuring line coverage of embedsvc/ in the test processes and every Python
+# process they start (pyproject.toml's [tool.coverage.run]); slower, so not part of `test`.
+coverage: lint tools $(HUB1_VENV)/.installed
+	$(BIN)/python -m pytest -n 4 --dist loadfile --cov --cov-report=term:skip-covered
+
 clean:
-	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache
+	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache .coverage .coverage.*

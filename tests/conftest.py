@@ -1,4 +1,8 @@
+import ctypes
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,3 +34,34 @@ def tiktoken_cache(tmp_path_factory):
 # first run exports, and nothing is left in /tmp by a model load still running at exit.
 os.environ.setdefault("EMBEDSVC_CACHE_DIR", str(Path(__file__).resolve().parents[1]
                                                 / ".pytest_cache" / "embedsvc-graphs"))
+
+
+_shared_root = pytest.StashKey[str]()
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+def pytest_configure(config):
+    """In the controlling process (xdist's, or pytest's own without -n): the directory where
+    tests/integration/servers.py's ``Shared`` keeps one server per configuration, which the
+    xdist workers it starts inherit through the environment."""
+    from .integration.servers import SHARED_DIR
+
+    if hasattr(config, "workerinput") or SHARED_DIR in os.environ:
+        return
+    if sys.platform.startswith("linux"):
+        # The shared servers outlive the worker that started them: as their subreaper, this
+        # process inherits them then, reaps them at the end, and so counts their CPU time.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    root = tempfile.mkdtemp(prefix="embedsvc-shared-")
+    os.environ[SHARED_DIR] = root
+    config.stash[_shared_root] = root
+
+
+def pytest_unconfigure(config):
+    from .integration.servers import SHARED_DIR, Shared
+
+    root = config.stash.get(_shared_root, None)
+    if root is not None:
+        Shared(Path(root)).stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+        os.environ.pop(SHARED_DIR, None)

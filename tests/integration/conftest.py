@@ -1,4 +1,6 @@
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from embedsvc.metrics import Metrics
 from embedsvc.service import Service
 from embedsvc.settings import Settings
 
-from .servers import running
+from .servers import SHARED_DIR, Server, Shared
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +37,62 @@ def real_app(request):
 
 
 @pytest.fixture(scope="session")
-def served(tmp_path_factory):
-    """One `embedsvc serve` process on a free loopback port, shared by the tests that need it."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running(["embedsvc", "serve", "--port", "0", "--threads", "64"], log) as server:
+def shared(tmp_path_factory) -> Iterator[Shared]:
+    """The run's shared servers (tests/conftest.py stops them); without that controlling
+    process's directory, this session's own."""
+    if SHARED_DIR in os.environ:
+        yield Shared(Path(os.environ[SHARED_DIR]))
+        return
+    own = Shared(tmp_path_factory.mktemp("shared"))
+    yield own
+    own.stop_all()
+
+
+SERVE = ["embedsvc", "serve", "--port", "0", "--threads", "64"]
+
+
+@pytest.fixture(scope="session")
+def bundled(shared) -> Server:
+    """One `embedsvc serve` of the bundled model for the whole run; tests take it through
+    ``served`` or ``served_alone``."""
+    return shared.get("bundled", SERVE)
+
+
+@pytest.fixture
+def served(shared, bundled) -> Iterator[Server]:
+    """The run's `embedsvc serve`, beside the other tests that use it."""
+    with shared.use("bundled"):
+        yield bundled
+
+
+@pytest.fixture
+def served_alone(shared, bundled) -> Iterator[Server]:
+    """The run's `embedsvc serve`, with no other test's traffic while this one runs (for
+    exact counts of its metrics)."""
+    with shared.use("bundled", exclusive=True):
+        yield bundled
+
+
+LAUNCHED = {  # how users start the bundled model: the name of its shared server, the command
+    "embedsvc-serve": ("bundled", SERVE),
+    "waitress-serve": ("waitress", ["waitress-serve", "--threads=16", "--host=127.0.0.1",
+                                    "--port=0", "embedsvc:app"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCHED))
+def live(request, shared) -> Iterator[Server]:
+    """The bundled model as each launcher serves it: the run's shared servers, beside the
+    other tests that use them."""
+    name, cmd = LAUNCHED[request.param]
+    server = shared.get(name, cmd)
+    with shared.use(name):
         yield server
+
+
+def kind_server(shared: Shared, kind_dirs: dict[str, Path], kind: str) -> Server:
+    """The run's `embedsvc serve` of the tiny model of ``kind``."""
+    return shared.get(kind, [*SERVE, "--model", str(kind_dirs[kind])])
 
 
 def cosine(a, b) -> np.ndarray:
@@ -48,13 +101,18 @@ def cosine(a, b) -> np.ndarray:
 
 
 @pytest.fixture(scope="session")
-def kind_dirs(tmp_path_factory):
-    """Directories of a tiny reranker, classifier and sparse encoder (tests/models.py)."""
+def kind_dirs(shared):
+    """Directories of a tiny reranker, classifier and sparse encoder (tests/models.py), built
+    once for the run, beside its shared servers."""
     from ..models import build_classifier, build_reranker, build_sparse
 
-    base = tmp_path_factory.mktemp("kinds")
-    return {
-        "reranker": build_reranker(base / "reranker"),
-        "classifier": build_classifier(base / "classifier"),
-        "sparse": build_sparse(base / "sparse"),
-    }
+    base = shared.root / "kinds"
+    dirs = {"reranker": base / "reranker", "classifier": base / "classifier",
+            "sparse": base / "sparse"}
+    with shared.building("kinds"):
+        if not (base / "built").exists():
+            build_reranker(dirs["reranker"])
+            build_classifier(dirs["classifier"])
+            build_sparse(dirs["sparse"])
+            (base / "built").touch()
+    return dirs

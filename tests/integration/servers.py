@@ -1,7 +1,11 @@
-"""Start real server processes on loopback port 0 and find the port they report."""
+"""Start real server processes on loopback port 0 and find the port they report; share one
+process per configuration across the whole run (``Shared``)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import re
 import signal
@@ -24,13 +28,23 @@ _PORT_LINES = re.compile(
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None in the processes that did not start it (Shared)
     port: int
     log: Path
+    started_pid: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else self.started_pid  # type: ignore[return-value]
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _alive(self.pid)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -46,7 +60,7 @@ class Server:
                     return
             except httpx.TransportError:
                 pass
-            assert self.proc.poll() is None, f"server exited:\n{self.output()}"
+            assert self.alive(), f"server exited:\n{self.output()}"
             time.sleep(0.2)
         raise AssertionError(f"not healthy after {timeout}s:\n{self.output()}")
 
@@ -96,3 +110,89 @@ def running(cmd: list[str], log: Path, env: dict[str, str] | None = None, health
         stop(proc)
         if proc.poll() is None:  # pragma: no cover - stop() already escalated
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+SHARED_DIR = "EMBEDSVC_TESTS_SHARED"  # set by tests/conftest.py in the controlling process
+
+
+class Shared:
+    """One server process per configuration for the whole run, shared by the xdist workers.
+
+    The first worker to ask for a name starts its server and records pid and port in
+    ``root``; the others find the record. Whoever made ``root`` calls ``stop_all`` at the end
+    (tests/conftest.py in the controller). A test holds a server through ``use``: shared, or
+    exclusive where it counts the server's metrics or measures its memory, so that no other
+    test's traffic reaches it meanwhile.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+            cwd: str | None = None, timeout: float = 120) -> Server:
+        log, record = self.root / f"{name}.log", self.root / f"{name}.json"
+        with _flock(self.root / f"{name}.start", fcntl.LOCK_EX):
+            if record.exists():
+                known = json.loads(record.read_text())
+                server = Server(None, known["port"], log, known["pid"])
+                assert server.alive(), f"the shared server {name} exited:\n{server.output()}"
+                return server
+            proc = start(cmd, log, env, cwd)
+            server = Server(proc, _wait_port(proc, log, timeout), log)
+            server.wait_healthy(timeout)
+            record.write_text(json.dumps({"pid": proc.pid, "port": server.port}))
+            return server
+
+    def building(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Held while one worker builds what the others then find (a model directory)."""
+        return _flock(self.root / f"{name}.build", fcntl.LOCK_EX)
+
+    @contextmanager
+    def use(self, *names: str, exclusive: bool = False) -> Iterator[None]:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        with contextlib.ExitStack() as held:
+            for name in sorted(names):  # one order for every test: no deadlock
+                held.enter_context(_flock(self.root / f"{name}.use", mode))
+            yield
+
+    def stop_all(self, timeout: float = 60) -> None:
+        """SIGTERM to every shared server, then wait until each has exited; a process that
+        became this one's child (tests/conftest.py makes the controller their subreaper) is
+        reaped, so that its CPU time is counted with this process's children."""
+        pids = [json.loads(r.read_text())["pid"] for r in self.root.glob("*.json")]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        running = set(pids)
+        while running and time.monotonic() < deadline:
+            for pid in list(running):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        running.discard(pid)
+                except ChildProcessError:  # not this process's child: watch it exit
+                    if not _alive(pid):
+                        running.discard(pid)
+            time.sleep(0.1)
+        for pid in running:  # pragma: no cover - a drain longer than the timeout
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

@@ -16,8 +16,9 @@ import orjson
 import pytest
 
 from ..fakes import GatedEncoder
+from .conftest import SERVE, kind_server
 from .fake_server import fake_server, healthy_answer
-from .servers import Server, running
+from .servers import Server
 
 MB = 1 << 20
 _PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
@@ -53,25 +54,23 @@ def probe_url(server: Server) -> str:
     raise AssertionError(f"no probe port logged:\n{server.output()[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def embedding(tmp_path_factory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("attacks") / "serve.log"
-    with running(["embedsvc", "serve", "--port", "0", "--threads", "32"], log,
-                 env={"EMBEDSVC_HEALTH_PORT": "0"}) as server:
-        server.memory = PeakMemory(server.proc.pid)  # type: ignore[attr-defined]
+@pytest.fixture
+def embedding(shared) -> Iterator[Server]:
+    """The run's `embedsvc serve` with a probe port, no other test's traffic on it meanwhile."""
+    server = shared.get("probed", SERVE, env={"EMBEDSVC_HEALTH_PORT": "0"})
+    with shared.use("probed", exclusive=True):
+        server.memory = PeakMemory(server.pid)  # type: ignore[attr-defined]
         yield server
 
 
-@pytest.fixture(scope="module")
-def kinds(kind_dirs, tmp_path_factory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("attack-kinds")
-    with running(["embedsvc", "serve", "--model", str(kind_dirs["reranker"]), "--port", "0",
-                  "--threads", "32"], logs / "reranker.log") as reranker, \
-            running(["embedsvc", "serve", "--model", str(kind_dirs["sparse"]), "--port", "0",
-                     "--threads", "32"], logs / "sparse.log") as sparse:
-        for server in (reranker, sparse):
-            server.memory = PeakMemory(server.proc.pid)  # type: ignore[attr-defined]
-        yield {"reranker": reranker, "sparse": sparse}
+@pytest.fixture
+def kinds(kind_dirs, shared) -> Iterator[dict[str, Server]]:
+    """The run's reranker and sparse servers, no other test's traffic on them meanwhile."""
+    started = {kind: kind_server(shared, kind_dirs, kind) for kind in ("reranker", "sparse")}
+    with shared.use(*started, exclusive=True):
+        for server in started.values():
+            server.memory = PeakMemory(server.pid)  # type: ignore[attr-defined]
+        yield started
 
 
 def post(server: Server, route: str, body: bytes, timeout: float = 120) -> tuple[int, dict,

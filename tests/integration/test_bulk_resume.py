@@ -1,7 +1,9 @@
 """`embedsvc embed` killed with SIGKILL at random points resumes to the uninterrupted output.
 
 Small inputs and tiny chunks and parts (2 inputs, 4 rows) make a job slow enough to kill
-many times; the real model runs in every process.
+many times. What is tested is the checkpoint, so the five kills of each format run the real
+command on the fake encoder (tests/integration/fake_embed.py); one round, killed once, runs
+the real model, and one goes through --url to a real server.
 """
 
 import os
@@ -23,7 +25,9 @@ from embedsvc.cli import main
 from .conftest import cosine
 from .test_bulk import WORDS
 
+ROOT = Path(__file__).resolve().parents[2]
 EMBEDSVC = str(Path(sys.executable).with_name("embedsvc"))
+FAKE = [sys.executable, "-m", "tests.integration.fake_embed"]
 SLOW = ["--chunk-size", "2", "--concurrency", "1", "--part-size", "4"]
 KILLS = 5
 
@@ -52,10 +56,19 @@ def done_rows(target: Path) -> int:
         return 0
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
+def start(argv: list[str], log: Path, command: list[str] | None = None,
+          **env: str) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([EMBEDSVC, "embed", *argv], stdout=out, stderr=out,
-                                start_new_session=True)
+        return subprocess.Popen([*(command or [EMBEDSVC]), "embed", *argv], stdout=out,
+                                stderr=out, start_new_session=True, cwd=ROOT,
+                                env={**os.environ, **env})
+
+
+def run_fake(argv: list[str]) -> None:
+    """The fake job run to the end, in a process of its own."""
+    done = subprocess.run([*FAKE, "embed", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def kill_after_progress(jobs: dict[str, tuple[subprocess.Popen, Path, int]],
@@ -107,22 +120,36 @@ def test_killed_five_times_resumes_to_the_uninterrupted_output(tmp_path):
     sources = write_sources(tmp_path, n)
     rng = random.Random(os.getpid())
     targets = {suffix: tmp_path / f"out{suffix}" for suffix in sources}
-    argv = {s: [str(sources[s]), "-o", str(targets[s]), "--device", "cpu", *SLOW]
-            for s in sources}
+    argv = {s: [str(sources[s]), "-o", str(targets[s]), *SLOW] for s in sources}
     log = tmp_path / "embed.log"
     done = dict.fromkeys(sources, 0)
     for _ in range(KILLS):  # the three jobs run side by side, each killed once a round
-        jobs = {s: (start(argv[s], log), targets[s], done[s]) for s in sources}
+        jobs = {s: (start(argv[s], log, FAKE, FAKE_EMBED_DELAY_S="0.02"), targets[s], done[s])
+                for s in sources}
         after = kill_after_progress(jobs, rng)
         assert all(done[s] < after[s] < n for s in sources), (done, after)
         done = after
     for suffix, target in targets.items():
-        assert main(["embed", *argv[suffix]]) == 0
+        run_fake(argv[suffix])
         assert not parts_dir(target).exists()
         whole = tmp_path / f"whole{suffix}"
-        assert main(["embed", str(sources[suffix]), "-o", str(whole), "--device", "cpu"]) == 0
+        run_fake([str(sources[suffix]), "-o", str(whole)])
         assert_same_output(target, whole)
     assert "Traceback" not in log.read_text(errors="replace")
+
+
+def test_the_real_model_killed_once_resumes_to_the_uninterrupted_output(tmp_path):
+    n = 120
+    sources = write_sources(tmp_path, n)
+    target, whole = tmp_path / "out.parquet", tmp_path / "whole.parquet"
+    argv = [str(sources[".parquet"]), "-o", str(target), "--device", "cpu", *SLOW]
+    job = (start(argv, tmp_path / "embed.log"), target, 0)
+    done = kill_after_progress({"real": job}, random.Random())["real"]
+    assert 0 < done < n
+    assert main(["embed", *argv]) == 0
+    assert not parts_dir(target).exists()
+    assert main(["embed", str(sources[".parquet"]), "-o", str(whole), "--device", "cpu"]) == 0
+    assert_same_output(target, whole)
 
 
 def test_url_mode_killed_resumes_to_the_uninterrupted_output(tmp_path, served):

@@ -21,16 +21,11 @@ import openai
 import pytest
 
 from .conftest import cosine
-from .servers import Server, running
+from .servers import Server
 
 REPO = Path(__file__).parents[2]
 HUB1_PYTHON = REPO / ".venv-hub1" / "bin" / "python"
 CLIENT_SCRIPT = REPO / "tests" / "clients" / "tei_clients.py"
-SERVERS = {
-    "embedsvc-serve": ["embedsvc", "serve", "--port", "0", "--threads", "16"],
-    "waitress-serve": ["waitress-serve", "--threads=16", "--host=127.0.0.1", "--port=0",
-                       "embedsvc:app"],
-}
 TEXTS = [
     "A dog runs in the park.",
     "Stock markets fell sharply today.",
@@ -38,13 +33,6 @@ TEXTS = [
     "short",
 ]
 LENGTHS = (1, 2, 3, 10, 50, 120, 255, 400, 600)  # words
-
-
-@pytest.fixture(scope="module", params=sorted(SERVERS))
-def live(request, tmp_path_factory) -> Server:
-    log = tmp_path_factory.mktemp(request.param) / "server.log"
-    with running(SERVERS[request.param], log, cwd=str(log.parent)) as server:
-        yield server
 
 
 def embed(server: Server, texts: list, **options) -> np.ndarray:

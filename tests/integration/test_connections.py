@@ -41,10 +41,17 @@ LAUNCHERS = {
 _PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
 
 
+# The same launchers around the fake encoder: what these tests look at is the HTTP server.
+FAKE_LAUNCHERS = {
+    "serve": ["python", "-m", "tests.integration.fake_serve", *LAUNCHERS["serve"][1:]],
+    "gunicorn-conf": [*LAUNCHERS["gunicorn-conf"][:-1], "tests.integration.fake_app:app"],
+}
+
+
 @pytest.fixture(scope="module", params=sorted(LAUNCHERS))
 def bounded(request, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp(request.param) / "server.log"
-    with running(LAUNCHERS[request.param], log, env=BOUNDS, cwd=str(log.parent)) as server:
+    with running(FAKE_LAUNCHERS[request.param], log, env=BOUNDS, cwd=str(REPO)) as server:
         server.launcher = request.param  # type: ignore[attr-defined]
         yield server
 
@@ -290,10 +297,18 @@ def test_a_half_closed_client_gets_its_answer_or_is_logged_as_departed(bounded):
     assert sorted(int(s) for s in logged) == sorted(got), (got, logged)
 
 
+FAKE_SERVE = ["python", "-m", "tests.integration.fake_serve"]
+
+
 @contextmanager
-def serve(tmp_path: Path, *flags: str) -> Iterator[Server]:
-    cmd = ["embedsvc", "serve", "--port", "0", *flags]
-    with running(cmd, tmp_path / "serve.log") as server:
+def serve(tmp_path: Path, *flags: str, batch_s: float | None = None) -> Iterator[Server]:
+    """`embedsvc serve`; with ``batch_s``, around the fake encoder spending that per batch."""
+    if batch_s is None:
+        cmd, env = ["embedsvc"], None
+    else:
+        cmd, env = FAKE_SERVE, {"FAKE_SERVE_DELAY_S": str(batch_s)}
+    with running([*cmd, "serve", "--port", "0", *flags], tmp_path / "serve.log", env=env,
+                 cwd=str(REPO)) as server:
         yield server
 
 
@@ -326,7 +341,7 @@ LONG = [f"input number {i} " + "with several more words " * 20 for i in range(20
 
 def test_a_second_sigterm_exits_at_once_without_sigabrt(tmp_path):
     out: list = []
-    with serve(tmp_path, "--max-batch-size", "32") as server:
+    with serve(tmp_path, "--max-batch-size", "32", batch_s=0.05) as server:
         thread = post_in_thread(server, LONG, out)
         wait_computing(server)
         server.proc.terminate()
@@ -344,7 +359,8 @@ def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, si
     head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
     out: list = []
-    with serve(tmp_path, "--drain-timeout-s", "20", "--max-batch-size", "16") as server, \
+    with serve(tmp_path, "--drain-timeout-s", "20", "--max-batch-size", "16",
+               batch_s=0.3) as server, \
             socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + body[:10])
         thread = post_in_thread(server, LONG[:64], out)
@@ -366,7 +382,8 @@ def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, si
 
 def test_the_drain_log_counts_inputs_computed_by_a_request_cut_at_the_timeout(tmp_path):
     out: list = []
-    with serve(tmp_path, "--drain-timeout-s", "1", "--max-batch-size", "16") as server:
+    with serve(tmp_path, "--drain-timeout-s", "1", "--max-batch-size", "16",
+               batch_s=0.05) as server:
         thread = post_in_thread(server, LONG, out)
         wait_computing(server)
         server.proc.terminate()
@@ -410,8 +427,8 @@ def fake_launcher(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[An
         with fake_server(FakeEncoder(dimension=384, record=False), **settings) as server:
             yield server.port, server.probes.port, os.getpid(), server.registry
         return
-    cmd = [*LAUNCHERS["gunicorn-conf"][:-1], "tests.integration.fake_app:app"]
-    with running(cmd, tmp_path / "gunicorn.log", env={**BOUNDS, **env}, cwd=str(REPO)) as server:
+    with running(FAKE_LAUNCHERS["gunicorn-conf"], tmp_path / "gunicorn.log",
+                 env={**BOUNDS, **env}, cwd=str(REPO)) as server:
         probes = probe_url(server)
         yield server.port, int(probes.rsplit(":", 1)[1]), worker_pid(server), None
 

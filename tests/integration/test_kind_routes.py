@@ -6,10 +6,10 @@ import threading
 import httpx
 import numpy as np
 import pytest
-import torch
 
+from .conftest import kind_server
 from .servers import running
-from .test_kinds import DOCS, PAIRS, QUERY, TEXTS, TOL, reference_sparse
+from .test_kinds import DOCS, PAIRS, QUERY, TEXTS, TOL, identity, reference_sparse
 
 CLIENTS = 32
 BODIES = {
@@ -31,21 +31,14 @@ SERVES = {
 }
 
 
-@pytest.fixture(scope="module")
-def servers(kind_dirs, served, tmp_path_factory):
-    """One `embedsvc serve` per kind (the embedding one is the session's bundled model)."""
-    logs = tmp_path_factory.mktemp("kind-servers")
-    started, contexts = {"embedding": served}, []
-    try:
-        for kind, path in kind_dirs.items():
-            ctx = running(["embedsvc", "serve", "--model", str(path), "--port", "0",
-                           "--threads", "64"], logs / f"{kind}.log")
-            started[kind] = ctx.__enter__()
-            contexts.append(ctx)
+@pytest.fixture
+def servers(kind_dirs, shared, bundled):
+    """The run's `embedsvc serve` of each kind (the embedding one serves the bundled model)."""
+    started = {"embedding": bundled}
+    for kind in kind_dirs:
+        started[kind] = kind_server(shared, kind_dirs, kind)
+    with shared.use("bundled", *kind_dirs):
         yield started
-    finally:
-        for ctx in reversed(contexts):
-            ctx.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +92,7 @@ def test_rerank_equals_cross_encoder_under_32_clients(servers, refs):
     ref = refs["reranker"]
     docs = [d for _, d in PAIRS[:6]]
     activated = ref.predict([(QUERY, d) for d in docs])
-    raw = ref.predict([(QUERY, d) for d in docs], activation_fn=torch.nn.Identity())
+    raw = ref.predict([(QUERY, d) for d in docs], activation_fn=identity())
 
     def client(i):
         chosen = picks(i, docs)
@@ -202,7 +195,7 @@ def test_langchain_cohere_rerank_against_embedsvc(servers, refs):
 def predictions(ref, item, raw):
     labels = ref.config.id2label
     if raw:
-        scores = ref.predict(item, activation_fn=torch.nn.Identity())
+        scores = ref.predict(item, activation_fn=identity())
     else:
         scores = ref.predict(item, apply_softmax=True)
     scores = np.atleast_1d(scores)

@@ -6,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.model.kinds import Detected, detect, load_model, resolve
@@ -86,6 +85,8 @@ def batched():
 
 
 def identity():
+    import torch
+
     return torch.nn.Identity()
 
 

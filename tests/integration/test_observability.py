@@ -39,11 +39,11 @@ def grew(before, after, name, **labels) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def test_known_traffic_moves_the_counters_by_exactly_that_much(served, reference):
+def test_known_traffic_moves_the_counters_by_exactly_that_much(served_alone, reference):
     texts = [["one short text"], ["two texts here", "and the second one"], ["x"] * 5]
     inputs = sum(len(t) for t in texts)
     tokens = sum(len(reference.tokenizer(x)["input_ids"]) for t in texts for x in t)
-    with served.client() as c:
+    with served_alone.client() as c:
         before = samples(c)
         for t in texts:
             assert c.post("/v1/embeddings", json={"input": t}).status_code == 200

@@ -1,4 +1,9 @@
-"""Several `embedsvc serve` replicas behind a real nginx; one restarts under load."""
+"""Several `embedsvc serve` replicas behind a real nginx; one restarts under load.
+
+What is tested is the spreading, the drain and the restart, so the replicas run the real
+`embedsvc serve` around the fake encoder (tests/integration/fake_serve.py); the drain under
+load on the real model is test_reliability.py's SIGTERM test.
+"""
 
 import shutil
 import socket
@@ -8,13 +13,18 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from embedsvc.model.fake import FakeEncoder
 
 from .conftest import cosine
 from .servers import Server, running, start, stop
 
-SNIPPET = Path(__file__).parents[2] / "deploy" / "nginx" / "embedsvc.conf"
+REPO = Path(__file__).parents[2]
+SNIPPET = REPO / "deploy" / "nginx" / "embedsvc.conf"
+REPLICA = ["python", "-m", "tests.integration.fake_serve", "serve", "--threads", "16"]
 
 
 def free_port() -> int:
@@ -55,17 +65,18 @@ http {{
 
 
 def start_replica(port: int, log: Path):
-    return running(["embedsvc", "serve", "--port", str(port), "--threads", "16"], log)
+    return running([*REPLICA, "--port", str(port)], log, cwd=str(REPO))
 
 
-def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path, reference):
+def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path):
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         pytest.fail("nginx is missing: `make test` installs it (Debian package nginx)")
     ports = [free_port(), free_port()]
     listen = free_port()
     texts = [f"client {i} asks about replicas and load balancing" for i in range(8)]
-    expected = reference.encode(texts)
+    fake = FakeEncoder(dimension=384, max_input_tokens=256)  # as fake_serve.py serves
+    expected = np.array([fake.expected(t) for t in texts])
     outcomes: list[str] = []
     stop_load = threading.Event()
 
@@ -103,8 +114,8 @@ def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path, ref
             assert min(spread) > 0, f"one replica got nothing: {spread}"
 
             assert stop(a.proc) == 0, a.output()[-2000:]  # drain replica A, then bring it back
-            restarted = start(["embedsvc", "serve", "--port", str(ports[0]), "--threads", "16"],
-                              tmp_path / "a2.log")
+            restarted = start([*REPLICA, "--port", str(ports[0])], tmp_path / "a2.log",
+                              cwd=str(REPO))
             try:
                 Server(restarted, ports[0], tmp_path / "a2.log").wait_healthy(120)
                 time.sleep(4)

@@ -39,7 +39,7 @@ def batch_histogram(client) -> tuple[float, float]:
     raise AssertionError("no embedsvc_batch_size in /metrics")
 
 
-def test_256_concurrent_requests_each_get_their_own_vector(served, reference):
+def test_256_concurrent_requests_each_get_their_own_vector(served_alone, reference):
     # Long inputs (about 80 tokens), so that computing one takes longer than a client takes to
     # send its next: requests pile up while the model runs, however busy the machine is, and
     # the batcher must coalesce them.
@@ -50,11 +50,11 @@ def test_256_concurrent_requests_each_get_their_own_vector(served, reference):
     expected = reference.encode(texts)
     results: dict[int, list[float]] = {}
     errors: list[str] = []
-    with served.client() as c:
+    with served_alone.client() as c:
         before = batch_histogram(c)
 
     def worker(start: int) -> None:
-        with served.client() as c:
+        with served_alone.client() as c:
             for i in range(start, 256, 64):
                 resp = c.post("/v1/embeddings", json={"input": texts[i]})
                 if resp.status_code != 200:
@@ -70,7 +70,7 @@ def test_256_concurrent_requests_each_get_their_own_vector(served, reference):
     assert not errors
     got = np.array([results[i] for i in range(256)])
     assert (cosine(got, expected) > 0.9999).all()
-    with served.client() as c:
+    with served_alone.client() as c:
         after = batch_histogram(c)
     inputs, batches = after[0] - before[0], after[1] - before[1]
     assert inputs == 256

@@ -13,17 +13,10 @@ import pytest
 
 from embedsvc.model import quantize
 
-from .servers import Server, running
-from .test_clients import SERVERS, TEXTS, assert_same, embed
+from .servers import Server
+from .test_clients import TEXTS, assert_same, embed
 
 ALL_TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
-
-
-@pytest.fixture(scope="module", params=sorted(SERVERS))
-def live(request, tmp_path_factory) -> Server:
-    log = tmp_path_factory.mktemp(request.param) / "server.log"
-    with running(SERVERS[request.param], log, cwd=str(log.parent)) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

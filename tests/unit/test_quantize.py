@@ -3,7 +3,6 @@
 import dataclasses
 
 import numpy as np
-from sentence_transformers.util.quantization import quantize_embeddings
 
 from embedsvc.model import quantize
 from embedsvc.model.encoder import ModelInfo
@@ -13,6 +12,8 @@ ROWS = np.random.default_rng(1).standard_normal((50, 37)).astype(np.float32)
 
 
 def test_bits_are_packed_as_sentence_transformers_packs_them():
+    from sentence_transformers.util.quantization import quantize_embeddings
+
     for dtype in ("binary", "ubinary"):
         want = quantize_embeddings(ROWS, precision=dtype)
         got = quantize.quantize(ROWS, dtype)
