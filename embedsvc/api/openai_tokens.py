@@ -88,21 +88,29 @@ class Vocabulary:
 
         Bytes that do not form UTF-8 (a character cut between two chunks) become U+FFFD,
         as tiktoken's own ``decode`` does. Decoding stops past ``max_bytes`` (an id can
-        stand for 128 bytes): the text then holds only its first ``max_bytes`` or more.
+        stand for 128 bytes): the text then holds only its first ``max_bytes`` or more (at
+        most one slice of ``_DECODE_SLICE`` ids more).
         """
         pieces = self.pieces
-        size = len(pieces)
         out = []
         held = 0
-        for token in ids:
-            piece = pieces[token] if 0 <= token < size else None
-            if piece is None:
-                return token
-            out.append(piece)
-            held += len(piece)
+        for start in range(0, len(ids), _DECODE_SLICE):  # joined in C, a slice at a time
+            chunk = ids[start:start + _DECODE_SLICE]
+            try:
+                if min(chunk) < 0:  # a negative index would count from the end
+                    raise IndexError
+                part = b"".join(map(pieces.__getitem__, chunk))
+            except (IndexError, TypeError):  # out of range, or a rank the encoding lacks
+                size = len(pieces)
+                return next(t for t in chunk if not 0 <= t < size or pieces[t] is None)
+            out.append(part)
+            held += len(part)
             if max_bytes is not None and held > max_bytes:
                 break
         return b"".join(out).decode("utf-8", errors="replace")
+
+
+_DECODE_SLICE = 1024
 
 
 def encoding_for(model: str | None) -> str:

@@ -299,6 +299,7 @@ def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, iden
         # waitress refuses a body of exactly its limit; MAX_BODY_BYTES itself is allowed
         max_request_body_size=bounds.max_body_bytes + 1,
         cleanup_interval=1,  # how often the sweep runs (seconds; waitress takes an int)
+        recv_bytes=65536,
     )
     return Server(app, adj, bounds, on_close, on_error)
 
