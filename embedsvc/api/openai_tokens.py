@@ -99,7 +99,7 @@ class Vocabulary:
             try:
                 if min(chunk) < 0:  # a negative index would count from the end
                     raise IndexError
-                part = b"".join(map(pieces.__getitem__, chunk))
+                part = b"".join(map(pieces.__getitem__, chunk))  # type: ignore[arg-type]
             except (IndexError, TypeError):  # out of range, or a rank the encoding lacks
                 size = len(pieces)
                 return next(t for t in chunk if not 0 <= t < size or pieces[t] is None)
