@@ -57,11 +57,26 @@ def pytest_configure(config):
     config.stash[_shared_root] = root
 
 
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtestloop(session):
+    """Stop the shared servers once every test has run: inside pytest-cov's wrapper of this
+    hook, so that the coverage data their exit writes is in its report."""
+    try:
+        return (yield)
+    finally:
+        _stop_shared(session.config)
+
+
 def pytest_unconfigure(config):
+    _stop_shared(config)  # when the run ended before its test loop
+
+
+def _stop_shared(config) -> None:
     from .integration.servers import SHARED_DIR, Shared
 
     root = config.stash.get(_shared_root, None)
     if root is not None:
+        del config.stash[_shared_root]
         Shared(Path(root)).stop_all()
         shutil.rmtree(root, ignore_errors=True)
         os.environ.pop(SHARED_DIR, None)
