@@ -23,6 +23,7 @@ the code of git revision REV (checked out under bench/out/), in the same run, so
 change's cost per request is measured against what it replaced:
 
     .venv/bin/python bench/run.py --only sim --baseline 16bca89 --duration 15
+    .venv/bin/python bench/run.py --only sim --baseline 16bca89 --duration 10 --rounds 5
 
 ``embedsvc-onnx-torch`` (in ``--only``) serves with BACKEND=onnx-torch, the CPU path before
 the PyTorch-free one, beside the default in the same run.
@@ -31,6 +32,7 @@ the PyTorch-free one, beside the default in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -454,6 +456,35 @@ def targets(results: list[Result], offline: Offline | None) -> str:
     return "| target | measured | goal | |\n|---|---:|---:|---|\n" + "\n".join(rows)
 
 
+def rounds_line(results: list[Result]) -> str:
+    """Server CPU per request of each round, per server and scenario, in order."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        if r.requests:
+            by.setdefault((r.server, r.scenario.name), []).append(
+                f"{r.cpu_s / r.requests * 1e6:.0f}")
+    return "Rounds, server CPU us per request: " + "; ".join(
+        f"{server} {scenario}: {', '.join(values)}" for (server, scenario), values in by.items())
+
+
+def pooled(results: list[Result]) -> list[Result]:
+    """One result per server and scenario: CPU and requests summed over the rounds (so CPU per
+    request is pooled), rates and latencies their median."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.server, r.scenario.name), []).append(r)
+    out = []
+    for rounds in groups.values():
+        first = rounds[0]
+        out.append(dataclasses.replace(
+            first, rps=median(r.rps for r in rounds),
+            p50_ms=median(r.p50_ms for r in rounds),
+            p99_ms=median(r.p99_ms for r in rounds),
+            errors=sum(r.errors for r in rounds), cpu_s=sum(r.cpu_s for r in rounds),
+            requests=sum(r.requests for r in rounds)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=15, help="seconds per scenario")
@@ -468,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
     parser.add_argument("--baseline", metavar="REV",
                         help="also run the simulated device on git revision REV")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --baseline: measure REV's and this tree's simulated device "
+                        "this many times, alternately, and compare their pooled CPU per "
+                        "request (one run's noise on a shared machine is 10-20%%)")
     args = parser.parse_args(argv)
     global _baseline
     _baseline = args.baseline
@@ -496,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("bare", pick(BARE_SCENARIOS)))
     if "sim" in wanted:
         plan.append(("sim", pick(SIM_SCENARIOS)))
+        if args.baseline:  # the later rounds: the two trees alternately
+            plan += [(name, pick(SIM_SCENARIOS)) for _ in range(args.rounds - 1)
+                     for name in ("sim-baseline", "sim")]
         if (VENV_BIN / "granian").exists():
             plan.append(("sim-granian", pick(SIM_SCENARIOS)))
         else:
@@ -520,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
 
+    if args.rounds > 1:
+        print("\n" + rounds_line(results))
+        results = pooled(results)
     report = "\n\n".join([offline_line(offline) if offline else "Offline: not measured.",
                           table(results, offline), sim_table(results),
                           targets(results, offline)])
