@@ -1,3 +1,4 @@
+import contextlib
 import ctypes
 import os
 import shutil
@@ -37,6 +38,7 @@ os.environ.setdefault("EMBEDSVC_CACHE_DIR", str(Path(__file__).resolve().parents
 
 
 _shared_root = pytest.StashKey[str]()
+_subreaper = pytest.StashKey[bool]()
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 
 
@@ -52,6 +54,7 @@ def pytest_configure(config):
         # The shared servers outlive the worker that started them: as their subreaper, this
         # process inherits them then, reaps them at the end, and so counts their CPU time.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        config.stash[_subreaper] = True
     root = tempfile.mkdtemp(prefix="embedsvc-shared-")
     os.environ[SHARED_DIR] = root
     config.stash[_shared_root] = root
@@ -69,6 +72,12 @@ def pytest_runtestloop(session):
 
 def pytest_unconfigure(config):
     _stop_shared(config)  # when the run ended before its test loop
+    if config.stash.get(_subreaper, False):
+        # A shared server that exited while its xdist worker still ran became a zombie of
+        # this process when that worker exited: reap it, so that its CPU time is counted.
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
 
 
 def _stop_shared(config) -> None:

@@ -175,9 +175,9 @@ class Shared:
             yield
 
     def stop_all(self, timeout: float = 60) -> None:
-        """SIGTERM to every shared server, then wait until each has exited; a process that
-        became this one's child (tests/conftest.py makes the controller their subreaper) is
-        reaped, so that its CPU time is counted with this process's children."""
+        """SIGTERM to every shared server, then wait until each has exited; one that is this
+        process's child (tests/conftest.py makes the controller their subreaper, so the
+        servers of workers that exited are) is reaped, so that its CPU time is counted."""
         pids = [json.loads(r.read_text())["pid"] for r in self.root.glob("*.json")]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
