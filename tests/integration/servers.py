@@ -25,6 +25,10 @@ _PORT_LINES = re.compile(
     r"http://127\.0\.0\.1:)(\d+)"
 )
 
+# `embedsvc` around the fake encoder (tests/integration/fake_serve.py); run from the checkout
+FAKE_EMBEDSVC = ["python", "-m", "tests.integration.fake_serve"]
+_PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
+
 
 @dataclass
 class Server:
@@ -48,6 +52,16 @@ class Server:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def probe_url(self, timeout: float = 10) -> str:
+        """The base URL of the probe port (HEALTH_PORT) the server logged."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = _PROBES.search(self.output())
+            if found:
+                return f"http://127.0.0.1:{found.group(1)}"
+            time.sleep(0.1)
+        raise AssertionError(f"no probe port logged:\n{self.output()[-2000:]}")
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)

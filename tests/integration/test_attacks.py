@@ -21,7 +21,6 @@ from .fake_server import fake_server, healthy_answer
 from .servers import Server
 
 MB = 1 << 20
-_PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
 
 
 class PeakMemory:
@@ -42,16 +41,6 @@ class PeakMemory:
 
     def growth(self) -> int:
         return self._status("VmHWM") - self.base
-
-
-def probe_url(server: Server) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        found = _PROBES.search(server.output())
-        if found:
-            return f"http://127.0.0.1:{found.group(1)}/health"
-        time.sleep(0.1)
-    raise AssertionError(f"no probe port logged:\n{server.output()[-2000:]}")
 
 
 @pytest.fixture
@@ -101,7 +90,7 @@ INVALID_LIST = orjson.dumps({"inputs": [1] * 999_999 + [1.5]})  # 2 MB
 
 
 def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(embedding):
-    probe = probe_url(embedding)
+    probe = embedding.probe_url() + "/health"
     slowest: list[float] = []
     stop = threading.Event()
 
@@ -128,7 +117,7 @@ def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(em
 
 
 def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embedding):
-    probe = probe_url(embedding)
+    probe = embedding.probe_url() + "/health"
     stop = threading.Event()
     sent: list[int] = []
 

@@ -22,7 +22,7 @@ import pytest
 from embedsvc.model.fake import FakeEncoder
 
 from .fake_server import fake_server
-from .servers import Server, running
+from .servers import FAKE_EMBEDSVC, Server, running
 
 REPO = Path(__file__).parents[2]
 MiB = 1 << 20
@@ -38,12 +38,11 @@ LAUNCHERS = {
     "gunicorn-conf": ["gunicorn", "-b", "127.0.0.1:0", "--no-control-socket",
                       "-c", str(REPO / "deploy" / "gunicorn.conf.py"), "embedsvc:app"],
 }
-_PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
 
 
 # The same launchers around the fake encoder: what these tests look at is the HTTP server.
 FAKE_LAUNCHERS = {
-    "serve": ["python", "-m", "tests.integration.fake_serve", *LAUNCHERS["serve"][1:]],
+    "serve": [*FAKE_EMBEDSVC, *LAUNCHERS["serve"][1:]],
     "gunicorn-conf": [*LAUNCHERS["gunicorn-conf"][:-1], "tests.integration.fake_app:app"],
 }
 
@@ -54,16 +53,6 @@ def bounded(request, tmp_path_factory) -> Iterator[Server]:
     with running(FAKE_LAUNCHERS[request.param], log, env=BOUNDS, cwd=str(REPO)) as server:
         server.launcher = request.param  # type: ignore[attr-defined]
         yield server
-
-
-def probe_url(server: Server) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        found = _PROBES.search(server.output())
-        if found:
-            return f"http://127.0.0.1:{found.group(1)}"
-        time.sleep(0.1)
-    raise AssertionError(f"no probe port logged:\n{server.output()[-2000:]}")
 
 
 def metric(server: Server, name: str, labels: str = "") -> float:
@@ -164,7 +153,7 @@ class Flood:
 
 
 def test_slow_and_idle_connections_leave_clients_and_probes_served(bounded):
-    probes = probe_url(bounded)
+    probes = bounded.probe_url()
     before = metric(bounded, "embedsvc_connections_closed_total", '{reason="header_timeout"}')
     with Flood(bounded.port) as flood:
         time.sleep(2 * flood.every_s)  # every connection open, the slow ones trickling
@@ -183,7 +172,7 @@ def test_slow_and_idle_connections_leave_clients_and_probes_served(bounded):
 
 
 def test_the_probe_port_serves_only_probes(bounded):
-    probes = probe_url(bounded)
+    probes = bounded.probe_url()
     resp = httpx.post(probes + "/embed", json={"inputs": "x"}, timeout=5)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
     assert httpx.get(probes + "/info", timeout=5).json()["dimension"] == 384
@@ -297,16 +286,13 @@ def test_a_half_closed_client_gets_its_answer_or_is_logged_as_departed(bounded):
     assert sorted(int(s) for s in logged) == sorted(got), (got, logged)
 
 
-FAKE_SERVE = ["python", "-m", "tests.integration.fake_serve"]
-
-
 @contextmanager
 def serve(tmp_path: Path, *flags: str, batch_s: float | None = None) -> Iterator[Server]:
     """`embedsvc serve`; with ``batch_s``, around the fake encoder spending that per batch."""
     if batch_s is None:
         cmd, env = ["embedsvc"], None
     else:
-        cmd, env = FAKE_SERVE, {"FAKE_SERVE_DELAY_S": str(batch_s)}
+        cmd, env = FAKE_EMBEDSVC, {"FAKE_SERVE_DELAY_S": str(batch_s)}
     with running([*cmd, "serve", "--port", "0", *flags], tmp_path / "serve.log", env=env,
                  cwd=str(REPO)) as server:
         yield server
@@ -429,7 +415,7 @@ def fake_launcher(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[An
         return
     with running(FAKE_LAUNCHERS["gunicorn-conf"], tmp_path / "gunicorn.log",
                  env={**BOUNDS, **env}, cwd=str(REPO)) as server:
-        probes = probe_url(server)
+        probes = server.probe_url()
         yield server.port, int(probes.rsplit(":", 1)[1]), worker_pid(server), None
 
 
@@ -522,7 +508,7 @@ def test_head_answers_carry_no_body_on_any_route(bounded):
         while chunk := _recv(sock):
             rest += chunk
     assert head.startswith(b"HTTP/1.1 400 ") and rest == b"", (head, rest[:200])
-    probes = int(probe_url(bounded).rsplit(":", 1)[1])
+    probes = int(bounded.probe_url().rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", probes), timeout=15) as sock:
         sock.sendall(b"HEAD /embed HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         head, rest = read_head(sock)

@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from embedsvc.model.fake import FakeEncoder
 
 from .conftest import cosine
-from .servers import Server, running, start, stop
+from .servers import FAKE_EMBEDSVC, Server, running, start, stop
 
 REPO = Path(__file__).parents[2]
 SNIPPET = REPO / "deploy" / "nginx" / "embedsvc.conf"
-REPLICA = ["python", "-m", "tests.integration.fake_serve", "serve", "--threads", "16"]
+REPLICA = [*FAKE_EMBEDSVC, "serve", "--threads", "16"]
 
 
 def free_port() -> int:
