@@ -87,6 +87,8 @@ def client(url: str, stop: threading.Event, counts: dict[str, int], lock: thread
             with lock:
                 counts["ok" if status == 200 else "errors"] += 1
                 counts["5xx"] += status >= 500
+                if status != 200:
+                    counts[f"error {status}"] = counts.get(f"error {status}", 0) + 1
                 if status == 200:
                     latencies.append(time.monotonic() - started)
 
@@ -274,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         code = proc.wait(60)
     warm = rows[1] if len(rows) > 1 else rows[0]
     last = rows[-1]
+    failed = "".join(f", {v} x {k}" for k, v in sorted(counts.items()) if k.startswith("error "))
     print(f"\nafter warm-up sample -> end: RSS {warm[0]:.1f} -> {last[0]:.1f} MiB "
           f"(max {max(r[0] for r in rows):.1f}), threads {warm[1]} -> {last[1]}, "
           f"fds {warm[2]} -> {last[2]}; {counts['ok']} requests ok, {counts['errors']} errors "
-          f"({counts['5xx']} 5xx); latency p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
+          f"({counts['5xx']} 5xx{failed}); latency p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
           f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms; hostile connections opened "
           f"{counts['hostile_opened']}, closed by the server {counts['hostile_closed']}; "
           f"server exit code {code}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -134,6 +134,7 @@ class Engine:
         deadline: float | None = None,
         disconnected: Disconnected = None,
         decode: Decoder | None = None,
+        flow: Hashable | None = None,
     ) -> Embedded:
         """Embed ``inputs`` (strings, or token-id lists without special tokens).
 
@@ -141,6 +142,7 @@ class Engine:
         queued. ``disconnected`` (waitress's ``waitress.client_disconnected``) lets the inputs
         of a client that went away be dropped before they reach the model. ``decode`` turns
         token-id inputs into texts first (ids of another tokenizer, such as OpenAI's).
+        ``flow`` (the client's connection) decides its turn among others' (``start_tag``).
         """
         arrived = time.monotonic()
         deadline = deadline or arrived + self.settings.request_timeout_s
@@ -151,7 +153,7 @@ class Engine:
             len(inputs), self.estimate(inputs),
             lambda: self.tokens(inputs, truncate=truncate, direction=direction,
                                 deadline=deadline, disconnected=disconnected),
-            arrived, deadline, disconnected)
+            arrived, deadline, disconnected, flow)
         if dimensions is not None:
             out.vectors = out.vectors[:, :dimensions]
         if normalize:
@@ -193,6 +195,7 @@ class Engine:
         direction: str = "right",
         deadline: float | None = None,
         disconnected: Disconnected = None,
+        flow: Hashable | None = None,
     ) -> Embedded:
         """Score texts and (text, text) pairs with the served cross-encoder.
 
@@ -210,7 +213,7 @@ class Engine:
         out = self._run(
             len(inputs), self._estimate_sequences(inputs),
             lambda: self._sequences(scorer, inputs, truncate, direction, deadline, disconnected),
-            arrived, deadline, disconnected)
+            arrived, deadline, disconnected, flow)
         out.vectors = scorer.activate(out.vectors, raw)
         return out
 
@@ -224,6 +227,7 @@ class Engine:
         direction: str = "right",
         deadline: float | None = None,
         disconnected: Disconnected = None,
+        flow: Hashable | None = None,
     ) -> tuple[list[np.ndarray], int]:
         """Per-token vectors of each input (POST /embed_all) and the tokens computed.
 
@@ -240,9 +244,11 @@ class Engine:
         with self._admitted(len(inputs), most, deadline, disconnected):
             ids = self.tokens(inputs, truncate=truncate, direction=direction, deadline=deadline,
                               disconnected=disconnected)
+            tag = self.batcher.start_tag(flow, sum(map(len, ids)))
             rows: list[np.ndarray] = []
             for part in _slices(ids, self.batcher.limits):
-                self._device_turn(len(ids) - len(rows), deadline, disconnected)
+                self._device_turn(len(ids) - len(rows), deadline, disconnected, tag)
+                tag += sum(map(len, part))
                 try:
                     rows.extend(encode_tokens(part))
                 finally:
@@ -250,9 +256,11 @@ class Engine:
         return rows, sum(len(x) for x in ids)
 
     def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
-               disconnected: Disconnected = None) -> list[list[Piece]]:
+               disconnected: Disconnected = None, flow: Hashable | None = None
+               ) -> list[list[Piece]]:
         """The tokens the model sees for each text (POST /tokenize), admitted on the host's
-        budget: they never reach the device, so its rate does not refuse them."""
+        budget: they never reach the device, so its rate does not refuse them (nor does
+        ``flow`` decide their turn)."""
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         self.check(texts)
         with self._admitted(len(texts), self.estimate(texts), deadline, disconnected,
@@ -263,16 +271,18 @@ class Engine:
             return out
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True, *,
-               deadline: float | None = None, disconnected: Disconnected = None) -> list[str]:
+               deadline: float | None = None, disconnected: Disconnected = None,
+               flow: Hashable | None = None) -> list[str]:
         """Token ids of the served model back to text (POST /decode), admitted on the host's
-        budget, counting the ids."""
+        budget, counting the ids (``flow``, as for ``pieces``, decides no turn)."""
         decode = self._optional("decode", "cannot decode token ids")
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         rules.check_count(len(batch), self.settings.max_inputs_per_request, param="ids")
         vocab = self.encoder.info.vocab_size
+        total = sum(map(len, batch))
+        rules.check_decode_ids(total, self.host.max_tokens)
         checked = [rules.check_token_ids(i, ids, vocab) for i, ids in enumerate(batch)]
-        with self._admitted(len(checked), sum(map(len, checked)), deadline, disconnected,
-                            self.host):
+        with self._admitted(len(checked), total, deadline, disconnected, self.host):
             out: list[str] = []
             for chunk in self._chunks(checked, deadline, disconnected):
                 out.extend(decode(chunk, skip_special_tokens))
@@ -326,7 +336,8 @@ class Engine:
     # -- the one request path -----------------------------------------------------------------
 
     def _run(self, inputs: int, estimate: int, tokenize: Callable[[], list[list[int]]],
-             arrived: float, deadline: float, disconnected: Disconnected) -> Embedded:
+             arrived: float, deadline: float, disconnected: Disconnected,
+             flow: Hashable | None = None) -> Embedded:
         """Admit -> tokenize -> submit -> wait: how every kind's request reaches the model."""
         asked = time.monotonic()
         # what _admitted does, without a generator: every request passes here
@@ -337,7 +348,7 @@ class Engine:
             ids = tokenize()
             tokenize_s = time.monotonic() - tokenizing
             self.metrics.tokenization.observe(tokenize_s)
-            job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket)
+            job = self.batcher.submit(ids, deadline, disconnected, ticket=ticket, flow=flow)
         finally:
             gate.cancel(ticket)  # a no-op once the batcher took it over
         rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
@@ -382,13 +393,15 @@ class Engine:
         self.metrics.dropped_inputs.labels(reason=error.reason).inc(left)
         raise error
 
-    def _device_turn(self, left: int, deadline: float, disconnected: Disconnected) -> None:
-        """The device lock, taken between two batches while the request is still wanted."""
+    def _device_turn(self, left: int, deadline: float, disconnected: Disconnected, tag: float
+                     ) -> None:
+        """The device lock, taken between two batches at the turn of ``tag`` (``start_tag``)
+        while the request is still wanted."""
         lock = self.batcher.device_lock
         while True:
             self._still_wanted(left, deadline, disconnected)
             wait = max(0.0, min(_LOCK_WATCH_S, deadline - time.monotonic()))
-            if lock.acquire(timeout=wait):
+            if lock.acquire(timeout=wait, tag=tag):
                 return
 
     def _decoded(self, inputs: Inputs, decode: Decoder | None) -> Inputs:

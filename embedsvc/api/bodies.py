@@ -33,8 +33,9 @@ def parse(model: type[Request], call: Call) -> Any:
             f"the body must be a JSON object, not {type(body).__name__}", code="invalid_json"
         )
     try:
-        limit = call.service.settings.max_inputs_per_request
-        return model.model_validate(body, context={"max_inputs": limit})
+        settings = call.service.settings
+        return model.model_validate(body, context={"max_inputs": settings.max_inputs_per_request,
+                                                   "max_ids": settings.max_queue_tokens})
     except ValidationError as exc:
         raise _invalid(exc) from None
 

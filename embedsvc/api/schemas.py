@@ -35,7 +35,8 @@ TextsField = Annotated[Any, PlainValidator(
 TextList = Annotated[Any, PlainValidator(Shape("a list of strings", items=(str,)),
                                          json_schema_input_type=list[StrictStr])]
 IdsField = Annotated[Any, PlainValidator(
-    Shape("a list of token ids or a list of lists of token ids", items=(int, list), inner=int),
+    Shape("a list of token ids or a list of lists of token ids", items=(int, list), inner=int,
+          totalled=True),
     json_schema_input_type=list[StrictInt] | list[list[StrictInt]])]
 PredictInputs = Annotated[Any, PlainValidator(
     Shape("a text, [text] or [text, text] (one pair), or a list of those", text=True,

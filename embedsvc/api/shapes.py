@@ -41,20 +41,24 @@ class Shape:
 
     def __init__(self, what: str, *, text: bool = False, items: tuple[type, ...] = (),
                  inner: type | None = None, mixed: bool = False,
-                 counted: tuple[type, ...] = (str, list, dict), name: str | None = None
-                 ) -> None:
+                 counted: tuple[type, ...] = (str, list, dict), name: str | None = None,
+                 totalled: bool = False) -> None:
         self.what = what
         self.text, self.items, self.inner, self.mixed = text, items, inner, mixed
         self.counted = counted
         self.name = name  # how messages name the field, when not by its own name
+        # lists of ids in lists, all together within the context's ``max_ids`` (/decode's),
+        # checked before their items are
+        self.totalled = totalled
 
     def __call__(self, value: Any, info: ValidationInfo) -> Any:
         """The pydantic validator (``PlainValidator``) of the field."""
         context = info.context or {}
         return self.check(value, self.name or info.field_name or "input",
-                          context.get("max_inputs"))
+                          context.get("max_inputs"), context.get("max_ids"))
 
-    def check(self, value: Any, param: str, max_inputs: int | None) -> Any:
+    def check(self, value: Any, param: str, max_inputs: int | None,
+              max_ids: int | None = None) -> Any:
         if type(value) is str and self.text:
             return value
         if type(value) is not list:
@@ -71,6 +75,8 @@ class Shape:
         wrong = _first_not(value, first)
         if wrong is not None:
             raise self._refused(param, wrong, value[wrong])
+        if first is list and self.totalled and max_ids is not None:
+            rules.check_decode_ids(sum(map(len, value)), max_ids)
         if first is list and self.inner is not None:
             for i, item in enumerate(value):
                 wrong = _first_not(item, self.inner)

@@ -7,7 +7,7 @@ and returns a ``Reply``; it never sees the web framework.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ class Call:
     body: bytes
     arrived: float
     disconnected: Callable[[], bool] | None = None
+    flow: Hashable | None = None  # the client's connection: its turn among others' (batcher)
     _engine: Engine | None = None
 
     @property
@@ -54,8 +55,8 @@ class Call:
 
     @property
     def waits(self) -> dict[str, Any]:
-        """The engine's ``deadline`` and ``disconnected`` options for this call."""
-        return {"deadline": self.deadline, "disconnected": self.disconnected}
+        """The engine's ``deadline``, ``disconnected`` and ``flow`` options for this call."""
+        return {"deadline": self.deadline, "disconnected": self.disconnected, "flow": self.flow}
 
     def engine(self) -> Engine:
         """The loaded engine, waiting for the model up to this request's deadline (else 503)."""

@@ -81,7 +81,8 @@ class Pipeline:
             if route is None:
                 environ["wsgi.input"] = io.BytesIO(body)
                 return self._to_flask(environ, start_response, started)
-            call = Call(self.service, body, started, environ.get("waitress.client_disconnected"))
+            call = Call(self.service, body, started, environ.get("waitress.client_disconnected"),
+                        _flow(environ))
             if route.kinds is not None:
                 check_kind(route, call)
             reply = route.handler(call)
@@ -211,6 +212,13 @@ def _flask_error(exc: Exception) -> Response:
     reply = error_reply(err)
     return Response(reply.body, status=reply.status, headers=reply.headers,
                     content_type=reply.content_type)
+
+
+def _flow(environ: dict[str, Any]) -> tuple[str, str] | None:
+    """The client's connection (peer address and port), whose requests take turns with
+    other connections' for the device (``Batcher.start_tag``)."""
+    port = environ.get("REMOTE_PORT")
+    return (environ.get("REMOTE_ADDR", ""), port) if port else None
 
 
 def create_app(

@@ -17,11 +17,13 @@ the device frees up, runs it under the device lock and writes each row back to i
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,68 @@ _DEEP_QUEUE_LOG_EVERY_S = 10.0
 # this long without a batch (see heap.py for why).
 _TRIM_AFTER_BATCH_S = 0.5
 _TRIM_IDLE_S = 5.0
+_MAX_FLOWS = 4096  # flows remembered before those not ahead of the virtual time are dropped
+
+
+class DeviceLock:
+    """The device, handed to its waiters in the order of their tags, then of their asking.
+
+    Tags are virtual start times in tokens (``Batcher.start_tag``): the batcher asks with its
+    batch's earliest, /embed_all with each slice's own. ``virtual`` is the tag of the work
+    that last took the device, the system's virtual time. A plain lock would go to whichever
+    thread runs first after a release: usually the one that released it, so /embed_all kept
+    the device through all its slices while the batcher waited.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._held = False
+        self._waiting: list[tuple[float, int]] = []  # a heap of (tag, ticket)
+        self._tickets = itertools.count()
+        self.virtual = 0.0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1, tag: float = 0.0) -> bool:
+        with self._cond:
+            if not self._held and not self._waiting:
+                self._take(tag)
+                return True
+            if not blocking:
+                return False
+            me = (tag, next(self._tickets))
+            heapq.heappush(self._waiting, me)
+            until = None if timeout < 0 else time.monotonic() + timeout
+            try:
+                while self._held or self._waiting[0] != me:
+                    left = None if until is None else until - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._take(tag)
+                return True
+            finally:
+                self._waiting.remove(me)
+                heapq.heapify(self._waiting)
+                self._cond.notify_all()  # the next in line may take it (or find it held)
+
+    def _take(self, tag: float) -> None:
+        self._held = True
+        self.virtual = max(self.virtual, tag)
+
+    def release(self) -> None:
+        with self._cond:
+            if not self._held:
+                raise RuntimeError("release of a device lock that is not held")
+            self._held = False
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        return self._held
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -132,6 +196,7 @@ class _Item:
     index: int
     ids: list[int]
     queued: float
+    tag: float  # its virtual start, in tokens (Batcher.start_tag)
     answered: bool = False  # its admission was given back
 
 
@@ -143,17 +208,18 @@ class ShutdownReport:
     uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
-def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> list[int]:
-    """Pick the next batch from queued inputs of these lengths; index 0 is the oldest.
+def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0
+               ) -> list[int]:
+    """Pick the next batch from queued inputs of these lengths, holding input ``first``.
 
     The queue is sorted by length and cut into runs that fit the item cap and the padded
-    token budget (count x longest) and keep padding low; the batch is the run that holds the
-    oldest input, so everyone is served in arrival order of the oldest waiting input.
+    token budget (count x longest) and keep padding low; the batch is the run that holds
+    input ``first`` (the batcher passes the input whose turn it is: see ``Batcher._turn``).
     """
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     run: list[int] = []
     real = 0
-    has_oldest = False
+    has_first = False
     for i in order:
         n = lengths[i]
         count = len(run) + 1
@@ -162,12 +228,12 @@ def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> list[
         too_big = count > max_items or padded > max_tokens
         too_wasteful = waste > max(_FREE_PADDING, (1 - _MIN_PADDING_EFFICIENCY) * padded)
         if run and (too_big or too_wasteful):
-            if has_oldest:
+            if has_first:
                 break
             run, real = [], 0
         run.append(i)
         real += n
-        has_oldest = has_oldest or i == 0
+        has_first = has_first or i == first
     return run
 
 
@@ -180,17 +246,18 @@ class Batcher:
         limits: BatchLimits,
         *,
         metrics: Metrics | None = None,
-        device_lock: threading.Lock | None = None,
+        device_lock: DeviceLock | None = None,
         name: str = "embedsvc-batcher",
     ) -> None:
         self._encode = encode
         self.limits = limits
         self.metrics = metrics or Metrics()
-        self.device_lock = device_lock or threading.Lock()
+        self.device_lock = device_lock or DeviceLock()
         self.name = name
         self._cond = threading.Condition()
         self._pending: list[_Item] = []
         self._earliest_deadline = math.inf  # no queued job is due before this
+        self._flows: dict[Hashable, float] = {}  # flow -> the end of its work's tags
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
             timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics)
@@ -209,12 +276,14 @@ class Batcher:
 
     def submit(self, inputs: list[list[int]], deadline: float,
                disconnected: Callable[[], bool] | None = None,
-               ticket: Ticket | None = None) -> Job:
+               ticket: Ticket | None = None, flow: Hashable | None = None) -> Job:
         """Queue one request's wrapped token ids under its admission ``ticket``.
 
         Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
         Until its first input reaches the model, the job fails with 504 at ``deadline``; its
         inputs still queued are dropped once ``disconnected()`` is true (``cancel_due``).
+        ``flow`` (the client's connection) decides its turn among other clients'
+        (``start_tag``).
         """
         n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
@@ -226,11 +295,39 @@ class Batcher:
                 raise shutting_down()
             self.admission.settle(ticket, tokens)
             now = time.monotonic()
-            self._pending.extend(_Item(job, i, ids, now) for i, ids in enumerate(inputs))
+            tag = self._start_tag(flow, tokens)
+            for i, ids in enumerate(inputs):
+                self._pending.append(_Item(job, i, ids, now, tag))
+                tag += len(ids)
             self._earliest_deadline = min(self._earliest_deadline, deadline)
             self._warn_if_deep(now)
             self._cond.notify()
         return job
+
+    def start_tag(self, flow: Hashable | None, tokens: int) -> float:
+        """The virtual start of new work of ``tokens`` from ``flow``: start-time fair queueing.
+
+        Work goes to the device in the order of its tags (``_turn``, ``DeviceLock``). A
+        flow's work starts where its previous work ends, in tokens of device work, and never
+        before the work on the device now (``DeviceLock.virtual``); the inputs of one
+        request follow each other. So a client that sends large requests back to back runs
+        ahead of the others' virtual time and waits while they, sending less, are served:
+        each client with work queued gets the device in turn, about one batch at a time,
+        and a light client waits for about one batch, whatever a heavy one sends. Without a
+        flow, work starts at the virtual time now.
+        """
+        with self._cond:
+            return self._start_tag(flow, tokens)
+
+    def _start_tag(self, flow: Hashable | None, tokens: int) -> float:
+        now = self.device_lock.virtual
+        if flow is None:
+            return now
+        start = max(now, self._flows.get(flow, now))
+        self._flows[flow] = start + tokens
+        if len(self._flows) > _MAX_FLOWS:  # flows that are not ahead count as new ones
+            self._flows = {f: end for f, end in self._flows.items() if end > now}
+        return start
 
     def admit(self, inputs: int, tokens: int, deadline: float,
               disconnected: Callable[[], bool] | None = None) -> Ticket:
@@ -389,9 +486,15 @@ class Batcher:
             return 0.0
         return self._pending[0].queued + self.limits.max_wait_s - now
 
+    def _turn(self) -> int:
+        """The queued input whose turn it is: the one with the earliest tag."""
+        tags = [it.tag for it in self._pending]
+        return tags.index(min(tags))
+
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
-        chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens)
+        chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens,
+                            self._turn())
         if len(chosen) == len(self._pending):
             batch, self._pending = self._pending, []
         else:
@@ -408,10 +511,15 @@ class Batcher:
 
     def _compute(self, batch: list[_Item]) -> None:
         ids = [it.ids for it in batch]
-        started = time.monotonic()
         try:
-            with self.device_lock:
+            self.device_lock.acquire(tag=min(it.tag for it in batch))
+            try:
+                # from here: the wait for the lock (an /embed_all slice) is not the batch's
+                # compute time, which the measured rate and the requests' inference_s count
+                started = time.monotonic()
                 rows = self._encode(ids)
+            finally:
+                self.device_lock.release()
             if len(rows) != len(batch):
                 raise RuntimeError(f"the model returned {len(rows)} rows for {len(batch)} inputs")
         except DeviceOutOfMemory:

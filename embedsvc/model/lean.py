@@ -100,6 +100,10 @@ class LeanEncoder(TextSide):
         if "token_embeddings" in {o.name for o in session.get_outputs()}:
             self.encode_tokens = self._encode_tokens  # optional in the Encoder interface
 
+    def batch_tokens(self, max_batch_tokens: int) -> int:
+        """The batcher's batches on the CPU: at most one session run (``runtime.run_tokens``)."""
+        return runtime.run_tokens(self.info, max_batch_tokens)
+
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         return runtime.run_sliced(self._session, self.output, self.features(batch))
 
@@ -141,7 +145,7 @@ class LeanSparse(LeanEncoder):
         self.max_active_dims: int | None = record["pipeline"].get("max_active_dims")
 
     def batch_tokens(self, max_batch_tokens: int) -> int:
-        return sparse_batch_tokens(self.info, max_batch_tokens)
+        return sparse_batch_tokens(self.info, super().batch_tokens(max_batch_tokens))
 
 
 class LeanScorer(LeanEncoder):

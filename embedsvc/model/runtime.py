@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 
-# Padded tokens per session run: a larger batch from the batcher runs in slices. ONNX
-# Runtime on the CPU peaked near 2,000-4,000 padded tokens and lost about half its rate at
-# 16,384 (MAX_BATCH_TOKENS' default), for short and long inputs; bulk runs of the same file
-# were faster with 4,096 (bench/RESULTS.md, measured under load).
-RUN_TOKENS = 4096
+# Padded tokens per session run. ONNX Runtime on the CPU peaked near 2,000-4,000 padded
+# tokens and lost about half its rate at 16,384 (MAX_BATCH_TOKENS' default); on 256-token
+# chunks its best batch was 8 (2,048 tokens: 19.3 chunks/s against 18.5 at 16 and 16.6 at
+# 32), and short sentences lose nothing under it (bench/RESULTS.md). The lean encoders cap
+# the batcher's batches at it (``run_tokens``), so that the batcher, not a run of slices,
+# decides what the device computes next; a larger batch (bulk, the onnx-torch backend)
+# still runs in slices.
+RUN_TOKENS = 2048
 # The fixed text set of QUANTIZE=int8's quality gate: cosine of int8 vectors to float32's.
 QUALITY_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -77,6 +80,12 @@ def session(path: Path, threads: int) -> Any:
     # request threads need to parse, tokenize and answer (bench/RESULTS.md).
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_tokens(info: Any, max_batch_tokens: int) -> int:
+    """MAX_BATCH_TOKENS on ONNX Runtime's CPU: at most RUN_TOKENS, never below one input at
+    the model's limit."""
+    return max(info.max_input_tokens, min(max_batch_tokens, RUN_TOKENS))
 
 
 def run_sliced(session: Any, output: str, feeds: dict[str, np.ndarray]) -> np.ndarray:

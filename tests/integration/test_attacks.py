@@ -175,10 +175,18 @@ def test_twelve_16_mb_decode_bodies_at_once_stay_bounded(embedding):
     assert 15 * MB < len(body) < 16 * MB
     embedding.memory.reset()
     answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
-    # Admitted one at a time (each is over MAX_QUEUE_TOKENS), a decoding of 8.4M ids takes
-    # seconds: those still waiting at their deadline get 504; none is cut off another way.
+    # More ids than MAX_QUEUE_TOKENS (1,048,576) decode at once: refused before decoding
+    assert [status for status, _, _ in answers] == [413] * 12, answers[0][1]
+    error = answers[0][1]["error"]
+    assert error["code"] == "too_many_ids" and "MAX_QUEUE_TOKENS, 1048576" in error["message"]
+    assert embedding.memory.growth() < 1536 * MB
+    # The largest that is decoded, twelve at once: admitted one at a time on the host's
+    # budget; those still waiting at their deadline get 504, none is cut off another way
+    body = orjson.dumps({"ids": [[1] * 4090] * 256})  # 1,047,040 ids
+    answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
     assert {status for status, _, _ in answers} <= {200, 504}, answers[0][1]
-    assert all(len(texts) == 2048 for status, texts, _ in answers if status == 200)
+    assert 200 in {status for status, _, _ in answers}
+    assert all(len(texts) == 256 for status, texts, _ in answers if status == 200)
     assert embedding.memory.growth() < 1536 * MB
     status, texts, _ = post(embedding, "/decode", orjson.dumps({"ids": [[7592, 2088]]}))
     assert (status, texts) == (200, ["hello world"])

@@ -192,6 +192,16 @@ def test_a_tampered_record_is_rebuilt_never_served(bundled, tmp_path, tamper, ca
     assert sorted(p.name for p in cache.iterdir()) == [".locks", record.name]
 
 
+def test_the_batcher_gives_the_lean_encoder_batches_of_one_session_run(bundled):
+    from embedsvc.model.runtime import RUN_TOKENS
+    from embedsvc.service import batch_limits
+
+    settings, _ = bundled
+    encoder = lean.warm_start(settings).encoder
+    assert settings.max_batch_tokens == 16384
+    assert batch_limits(settings, encoder).max_batch_tokens == RUN_TOKENS
+
+
 def test_int8_serves_from_its_own_record_with_its_gate(bundled, tmp_path):
     settings, original = bundled
     cache = tmp_path / "cache"

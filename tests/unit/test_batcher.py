@@ -109,6 +109,30 @@ def test_plan_batch_takes_the_oldest_and_groups_similar_lengths():
     assert len(chosen) == 8 and 0 in chosen
 
 
+def test_plan_batch_takes_the_run_of_the_input_whose_turn_it_is():
+    lengths = [100, 5, 6, 98, 7, 101, 5]
+    assert sorted(plan_batch(lengths, 8, 10_000, first=4)) == [1, 2, 4, 6]
+    assert sorted(plan_batch(lengths, 8, 10_000, first=3)) == [0, 3, 5]
+
+
+def test_a_request_split_over_batches_takes_turns_with_later_ones(metrics):
+    """A large request does not hold the device until its last batch: one that arrives
+    while its first batch computes runs next, before the rest of it."""
+    enc = GatedEncoder(delay_s=0.05)  # a device of measurable speed: 50 ms a batch
+    b = start(enc, metrics, max_batch_tokens=40)  # 4 inputs of 10 tokens a batch
+    b.submit([ids(1)], later()).result(5)  # one batch measures the device's rate
+    enc.hold()
+    big = b.submit([ids(*range(100, 108)) for _ in range(12)], later())  # three batches
+    assert enc.entered.wait(5)  # the first batch of the large request is on the device
+    small = b.submit([ids(*range(7, 17))], later())  # 12 tokens: a batch of its own
+    enc.gate.set()
+    small.result(5)
+    big.result(5)
+    sizes = [(len(batch), max(map(len, batch))) for batch in enc.batches[1:]]
+    assert sizes == [(4, 10), (1, 12), (4, 10), (4, 10)]
+    b.shutdown(1)
+
+
 def test_padding_stays_low_for_mixed_lengths():
     rng = np.random.default_rng(1)
     lengths = list(rng.integers(5, 260, size=256))
@@ -367,4 +391,60 @@ def test_a_job_can_be_waited_on_more_than_once_and_a_timeout_says_not_done(metri
     enc.gate.set()
     assert job.wait(5) and job.wait(0) and job.done
     np.testing.assert_array_equal(job.result(0)[0], enc.vector(ids(999)))
+    b.shutdown(1)
+
+
+def test_the_device_goes_to_its_waiters_by_tag_then_in_the_order_they_asked():
+    from embedsvc.batching.batcher import DeviceLock
+
+    lock, order = DeviceLock(), []
+    lock.acquire(tag=1.0)
+
+    def worker(name: str, tag: float) -> None:
+        assert lock.acquire(timeout=10, tag=tag)
+        order.append(name)
+        lock.release()
+
+    waiting = []
+    for name, tag in (("late", 50.0), ("batcher", 5.0), ("embed_all", 5.0), ("early", 2.0)):
+        t = threading.Thread(target=worker, args=(name, tag))
+        t.start()
+        waiting.append(t)
+        deadline = time.monotonic() + 5
+        while len(lock._waiting) < len(waiting) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    lock.release()
+    assert lock.acquire(tag=100.0)  # the releaser asks again: behind all of them
+    assert order == ["early", "batcher", "embed_all", "late"]
+    assert lock.virtual == 100.0  # the tag of the work that last took the device
+    assert not lock.acquire(timeout=0.05, tag=0.0)  # held: a timed wait gives up
+    lock.release()
+    for t in waiting:
+        t.join(5)
+    assert not lock.locked() and not lock._waiting
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+def test_a_client_sending_large_requests_back_to_back_waits_for_a_light_one(metrics):
+    """Start-time fair queueing by connection: a flow's work starts where its previous
+    work ends, so a light client's request goes before a heavy client's next one, even one
+    queued earlier."""
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_tokens=40)
+    heavy = [ids(*range(100, 108)) for _ in range(4)]  # 40 tokens: one batch each
+    enc.hold()
+    first = b.submit(heavy, later(), flow="heavy")
+    assert enc.entered.wait(5)  # on the device
+    second = b.submit(heavy, later(), flow="heavy")  # starts where the first ends
+    light = b.submit([ids(*range(7, 17))], later(), flow="light")  # submitted after it
+    enc.gate.set()
+    for job in (first, second, light):
+        job.result(5)
+    assert [len(batch) for batch in enc.batches] == [4, 1, 4]
+    assert light.finished_at < second.finished_at
+    # the virtual time is the heavy client's second request's start (40 tokens); the light
+    # client's next work starts there, not at the end of its own earlier work (12)
+    assert b.device_lock.virtual == 40 and b.start_tag("light", 0) == 40
+    assert b.start_tag("heavy", 0) == 80
     b.shutdown(1)

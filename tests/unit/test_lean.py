@@ -100,3 +100,13 @@ def test_a_record_directory_is_published_whole_and_a_bad_one_replaced(tmp_path):
         cache.get_or_build(cache.path("n", "cd" * 32, ".lean"),
                            lambda p: _build_dir("bad", p), _load_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", path.name]  # no temporary
+
+
+def test_the_cpu_batches_are_one_session_run_and_hold_one_input_at_the_limit():
+    from types import SimpleNamespace
+
+    from embedsvc.model.runtime import RUN_TOKENS, run_tokens
+
+    assert run_tokens(SimpleNamespace(max_input_tokens=256), 16384) == RUN_TOKENS == 2048
+    assert run_tokens(SimpleNamespace(max_input_tokens=256), 1024) == 1024  # a smaller setting
+    assert run_tokens(SimpleNamespace(max_input_tokens=8192), 16384) == 8192

@@ -65,6 +65,16 @@ def test_the_count_is_checked_before_any_item():
     assert EmbedRequest.model_validate({"inputs": [1] * 10}, context=LIMIT).inputs == [1] * 10
 
 
+def test_decode_ids_are_totalled_before_any_item_is_checked():
+    context = {**LIMIT, "max_ids": 10}
+    with pytest.raises(InvalidRequest) as caught:  # the 1.5 is never looked at
+        DecodeRequest.model_validate({"ids": [[1] * 6, [1] * 4 + [1.5]]}, context=context)
+    assert caught.value.status == 413 and caught.value.code == "too_many_ids"
+    assert "11 token ids" in caught.value.message and "MAX_QUEUE_TOKENS, 10" in caught.value.message
+    assert DecodeRequest.model_validate({"ids": [[1] * 6, [2] * 4]}, context=context).ids == [
+        [1] * 6, [2] * 4]
+
+
 def test_valid_shapes_pass_as_sent_and_documents_become_texts():
     for inputs in ("a", ["a", "b"], [1, 2], [[1], [2, 3]], []):
         assert EmbedRequest.model_validate({"inputs": inputs}, context=LIMIT).inputs == inputs
