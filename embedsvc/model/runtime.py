@@ -16,14 +16,17 @@ from typing import Any
 
 import numpy as np
 
+from ..settings import Settings
+
 # Padded tokens per session run. ONNX Runtime on the CPU peaked near 2,000-4,000 padded
 # tokens and lost about half its rate at 16,384 (MAX_BATCH_TOKENS' default); on 256-token
 # chunks its best batch was 8 (2,048 tokens: 19.3 chunks/s against 18.5 at 16 and 16.6 at
-# 32), and short sentences lose nothing under it (bench/RESULTS.md). The lean encoders cap
-# the batcher's batches at it (``run_tokens``), so that the batcher, not a run of slices,
-# decides what the device computes next; a larger batch (bulk, the onnx-torch backend)
-# still runs in slices.
+# 32), and short sentences lose nothing under it (bench/RESULTS.md). With MAX_BATCH_TOKENS
+# at its default, the lean encoders cap the batcher's batches at it (``run_tokens``), so
+# that the batcher, not a run of slices, decides what the device computes next; a larger
+# batch (a MAX_BATCH_TOKENS that was set, bulk, the onnx-torch backend) runs in slices.
 RUN_TOKENS = 2048
+_DEFAULT_BATCH_TOKENS = Settings.__dataclass_fields__["max_batch_tokens"].default
 # The fixed text set of QUANTIZE=int8's quality gate: cosine of int8 vectors to float32's.
 QUALITY_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -83,8 +86,10 @@ def session(path: Path, threads: int) -> Any:
 
 
 def run_tokens(info: Any, max_batch_tokens: int) -> int:
-    """MAX_BATCH_TOKENS on ONNX Runtime's CPU: at most RUN_TOKENS, never below one input at
-    the model's limit."""
+    """MAX_BATCH_TOKENS on ONNX Runtime's CPU: left at its default, RUN_TOKENS (never below
+    one input at the model's limit); a value that was set is kept."""
+    if max_batch_tokens != _DEFAULT_BATCH_TOKENS:
+        return max_batch_tokens
     return max(info.max_input_tokens, min(max_batch_tokens, RUN_TOKENS))
 
 
