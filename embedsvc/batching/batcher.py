@@ -111,12 +111,6 @@ class DeviceLock:
     def locked(self) -> bool:
         return self._held
 
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 @dataclass(frozen=True)
 class BatchLimits:
@@ -326,7 +320,9 @@ class Batcher:
         start = max(now, self._flows.get(flow, now))
         self._flows[flow] = start + tokens
         if len(self._flows) > _MAX_FLOWS:  # flows that are not ahead count as new ones
-            self._flows = {f: end for f, end in self._flows.items() if end > now}
+            ahead = {f: end for f, end in self._flows.items() if end > now}
+            # still that many ahead: start them all afresh rather than scan at every submit
+            self._flows = ahead if len(ahead) <= _MAX_FLOWS // 2 else {}
         return start
 
     def admit(self, inputs: int, tokens: int, deadline: float,

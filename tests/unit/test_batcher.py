@@ -448,3 +448,15 @@ def test_a_client_sending_large_requests_back_to_back_waits_for_a_light_one(metr
     assert b.device_lock.virtual == 40 and b.start_tag("light", 0) == 40
     assert b.start_tag("heavy", 0) == 80
     b.shutdown(1)
+
+
+def test_the_flows_remembered_stay_bounded(metrics):
+    from embedsvc.batching import batcher as module
+
+    b = start(GatedEncoder(), metrics)
+    for flow in range(module._MAX_FLOWS):
+        assert b.start_tag(flow, 10) == 0  # each new flow starts at the virtual time now
+    assert len(b._flows) == module._MAX_FLOWS and b.start_tag(0, 10) == 10  # flow 0 is ahead
+    b.start_tag("one more", 10)  # over the bound, every flow still ahead: all start afresh
+    assert b._flows == {} and b.start_tag(0, 10) == 0
+    b.shutdown(1)
