@@ -26,7 +26,8 @@ change's cost per request is measured against what it replaced:
     .venv/bin/python bench/run.py --only sim --baseline 16bca89 --duration 10 --rounds 5
 
 ``embedsvc-onnx-torch`` (in ``--only``) serves with BACKEND=onnx-torch, the CPU path before
-the PyTorch-free one, beside the default in the same run.
+the PyTorch-free one, beside the default in the same run; ``embedsvc-tokens-N`` serves with
+MAX_BATCH_TOKENS=N, to compare batch budgets in one run.
 """
 
 from __future__ import annotations
@@ -149,9 +150,11 @@ def model_path() -> str:
 
 def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
     """(command, route, extra environment) for one of the servers under test."""
-    if name in ("embedsvc", "embedsvc-onnx-torch"):
+    if name in ("embedsvc", "embedsvc-onnx-torch") or name.startswith("embedsvc-tokens-"):
         # embedsvc-onnx-torch: the CPU path before the PyTorch-free one, for comparison
         env = {"EMBEDSVC_BACKEND": "onnx-torch"} if name == "embedsvc-onnx-torch" else {}
+        if name.startswith("embedsvc-tokens-"):
+            env = {"EMBEDSVC_MAX_BATCH_TOKENS": name.removeprefix("embedsvc-tokens-")}
         return [str(VENV_BIN / "embedsvc"), "serve", "--port", str(port), "--threads", "64",
                 "--log-level", "warning"], "/v1/embeddings", env
     if name == "naive":
@@ -520,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     plan = [(n, pick(SCENARIOS)) for n in ("embedsvc", "embedsvc-onnx-torch", "naive",
                                            "infinity") if n in wanted]
+    plan += [(n, pick(SCENARIOS)) for n in wanted if n.startswith("embedsvc-tokens-")]
     offline = None
     if any(scenarios for _, scenarios in plan):
         print("offline limit ...", flush=True)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import rules
 from .batching.admission import Admission, Ticket, deadline_error
-from .batching.batcher import Batcher, BatchLimits, ShutdownReport
+from .batching.batcher import Batcher, ShutdownReport
 from .errors import ApiError, ClientDisconnected, InvalidRequest
 from .metrics import Metrics
 from .model import quantize
@@ -233,8 +233,9 @@ class Engine:
 
         A debugging route, not batched with other requests: at most EMBED_ALL_MAX_INPUTS
         inputs, admitted at the model's limit for each (what it can produce), run in the
-        request thread in slices within the batch limits, each holding the device between two
-        batches; dropped when its client leaves or its deadline passes.
+        request thread in slices of at most one input at the model's limit, each holding the
+        device between two batches (so another client waits for one input's compute, not for
+        a batch of them); dropped when its client leaves or its deadline passes.
         """
         encode_tokens = self._optional("encode_tokens", "gives no per-token vectors; use /embed")
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
@@ -246,7 +247,9 @@ class Engine:
                               disconnected=disconnected)
             tag = self.batcher.start_tag(flow, sum(map(len, ids)))
             rows: list[np.ndarray] = []
-            for part in _slices(ids, self.batcher.limits):
+            limits = self.batcher.limits
+            turn = min(limits.max_batch_tokens, self.encoder.info.max_input_tokens)
+            for part in _slices(ids, limits.max_batch_size, turn):
                 self._device_turn(len(ids) - len(rows), deadline, disconnected, tag)
                 tag += sum(map(len, part))
                 try:
@@ -468,15 +471,15 @@ class Engine:
         return ids
 
 
-def _slices(ids: list[list[int]], limits: BatchLimits) -> list[list[list[int]]]:
-    """``ids`` cut, in order, into runs within the batch size and padded-token limits."""
+def _slices(ids: list[list[int]], max_items: int, max_tokens: int) -> list[list[list[int]]]:
+    """``ids`` cut, in order, into runs of at most ``max_items`` and ``max_tokens`` padded
+    tokens (a longer input runs alone)."""
     out: list[list[list[int]]] = []
     run: list[list[int]] = []
     longest = 0
     for seq in ids:
         wider = max(longest, len(seq))
-        if run and (len(run) >= limits.max_batch_size
-                    or wider * (len(run) + 1) > limits.max_batch_tokens):
+        if run and (len(run) >= max_items or wider * (len(run) + 1) > max_tokens):
             out.append(run)
             run, wider = [], len(seq)
         run.append(seq)

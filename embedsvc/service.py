@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
+from .batching.lane import BodyLane
 from .engine import Engine
 from .errors import Unavailable, shutting_down
 from .metrics import Metrics
@@ -62,6 +63,7 @@ class Service:
         self.pid = os.getpid()
         self.failure: str | None = None
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
+        self.body_lane = BodyLane()  # large bodies' parsing (api.bodies.parse)
         self._engine: Engine | None = None
         self._given = encoder
         self._loader = loader or (lambda: load_encoder(settings))

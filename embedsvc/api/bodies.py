@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import ValidationError
 
+from ..batching.lane import LARGE_BODY_BYTES
 from ..errors import InvalidRequest
 from .schemas import Request
 
@@ -19,8 +20,15 @@ def parse(model: type[Request], call: Call) -> Any:
     """The validated request, or a 400 that names the field and what it must be.
 
     Lists are checked against MAX_INPUTS_PER_REQUEST before their items (shapes.py), so that
-    validation costs what the body costs, whatever it holds.
+    validation costs what the body costs, whatever it holds; a large body waits for its turn
+    in the service's lane (batching/lane.py), since parsing it stops every other thread.
     """
+    if len(call.body) >= LARGE_BODY_BYTES:
+        return call.service.body_lane.run(lambda: _parse(model, call), call.deadline)
+    return _parse(model, call)
+
+
+def _parse(model: type[Request], call: Call) -> Any:
     try:
         body = orjson.loads(call.body)
     except orjson.JSONDecodeError:

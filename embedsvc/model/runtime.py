@@ -18,14 +18,17 @@ import numpy as np
 
 from ..settings import Settings
 
-# Padded tokens per session run. ONNX Runtime on the CPU peaked near 2,000-4,000 padded
-# tokens and lost about half its rate at 16,384 (MAX_BATCH_TOKENS' default); on 256-token
-# chunks its best batch was 8 (2,048 tokens: 19.3 chunks/s against 18.5 at 16 and 16.6 at
-# 32), and short sentences lose nothing under it (bench/RESULTS.md). With MAX_BATCH_TOKENS
-# at its default, the lean encoders cap the batcher's batches at it (``run_tokens``), so
-# that the batcher, not a run of slices, decides what the device computes next; a larger
-# batch (a MAX_BATCH_TOKENS that was set, bulk, the onnx-torch backend) runs in slices.
-RUN_TOKENS = 2048
+# Padded tokens per session run. ONNX Runtime on the CPU computes no faster in larger runs:
+# per input, batch 128 of short sentences ran slower than batch 32 (331 against 362/s) and
+# 256-token chunks ran at 18-19/s at every batch from 1 to 32. Served in one run
+# (bench/RESULTS.md, 2026-12-01), 1,024 beat 2,048 on 32 clients x 1 input (0.85 of the
+# offline rate against 0.79), 4 x 32 (1.18 against 1.06) and chunks (1.01 against 0.90),
+# and a smaller run is a shorter wait for the device: a run of chunks takes about 0.2 s
+# here, and the next client's batch waits for it. With MAX_BATCH_TOKENS at its default, the
+# lean encoders cap the batcher's batches at it (``run_tokens``), so that the batcher, not a
+# run of slices, decides what the device computes next; a larger batch (a MAX_BATCH_TOKENS
+# that was set, bulk, the onnx-torch backend) runs in slices.
+RUN_TOKENS = 1024
 _DEFAULT_BATCH_TOKENS = Settings.__dataclass_fields__["max_batch_tokens"].default
 # The fixed text set of QUANTIZE=int8's quality gate: cosine of int8 vectors to float32's.
 QUALITY_TEXTS = [

@@ -87,6 +87,16 @@ def all_at_once(work, n: int) -> list:
 
 
 INVALID_LIST = orjson.dumps({"inputs": [1] * 999_999 + [1.5]})  # 2 MB
+# A body just over the lane's size that parses in about a millisecond (batching/lane.py)
+CHEAP_LARGE = orjson.dumps({"inputs": "x" * (1 << 20)})
+
+
+def lane_opened(server: Server) -> None:
+    """Waits for the body lane to open: a large body parsed by an earlier test keeps it shut
+    for three times its parse. This one takes its turn, parses in about a millisecond and
+    is refused (too long); the lane is open again right after it."""
+    status, answer, _ = post(server, "/embed", CHEAP_LARGE)
+    assert status == 400 and answer["error"]["code"] == "input_too_long", answer
 
 
 def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(embedding):
@@ -102,6 +112,7 @@ def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(em
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
+    lane_opened(embedding)
     embedding.memory.reset()
     watcher.start()
     try:
@@ -175,10 +186,15 @@ def test_twelve_16_mb_decode_bodies_at_once_stay_bounded(embedding):
     assert 15 * MB < len(body) < 16 * MB
     embedding.memory.reset()
     answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
-    # More ids than MAX_QUEUE_TOKENS (1,048,576) decode at once: refused before decoding
-    assert [status for status, _, _ in answers] == [413] * 12, answers[0][1]
-    error = answers[0][1]["error"]
+    # More ids than MAX_QUEUE_TOKENS (1,048,576) decode at once: refused before decoding.
+    # The bodies parse one at a time, each about 0.25 s, with the lane shut for three times
+    # that after each; a body whose turn would come after its deadline gets 504 unparsed.
+    refused = [a for status, a, _ in answers if status == 413]
+    late = [a for status, a, _ in answers if status == 504]
+    assert refused and len(refused) + len(late) == 12, answers
+    error = refused[0]["error"]
     assert error["code"] == "too_many_ids" and "MAX_QUEUE_TOKENS, 1048576" in error["message"]
+    assert all("parsed one at a time" in a["error"]["message"] for a in late)
     assert embedding.memory.growth() < 1536 * MB
     # The largest that is decoded, twelve at once: admitted one at a time on the host's
     # budget; those still waiting at their deadline get 504, none is cut off another way
@@ -247,6 +263,7 @@ def test_a_16_kb_sparse_request_stays_under_1_gb(kinds):
 def test_a_16_mb_body_of_openai_ids_is_refused_fast(embedding):
     body = orjson.dumps({"input": [[58040] * 1364] * 2048})  # cl100k 58040: 128 spaces
     assert len(body) < 16 * MB
+    lane_opened(embedding)
     status, answer, took = post(embedding, "/v1/embeddings", body)
     assert status == 400 and answer["error"]["code"] == "input_too_long", answer
     assert "MAX_BODY_BYTES" in answer["error"]["message"]

@@ -202,3 +202,19 @@ def test_embed_all_takes_at_most_its_cap(engine):
         small.embed_all(["x"] * 33)
     assert info.value.code == "too_many_inputs" and "(32)" in info.value.message
     assert len(small.embed_all(["x"] * 32)[0]) == 32
+
+
+def test_embed_all_gives_the_device_back_after_each_input_at_the_models_limit(engine):
+    """Its slices hold at most one input at the model's limit (8 tokens here), so another
+    client waits for that much compute between two of them, not for a batch."""
+    runs = []
+    encode_tokens = engine.encoder.encode_tokens
+
+    def recorded(batch):
+        runs.append([len(ids) for ids in batch])
+        return encode_tokens(batch)
+
+    engine.encoder.encode_tokens = recorded
+    rows, tokens = engine.embed_all(["a b", "a b", "a b c d e f", "a", "a"])
+    assert [len(r) for r in rows] == [4, 4, 8, 3, 3] and tokens == 22
+    assert runs == [[4, 4], [8], [3, 3]]  # in order; no run over 8 padded tokens

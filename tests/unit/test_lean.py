@@ -107,7 +107,7 @@ def test_the_cpu_batches_are_one_session_run_and_hold_one_input_at_the_limit():
 
     from embedsvc.model.runtime import RUN_TOKENS, run_tokens
 
-    assert run_tokens(SimpleNamespace(max_input_tokens=256), 16384) == RUN_TOKENS == 2048
+    assert run_tokens(SimpleNamespace(max_input_tokens=256), 16384) == RUN_TOKENS == 1024
     assert run_tokens(SimpleNamespace(max_input_tokens=8192), 16384) == 8192
-    for chosen in (1024, 32768):  # MAX_BATCH_TOKENS that was set is kept
+    for chosen in (2048, 32768):  # MAX_BATCH_TOKENS that was set is kept
         assert run_tokens(SimpleNamespace(max_input_tokens=256), chosen) == chosen

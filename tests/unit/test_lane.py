@@ -1,0 +1,88 @@
+"""batching/lane.py: large bodies parse one at a time, at most a share of the time."""
+
+import itertools
+import threading
+import time
+
+import orjson
+import pytest
+
+from embedsvc.batching.lane import LARGE_BODY_BYTES, BodyLane
+from embedsvc.errors import DeadlineExceeded
+
+from .conftest import assert_error, assert_still_serving, make_app
+
+
+def timed(spans, seconds=0.03, value="done"):
+    def parse():
+        start = time.monotonic()
+        time.sleep(seconds)  # what a large body's parse costs, holding the GIL
+        spans.append((start, time.monotonic()))
+        return value
+    return parse
+
+
+def test_after_a_parse_the_lane_stays_shut_for_its_share():
+    lane, spans = BodyLane(share=0.25), []
+    far = time.monotonic() + 10
+    assert lane.run(timed(spans), far) == "done"
+    assert lane.run(timed(spans), far) == "done"
+    (s1, e1), (s2, _) = spans
+    assert s2 - e1 >= 3 * (e1 - s1)  # parsing at most a quarter of the time
+
+
+def test_parses_never_overlap_and_each_gets_its_turn():
+    lane, spans = BodyLane(share=1.0), []
+    threads = [threading.Thread(target=lane.run, args=(timed(spans, 0.01),
+                                                         time.monotonic() + 10))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    spans.sort()
+    assert len(spans) == 6
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
+
+
+def test_a_failed_parse_counts_and_the_lane_goes_on():
+    lane, spans = BodyLane(share=0.5), []
+
+    def broken():
+        time.sleep(0.02)
+        raise ValueError("not JSON")
+
+    with pytest.raises(ValueError):
+        lane.run(broken, time.monotonic() + 10)
+    started = time.monotonic()
+    lane.run(timed(spans, 0.0), time.monotonic() + 10)
+    assert spans[0][0] - started >= 0.015  # the failed parse's time was spent all the same
+
+
+def test_a_turn_after_the_deadline_is_504_at_once():
+    lane = BodyLane(share=0.01)
+    lane.run(timed([], 0.02), time.monotonic() + 10)  # shut for about 2 s
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        lane.run(timed([]), time.monotonic() + 0.5)
+    assert time.monotonic() - started < 0.2  # refused without waiting for nothing
+    assert info.value.status == 504 and "REQUEST_TIMEOUT_S" in info.value.message
+    with pytest.raises(ValueError):
+        BodyLane(share=0)
+
+
+def test_only_large_bodies_wait_for_the_lane(fake, registry):
+    """With the lane shut for a minute, a small body is answered at once and a large one gets
+    its 504 in the error shape; the service goes on."""
+    app = make_app(fake, registry, request_timeout_s=2)
+    service = app.extensions["embedsvc"]
+    service.body_lane._open_at = time.monotonic() + 60
+    client = app.test_client()
+    assert client.post("/embed", json={"inputs": ["small"]}).status_code == 200
+    large = orjson.dumps({"inputs": ["x" * 1000] * (LARGE_BODY_BYTES // 1000)})
+    assert len(large) >= LARGE_BODY_BYTES
+    err = assert_error(client.post("/embed", data=large, content_type="application/json"),
+                       504, "timeout")
+    assert "parsed one at a time" in err["message"]
+    service.body_lane._open_at = 0.0
+    assert_still_serving(client, fake)
