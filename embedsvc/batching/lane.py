@@ -4,7 +4,9 @@ orjson and pydantic hold the GIL while they build a body's objects: about 14 ms 
 for a body of token ids, so 0.23 s for a 16 MB one, during which no other request thread
 parses, tokenizes, answers or hands rows back. A client sending such bodies back to back
 would stop every other client most of the time, whatever the device's turns say. A body
-of ``LARGE_BODY_BYTES`` or more is therefore parsed in the lane: one at a time, and after a
+of ``LARGE_BODY_BYTES`` or more is therefore parsed in the lane: one at a time, in the order
+they arrived (a client sending them back to back queues behind the others' bodies, never
+ahead of them), and after a
 parse of t seconds the lane stays shut for t x (1 / share - 1), so that large bodies hold
 the GIL for at most ``share`` of the time. Smaller bodies never wait for it.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -29,19 +32,20 @@ T = TypeVar("T")
 
 
 class BodyLane:
-    """Large bodies' parsing, one at a time and at most ``share`` of the time."""
+    """Large bodies' parsing, one at a time in arrival order, and at most ``share`` of the
+    time."""
 
     def __init__(self, share: float = BODY_SHARE) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], not {share}")
         self.share = share
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()  # waiting bodies, the one whose turn it is first
         self._open_at = 0.0  # monotonic time at which the next parse may start
 
     def run(self, parse: Callable[[], T], deadline: float) -> T:
         """``parse()`` in its turn; 504 when its turn would come after ``deadline``."""
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise late()
+        self._wait_turn(ticket := object(), deadline)
         try:
             now = time.monotonic()
             if self._open_at > deadline:
@@ -55,7 +59,22 @@ class BodyLane:
                 ended = time.monotonic()
                 self._open_at = ended + (ended - started) * (1 / self.share - 1)
         finally:
-            self._lock.release()
+            self._leave(ticket)
+
+    def _wait_turn(self, ticket: object, deadline: float) -> None:
+        with self._cond:
+            self._queue.append(ticket)
+            while self._queue[0] is not ticket:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._queue.remove(ticket)
+                    raise late()
+                self._cond.wait(left)
+
+    def _leave(self, ticket: object) -> None:
+        with self._cond:
+            self._queue.remove(ticket)
+            self._cond.notify_all()
 
 
 def late() -> DeadlineExceeded:

@@ -45,6 +45,37 @@ def test_parses_never_overlap_and_each_gets_its_turn():
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
 
 
+def test_bodies_take_their_turns_in_arrival_order():
+    lane, order = BodyLane(share=1.0), []
+    lane._open_at = time.monotonic() + 0.3  # shut: every body below queues
+
+    def body(i):
+        lane.run(lambda: order.append(i), time.monotonic() + 10)
+
+    threads = []
+    for i in range(5):
+        threads.append(threading.Thread(target=body, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.02)  # each arrives after the one before
+    for t in threads:
+        t.join(5)
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_a_body_that_times_out_in_the_queue_leaves_it_and_the_next_goes_on():
+    lane, order = BodyLane(share=1.0), []
+    lane._open_at = time.monotonic() + 0.3
+    first = threading.Thread(target=lane.run, args=(lambda: order.append("first"),
+                                                    time.monotonic() + 10))
+    first.start()
+    time.sleep(0.02)
+    with pytest.raises(DeadlineExceeded):  # queued behind the first, its deadline passes
+        lane.run(lambda: order.append("late"), time.monotonic() + 0.1)
+    first.join(5)
+    assert lane.run(lambda: "next", time.monotonic() + 1) == "next"
+    assert order == ["first"] and not lane._queue
+
+
 def test_a_failed_parse_counts_and_the_lane_goes_on():
     lane, spans = BodyLane(share=0.5), []
 
