@@ -8,7 +8,10 @@ of ``LARGE_BODY_BYTES`` or more is therefore parsed in the lane: one at a time, 
 they arrived (a client sending them back to back queues behind the others' bodies, never
 ahead of them), and after a
 parse of t seconds the lane stays shut for t x (1 / share - 1), so that large bodies hold
-the GIL for at most ``share`` of the time. Smaller bodies never wait for it.
+the GIL for at most ``share`` of the time. Smaller bodies never wait for it. At most
+``LANE_WAITING`` bodies wait behind the one being parsed: each holds a request thread, and
+more would leave none for the small requests (16 threads by default); the next one gets 429
+with the time the queue needs in ``Retry-After``.
 
 >>> lane = BodyLane(share=0.5)
 >>> lane.run(lambda: "parsed", deadline=time.monotonic() + 1)
@@ -17,16 +20,18 @@ the GIL for at most ``share`` of the time. Smaller bodies never wait for it.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import DeadlineExceeded
+from ..errors import DeadlineExceeded, Overloaded
 
 LARGE_BODY_BYTES = 1 << 20  # a body of ids this large parses in about 15 ms
 BODY_SHARE = 0.25  # of the time, at most, spent parsing large bodies
+LANE_WAITING = 4  # large bodies that may wait behind the one being parsed
 
 T = TypeVar("T")
 
@@ -35,10 +40,12 @@ class BodyLane:
     """Large bodies' parsing, one at a time in arrival order, and at most ``share`` of the
     time."""
 
-    def __init__(self, share: float = BODY_SHARE) -> None:
+    def __init__(self, share: float = BODY_SHARE, waiting: int = LANE_WAITING) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], not {share}")
         self.share = share
+        self.waiting = waiting
+        self._cycle = 0.0  # the last parse and the shut time after it, in seconds
         self._cond = threading.Condition()
         self._queue: deque[object] = deque()  # waiting bodies, the one whose turn it is first
         self._open_at = 0.0  # monotonic time at which the next parse may start
@@ -57,12 +64,20 @@ class BodyLane:
                 return parse()
             finally:
                 ended = time.monotonic()
-                self._open_at = ended + (ended - started) * (1 / self.share - 1)
+                self._cycle = (ended - started) / self.share
+                self._open_at = started + self._cycle
         finally:
             self._leave(ticket)
 
     def _wait_turn(self, ticket: object, deadline: float) -> None:
         with self._cond:
+            if len(self._queue) > self.waiting:  # one parsing, ``waiting`` behind it
+                ahead = max(0.0, self._open_at - time.monotonic()) + self._cycle * self.waiting
+                raise Overloaded(
+                    f"{len(self._queue)} large bodies ({LARGE_BODY_BYTES >> 20} MiB or more) wait "
+                    "to be parsed, one at a time; retry after the time in Retry-After, or send "
+                    "smaller requests",
+                    retry_after_s=max(1, math.ceil(ahead)))
             self._queue.append(ticket)
             while self._queue[0] is not ticket:
                 left = deadline - time.monotonic()

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from embedsvc.batching.lane import LARGE_BODY_BYTES, BodyLane
-from embedsvc.errors import DeadlineExceeded
+from embedsvc.errors import DeadlineExceeded, Overloaded
 
 from .conftest import assert_error, assert_still_serving, make_app
 
@@ -32,7 +32,7 @@ def test_after_a_parse_the_lane_stays_shut_for_its_share():
 
 
 def test_parses_never_overlap_and_each_gets_its_turn():
-    lane, spans = BodyLane(share=1.0), []
+    lane, spans = BodyLane(share=1.0, waiting=8), []
     threads = [threading.Thread(target=lane.run, args=(timed(spans, 0.01),
                                                          time.monotonic() + 10))
                for _ in range(6)]
@@ -74,6 +74,29 @@ def test_a_body_that_times_out_in_the_queue_leaves_it_and_the_next_goes_on():
     first.join(5)
     assert lane.run(lambda: "next", time.monotonic() + 1) == "next"
     assert order == ["first"] and not lane._queue
+
+
+def test_past_its_waiting_room_a_body_gets_429_with_the_time_the_queue_needs():
+    """Each waiting body holds a request thread: past ``waiting`` of them the next is
+    refused at once, and those queued are all parsed."""
+    lane, done = BodyLane(share=1.0, waiting=2), []
+    lane._open_at = time.monotonic() + 0.5
+    threads = [threading.Thread(target=lambda: done.append(lane.run(lambda: 1,
+                                                                    time.monotonic() + 10)))
+               for _ in range(3)]  # one whose turn it is, two behind it
+    for t in threads:
+        t.start()
+    while len(lane._queue) < 3:
+        time.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(Overloaded) as info:
+        lane.run(lambda: 1, time.monotonic() + 10)
+    assert time.monotonic() - started < 0.1
+    assert info.value.status == 429 and "3 large bodies" in info.value.message
+    assert int(info.value.headers["Retry-After"]) >= 1
+    for t in threads:
+        t.join(5)
+    assert done == [1, 1, 1] and not lane._queue
 
 
 def test_a_failed_parse_counts_and_the_lane_goes_on():
