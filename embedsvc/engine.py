@@ -259,11 +259,9 @@ class Engine:
         return rows, sum(len(x) for x in ids)
 
     def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
-               disconnected: Disconnected = None, flow: Hashable | None = None
-               ) -> list[list[Piece]]:
+               disconnected: Disconnected = None) -> list[list[Piece]]:
         """The tokens the model sees for each text (POST /tokenize), admitted on the host's
-        budget: they never reach the device, so its rate does not refuse them (nor does
-        ``flow`` decide their turn)."""
+        budget: they never reach the device, so its rate does not refuse them."""
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         self.check(texts)
         with self._admitted(len(texts), self.estimate(texts), deadline, disconnected,
@@ -274,10 +272,9 @@ class Engine:
             return out
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True, *,
-               deadline: float | None = None, disconnected: Disconnected = None,
-               flow: Hashable | None = None) -> list[str]:
+               deadline: float | None = None, disconnected: Disconnected = None) -> list[str]:
         """Token ids of the served model back to text (POST /decode), admitted on the host's
-        budget, counting the ids (``flow``, as for ``pieces``, decides no turn)."""
+        budget, counting the ids."""
         decode = self._optional("decode", "cannot decode token ids")
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         rules.check_count(len(batch), self.settings.max_inputs_per_request, param="ids")
