@@ -45,6 +45,11 @@ from ..metrics import Metrics
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
 _RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured rate
+# A batch counts for at most this many times the seconds the measured rate gives it: one
+# stall (a page-in after idle, a pause of the host) lowers the rate by at most 1.6x, so it
+# cannot turn a burst that follows into 429s, while a lasting slowdown is followed within a
+# few batches (ten batches 10x slower bring the rate within 15% of the new one).
+_STALL_FACTOR = 4.0
 _AUTO_CAP = 16  # MAX_QUEUE unset: at most this many times MAX_INPUTS_PER_REQUEST
 
 
@@ -149,9 +154,12 @@ class Admission:
             self._free(inputs, tokens)
 
     def observe(self, tokens: int, inputs: int, seconds: float) -> None:
-        """One computed batch: the measured rate follows the recent ones."""
+        """One computed batch: the measured rate follows the recent ones (see _STALL_FACTOR)."""
         w = _RATE_WEIGHT if self._seconds_ema else 1.0
         with self._cond:
+            rate = self.rate
+            if rate > 0:
+                seconds = min(seconds, _STALL_FACTOR * max(tokens, 1) / rate)
             self._tokens_ema += w * (tokens - self._tokens_ema)
             self._inputs_ema += w * (inputs - self._inputs_ema)
             self._seconds_ema += w * (seconds - self._seconds_ema)

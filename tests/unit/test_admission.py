@@ -78,6 +78,24 @@ def test_work_that_cannot_reach_the_model_before_its_deadline_gets_429_at_once()
     assert ticket.open and a.used_inputs == 51
 
 
+def test_one_stalled_batch_cannot_turn_a_burst_into_429s():
+    a = gate(max_inputs=1000, max_tokens=100_000)
+    for _ in range(5):
+        a.observe(tokens=1000, inputs=10, seconds=0.1)  # 10,000 tokens/s
+    a.observe(tokens=1000, inputs=10, seconds=20.0)  # one batch stalled 200x (a page-in)
+    assert a.rate == pytest.approx(10_000 / 1.6)  # counted as 4x its time: 1.6x slower
+    a.admit(100, 30_000, later())  # 4.8 s of work ahead at that rate
+    assert a.admit(1, 10, time.monotonic() + 5).open  # not refused
+
+
+def test_a_lasting_slowdown_is_followed_within_ten_batches():
+    a = gate()
+    a.observe(tokens=1000, inputs=10, seconds=1.0)  # 1000 tokens/s
+    for _ in range(10):
+        a.observe(tokens=1000, inputs=10, seconds=10.0)  # now 100 tokens/s
+    assert 100 <= a.rate < 115
+
+
 def test_retry_after_counts_the_waiting_requests_too():
     a = gate(max_inputs=10)
     a.observe(tokens=100, inputs=1, seconds=1.0)  # 100 tokens/s
