@@ -261,6 +261,7 @@ class Batcher:
         self._stopping = False
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
+        self._died = False  # set by a dying thread before it fails its requests
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -352,7 +353,7 @@ class Batcher:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._died
 
     @property
     def depth(self) -> int:
@@ -367,6 +368,7 @@ class Batcher:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._died = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         self.metrics.batcher_alive.set(1)
@@ -447,6 +449,10 @@ class Batcher:
         except BaseException:  # noqa: BLE001 - the thread must not vanish silently
             log.exception("the batcher thread died; failing the batch it was computing")
             with self._cond:
+                # Dead before the requests hear it: whoever got the 500 finds /health
+                # unhealthy, and a restart (under this lock) waits until this thread is done.
+                self._died = True
+                self.metrics.batcher_alive.set(0)
                 for job in {id(it.job): it.job for it in self._current}.values():
                     if not job.done:
                         self._cancel(job, BatchFailed("the batcher stopped while computing this "
@@ -454,7 +460,6 @@ class Batcher:
                 self._release([it for it in self._current if not it.answered])
                 self._current = []
                 self._in_flight = 0
-            self.metrics.batcher_alive.set(0)
 
     def _next_batch(self) -> list[_Item] | None:
         """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""

@@ -460,3 +460,36 @@ def test_the_flows_remembered_stay_bounded(metrics):
     b.start_tag("one more", 10)  # over the bound, every flow still ahead: all start afresh
     assert b._flows == {} and b.start_tag(0, 10) == 0
     b.shutdown(1)
+
+
+class Die(BaseException):
+    """What kills the batcher thread (an encoder raising past Exception)."""
+
+
+def test_a_dying_batcher_is_dead_before_its_requests_hear_of_it(metrics, registry):
+    def encode(batch):
+        raise Die()
+
+    b = Batcher(encode, BatchLimits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.0,
+                                    max_queue=64, max_queue_tokens=4096, timeout_s=30.0,
+                                    max_request=1), metrics=metrics)
+    leaving = threading.Event()
+    release = b._release
+
+    def slow_release(items):  # the thread's last step, held until the request has its answer
+        release(items)
+        leaving.wait(5)
+
+    b._release = slow_release  # type: ignore[method-assign]
+    b.start()
+    job = b.submit([ids(3)], later())
+    with pytest.raises(BatchFailed, match="batcher stopped"):
+        job.result(5)
+    try:
+        assert not b.alive  # the thread still runs its last lines
+        assert registry.get_sample_value("embedsvc_batcher_alive") == 0
+    finally:
+        leaving.set()
+    b._thread.join(5)
+    assert b.restart() and b.alive
+    b.shutdown(1)
