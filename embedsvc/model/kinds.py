@@ -27,6 +27,7 @@ setting overrides all of this.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 KINDS = ("embedding", "reranker", "classifier", "sparse")
 _SPARSE_MODULES = ("SpladePooling", "MLMTransformer", "SparseStaticEmbedding", "SparseAutoEncoder")
 _ST_TYPES = {"SentenceTransformer": "embedding", "SparseEncoder": "sparse"}
+# A saved model holds at least one of these (transformers' save_pretrained writes config.json,
+# sentence-transformers' save also modules.json).
+_MODEL_FILES = ("config_sentence_transformers.json", "modules.json", "config.json")
 
 ReadJson = Callable[[str], "dict[str, Any] | list[Any] | None"]
 
@@ -93,7 +97,10 @@ def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
     from .scorer import CrossEncoderScorer
     from .sparse import SparseEmbedder
 
-    found = resolve(kind, model)
+    read = functools.cache(_reader(model)) if model else None
+    found = resolve(kind, model, read)
+    if read is not None and all(read(name) is None for name in _MODEL_FILES):
+        raise RuntimeError(_not_a_model(model))  # before the model libraries load (seconds)
     cls = {"embedding": SentenceTransformerEncoder, "sparse": SparseEmbedder}.get(
         found.kind, CrossEncoderScorer
     )
@@ -154,6 +161,21 @@ def _hub_file(repo: str, name: str) -> str | None:
         return hf_hub_download(repo, name)
     except (EntryNotFoundError, LocalEntryNotFoundError):
         return None
+
+
+def _not_a_model(model: str) -> str:
+    if os.path.isdir(model):
+        return (f"cannot load {model!r}: the directory holds no config.json or modules.json, "
+                "so it is not a saved model (transformers' save_pretrained and "
+                "sentence-transformers' save write them); check MODEL")
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return (f"cannot load {model!r}: it is not in the hub cache ({constants.HF_HUB_CACHE}) "
+                "and HF_HUB_OFFLINE is set; download it once with network access, or set MODEL "
+                "to a model directory")
+    return (f"cannot load {model!r}: the hub repository holds no config.json or modules.json; "
+            "check MODEL")
 
 
 def _article(word: str) -> str:

@@ -68,7 +68,7 @@ CASES = [
      {"HF_HUB_OFFLINE": "1"}, FAILURE,
      "the model failed to load: RuntimeError: cannot load 'no-such-org/no-such-model'"),
     ("directory-not-a-model", ["serve", "--model", "{directory}", "--port", "0"], {}, FAILURE,
-     "as an embedding model (config.json: no architecture): Unrecognized model in"),
+     "the directory holds no config.json or modules.json, so it is not a saved model"),
 ]
 
 

@@ -166,7 +166,14 @@ def test_a_classifier_cannot_be_served_as_reranker(kind_dirs):
 
 
 def test_loading_a_model_as_the_wrong_kind_says_which_setting_to_change(kind_dirs, tmp_path):
-    with pytest.raises(RuntimeError, match="set KIND"):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')  # no weights to load
+    with pytest.raises(RuntimeError, match="as a sparse model .*set KIND"):
+        load_model(str(tmp_path), "sparse")
+
+
+def test_a_directory_that_holds_no_model_is_refused_before_loading(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    with pytest.raises(RuntimeError, match="holds no config.json or modules.json"):
         load_model(str(tmp_path), "sparse")
 
 
