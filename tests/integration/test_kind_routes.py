@@ -229,6 +229,7 @@ def test_predict_single_text_pair_and_batch(servers, refs):
 def test_predict_equals_cross_encoder_under_32_clients(servers, refs):
     server, ref = servers["classifier"], refs["classifier"]
     pool = [*TEXTS, *PAIRS]
+    want = {raw: [predictions(ref, item, raw) for item in pool] for raw in (False, True)}
 
     def client(i):
         chosen = picks(i, pool)
@@ -239,7 +240,7 @@ def test_predict_equals_cross_encoder_under_32_clients(servers, refs):
     for chosen, raw, rows in in_parallel(client):
         assert len(rows) == len(chosen)
         for j, row in zip(chosen, rows, strict=True):
-            assert_predicted(row, predictions(ref, pool[j], raw))
+            assert_predicted(row, want[raw][j])
 
 
 def test_predict_on_a_reranker_scores_with_sigmoid(servers, refs):

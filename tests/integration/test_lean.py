@@ -52,11 +52,11 @@ def settings_for(model: str, cache: Path, **extra) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    """The bundled model's record in a cache of this module's own: (settings, record path)."""
-    cache = tmp_path_factory.mktemp("lean-cache")
-    settings = settings_for("", cache)
-    served = load_encoder(settings)  # the first start exports
+def bundled():
+    """The bundled model's record in the run's shared cache, exported there if no server of
+    the run has yet: (settings, record path)."""
+    settings = settings_for("", Path(os.environ["EMBEDSVC_CACHE_DIR"]))
+    served = load_encoder(settings)
     assert isinstance(served, lean.LeanEncoder)
     return settings, lean.record_path(settings)[0]
 
@@ -172,13 +172,24 @@ def _corrupt_record(record: Path) -> None:
     (record / RECORD).write_text('{"format": 1, "lean": tr')
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny embedding model's record (what is checked is the record, not the model; the
+    bundled one's is checked by the tests above and below): (model path, record path)."""
+    root = tmp_path_factory.mktemp("tiny")
+    path = build_embedding(root / "model")
+    settings = settings_for(str(path), root / "cache")
+    assert isinstance(load_encoder(settings), lean.LeanEncoder)
+    return str(path), lean.record_path(settings)[0]
+
+
 @pytest.mark.parametrize("tamper", [_tamper_graph, _truncate_graph, _tamper_probe,
                                     _tamper_tokenizer, _other_model, _corrupt_record])
-def test_a_tampered_record_is_rebuilt_never_served(bundled, tmp_path, tamper, caplog):
-    settings, original = bundled
+def test_a_tampered_record_is_rebuilt_never_served(tiny, tmp_path, tamper, caplog):
+    model, original = tiny
     cache = tmp_path / "cache"
     shutil.copytree(original.parent, cache, ignore=shutil.ignore_patterns(".locks"))
-    settings = settings_for("", cache)
+    settings = settings_for(model, cache)
     record = cache / original.name
     tamper(record)
     warm = lean.warm_start(settings)
@@ -205,7 +216,7 @@ def test_the_batcher_gives_the_lean_encoder_batches_of_one_session_run(bundled):
 def test_int8_serves_from_its_own_record_with_its_gate(bundled, tmp_path):
     settings, original = bundled
     cache = tmp_path / "cache"
-    shutil.copytree(original.parent, cache, ignore=shutil.ignore_patterns(".locks"))
+    shutil.copytree(original, cache / original.name)  # the float32 record alone
     int8 = lean.warm_start(settings_for("", cache, quantize="int8")).encoder  # quantized now
     fp32 = lean.warm_start(settings_for("", cache)).encoder
     assert int8.info.dtype == "int8" and int8.quality.mean >= 0.99
@@ -265,15 +276,6 @@ print(sorted(m for m in sys.modules if m.startswith({BLOCKED!r})))
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
-
-
-@pytest.fixture(scope="module")
-def reference():
-    from sentence_transformers import SentenceTransformer
-
-    from embedsvc.model.encoder import bundled_model_path
-
-    return SentenceTransformer(bundled_model_path(), device="cpu")
 
 
 def _libraries(pid: int) -> str:
