@@ -372,3 +372,14 @@ def test_concurrent_sparse_requests_get_their_own_vectors(encoders, references, 
     for pick, rows in zip(picks, results, strict=True):
         assert_sparse_equal(active(rows), [want[i] for i in pick])
     assert max(len(b) for b in recorder.batches) > 5
+
+
+def test_a_hub_id_with_no_model_files_says_why_offline_and_online(monkeypatch):
+    from huggingface_hub import constants
+
+    from embedsvc.model.kinds import _not_a_model
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert "not in the hub cache" in _not_a_model("no-such-org/no-such-model")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert "holds no config.json or modules.json" in _not_a_model("no-such-org/no-such-model")
