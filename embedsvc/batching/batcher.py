@@ -453,11 +453,12 @@ class Batcher:
                 # unhealthy, and a restart (under this lock) waits until this thread is done.
                 self._died = True
                 self.metrics.batcher_alive.set(0)
-                for job in {id(it.job): it.job for it in self._current}.values():
-                    if not job.done:
-                        self._cancel(job, BatchFailed("the batcher stopped while computing this "
-                                                      "request; retry it", code="batcher_died"))
+                jobs = [job for job in {id(it.job): it.job for it in self._current}.values()
+                        if not job.done]
                 self._release([it for it in self._current if not it.answered])
+                for job in jobs:
+                    self._cancel(job, BatchFailed("the batcher stopped while computing this "
+                                                  "request; retry it", code="batcher_died"))
                 self._current = []
                 self._in_flight = 0
 
@@ -547,8 +548,11 @@ class Batcher:
         self.admission.observe(sum(lengths), len(batch), elapsed)
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
+        """Each job its rows; the batch's admission is given back before any job hears, so
+        a request that has its answer holds no reservation (nor does _fail_batch's)."""
         with self._cond:
             seen: set[int] = set()
+            finished: list[Job] = []
             for row, it in zip(rows, batch, strict=True):
                 job = it.job
                 if id(job) not in seen:
@@ -562,16 +566,18 @@ class Batcher:
                 job.rows[it.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
-                    job._finish()
+                    finished.append(job)
             self._release(batch)
+            for job in finished:
+                job._finish()
 
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
         with self._cond:
-            for job in {id(it.job): it.job for it in batch}.values():
-                if not job.done:
-                    self._cancel(job, BatchFailed(message, code="batch_failed"))
+            jobs = [job for job in {id(it.job): it.job for it in batch}.values() if not job.done]
             self._release(batch)
+            for job in jobs:
+                self._cancel(job, BatchFailed(message, code="batch_failed"))
 
     # -- bookkeeping, under self._cond --------------------------------------------------------
 

@@ -474,13 +474,13 @@ def test_a_dying_batcher_is_dead_before_its_requests_hear_of_it(metrics, registr
                                     max_queue=64, max_queue_tokens=4096, timeout_s=30.0,
                                     max_request=1), metrics=metrics)
     leaving = threading.Event()
-    release = b._release
+    cancel = b._cancel
 
-    def slow_release(items):  # the thread's last step, held until the request has its answer
-        release(items)
+    def held_cancel(job, error):  # the thread's last step, held once the request has heard
+        cancel(job, error)
         leaving.wait(5)
 
-    b._release = slow_release  # type: ignore[method-assign]
+    b._cancel = held_cancel  # type: ignore[method-assign]
     b.start()
     job = b.submit([ids(3)], later())
     with pytest.raises(BatchFailed, match="batcher stopped"):
@@ -492,4 +492,38 @@ def test_a_dying_batcher_is_dead_before_its_requests_hear_of_it(metrics, registr
         leaving.set()
     b._thread.join(5)
     assert b.restart() and b.alive
+    b.shutdown(1)
+
+
+def slow_release(b: Batcher, seconds: float = 0.2) -> None:
+    """The batcher thread's release of an admission takes ``seconds``."""
+    release = b.admission.release
+
+    def slow(inputs: int, tokens: int) -> None:
+        time.sleep(seconds)
+        release(inputs, tokens)
+
+    b.admission.release = slow  # type: ignore[method-assign]
+
+
+def test_a_request_has_given_its_admission_back_when_it_hears_its_answer(metrics):
+    b = start(FakeEncoder(), metrics)
+    slow_release(b)
+    b.submit([ids(5), ids(6)], later()).result(5)
+    assert b.admitted == 0
+    b.shutdown(1)
+
+
+def test_a_failed_batch_has_given_its_admission_back_when_its_requests_hear(metrics):
+    def encode(batch):
+        raise ValueError("broken")
+
+    b = Batcher(encode, BatchLimits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.0,
+                                    max_queue=64, max_queue_tokens=4096, timeout_s=30.0,
+                                    max_request=1), metrics=metrics)
+    b.start()
+    slow_release(b)
+    with pytest.raises(BatchFailed):
+        b.submit([ids(5)], later()).result(5)
+    assert b.admitted == 0
     b.shutdown(1)
