@@ -1,3 +1,4 @@
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,5 +115,22 @@ def kind_dirs(shared):
             build_reranker(dirs["reranker"])
             build_classifier(dirs["classifier"])
             build_sparse(dirs["sparse"])
+            for path in dirs.values():
+                pin_mtimes(path)
             (base / "built").touch()
     return dirs
+
+
+def pin_mtimes(directory: Path) -> None:
+    """Give every file of a built model one mtime derived from the files' contents. An export
+    record's key includes mtimes (model/record.py), so a model rebuilt the same in the next
+    run finds the record the last run exported in the graph cache, instead of exporting again
+    (and piling records up); a build that changes gets a new key."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.relative_to(directory)}\n".encode())
+        digest.update(path.read_bytes())
+    stamp = 10**9 + int(digest.hexdigest()[:7], 16)  # a second between 2001 and 2009
+    for path in files:
+        os.utime(path, (stamp, stamp))
