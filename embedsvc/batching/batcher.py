@@ -453,12 +453,8 @@ class Batcher:
                 # unhealthy, and a restart (under this lock) waits until this thread is done.
                 self._died = True
                 self.metrics.batcher_alive.set(0)
-                jobs = [job for job in {id(it.job): it.job for it in self._current}.values()
-                        if not job.done]
-                self._release([it for it in self._current if not it.answered])
-                for job in jobs:
-                    self._cancel(job, BatchFailed("the batcher stopped while computing this "
-                                                  "request; retry it", code="batcher_died"))
+                self._fail_items(self._current, "the batcher stopped while computing this "
+                                 "request; retry it", "batcher_died")
                 self._current = []
                 self._in_flight = 0
 
@@ -549,7 +545,7 @@ class Batcher:
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
         """Each job its rows; the batch's admission is given back before any job hears, so
-        a request that has its answer holds no reservation (nor does _fail_batch's)."""
+        a request that has its answer holds no reservation (nor does ``_fail_items``')."""
         with self._cond:
             seen: set[int] = set()
             finished: list[Job] = []
@@ -574,12 +570,17 @@ class Batcher:
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
         with self._cond:
-            jobs = [job for job in {id(it.job): it.job for it in batch}.values() if not job.done]
-            self._release(batch)
-            for job in jobs:
-                self._cancel(job, BatchFailed(message, code="batch_failed"))
+            self._fail_items(batch, message, "batch_failed")
 
     # -- bookkeeping, under self._cond --------------------------------------------------------
+
+    def _fail_items(self, items: list[_Item], message: str, code: str) -> None:
+        """Fail the unfinished jobs of ``items``, their admission given back first (as
+        ``_scatter`` does before its jobs hear)."""
+        jobs = [job for job in {id(it.job): it.job for it in items}.values() if not job.done]
+        self._release([it for it in items if not it.answered])
+        for job in jobs:
+            self._cancel(job, BatchFailed(message, code=code))
 
     def _cancel(self, job: Job, error: ApiError) -> None:
         """Fail ``job`` and take its queued inputs out of the queue (counted as dropped)."""
