@@ -56,7 +56,8 @@ def test_bodies_take_their_turns_in_arrival_order():
     for i in range(5):
         threads.append(threading.Thread(target=body, args=(i,)))
         threads[-1].start()
-        time.sleep(0.02)  # each arrives after the one before
+        while len(lane._queue) + len(order) < i + 1:  # each arrives after the one before
+            time.sleep(0.005)
     for t in threads:
         t.join(5)
     assert order == [0, 1, 2, 3, 4]
@@ -68,7 +69,8 @@ def test_a_body_that_times_out_in_the_queue_leaves_it_and_the_next_goes_on():
     first = threading.Thread(target=lane.run, args=(lambda: order.append("first"),
                                                     time.monotonic() + 10))
     first.start()
-    time.sleep(0.02)
+    while not lane._queue:
+        time.sleep(0.005)
     with pytest.raises(DeadlineExceeded):  # queued behind the first, its deadline passes
         lane.run(lambda: order.append("late"), time.monotonic() + 0.1)
     first.join(5)
