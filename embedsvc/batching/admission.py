@@ -7,11 +7,11 @@ input as the batcher answers them. Three rules:
 * **First come, first served.** Requests that do not fit wait in one FIFO; capacity freed
   goes to the oldest waiter, and a later request never overtakes it, so a request of
   MAX_INPUTS_PER_REQUEST inputs waits at most for the work admitted before it.
-* **The truth about deadlines.** The device's rate (tokens per second, measured on the
-  batches it computes) and the tokens ahead of a request predict when it would reach the
-  model. A request that would reach it after its deadline gets 429 at once, with a
-  ``Retry-After`` that says when the work ahead will have shrunk enough, instead of a 504
-  after waiting in vain.
+* **The truth about deadlines.** The device's rate (tokens per second, the best of its
+  last few batches) and the tokens ahead of a request predict when it would reach the
+  model. A request that would reach it after its deadline even at that rate gets 429 at
+  once, with a ``Retry-After`` that says when the work ahead will have shrunk enough,
+  instead of a 504 after waiting in vain.
 * **Bounded work in progress.** At most MAX_QUEUE inputs and MAX_QUEUE_TOKENS tokens are
   admitted at once (a request larger than the token budget runs alone). MAX_QUEUE unset
   means: what the device, at its measured rate, starts within REQUEST_TIMEOUT_S, and never
@@ -44,12 +44,14 @@ from ..errors import (
 from ..metrics import Metrics
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
-_RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured rate
-# A batch counts for at most this many times the seconds the measured rate gives it: one
-# stall (a page-in after idle, a pause of the host) lowers the rate by at most 1.6x, so it
-# cannot turn a burst that follows into 429s, while a lasting slowdown is followed within a
-# few batches (ten batches 10x slower bring the rate within 15% of the new one).
-_STALL_FACTOR = 4.0
+_RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured inputs per second
+# The rate that refuses work as late is the best of this many recent batches. A slow batch
+# says little about the next ones: a stall (a page-in, a pause of the host), a burst of
+# arrivals holding the interpreter while the batch runs, a small batch whose fixed costs
+# outweigh its tokens. A 429 is therefore given only to work that would miss its deadline
+# even at the device's best recent speed, and a lasting slowdown is believed once it has
+# lasted this many batches.
+_BEST_OF = 8
 _AUTO_CAP = 16  # MAX_QUEUE unset: at most this many times MAX_INPUTS_PER_REQUEST
 
 
@@ -78,8 +80,8 @@ class Admission:
         self._waiting: deque[Ticket] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._tokens_ema = 0.0  # tokens and seconds of recent batches: rate = ratio
-        self._inputs_ema = 0.0
+        self._rates: deque[float] = deque(maxlen=_BEST_OF)  # tokens/s of the last batches
+        self._inputs_ema = 0.0  # inputs and seconds of recent batches: inputs/s = ratio
         self._seconds_ema = 0.0
 
     @property
@@ -93,8 +95,8 @@ class Admission:
 
     @property
     def rate(self) -> float:
-        """Tokens per second the device computes, measured; 0 until a batch has run."""
-        return self._tokens_ema / self._seconds_ema if self._seconds_ema else 0.0
+        """Tokens per second: the best of the last _BEST_OF batches; 0 until one has run."""
+        return max(self._rates, default=0.0)
 
     @property
     def waiting(self) -> int:
@@ -154,13 +156,12 @@ class Admission:
             self._free(inputs, tokens)
 
     def observe(self, tokens: int, inputs: int, seconds: float) -> None:
-        """One computed batch: the measured rate follows the recent ones (see _STALL_FACTOR)."""
+        """One computed batch, of ``tokens`` in ``inputs`` computed in ``seconds``."""
+        if seconds <= 0:  # below the clock's resolution: no rate to learn from it
+            return
         w = _RATE_WEIGHT if self._seconds_ema else 1.0
         with self._cond:
-            rate = self.rate
-            if rate > 0:
-                seconds = min(seconds, _STALL_FACTOR * max(tokens, 1) / rate)
-            self._tokens_ema += w * (tokens - self._tokens_ema)
+            self._rates.append(tokens / seconds)
             self._inputs_ema += w * (inputs - self._inputs_ema)
             self._seconds_ema += w * (seconds - self._seconds_ema)
 

@@ -82,18 +82,38 @@ def test_one_stalled_batch_cannot_turn_a_burst_into_429s():
     a = gate(max_inputs=1000, max_tokens=100_000)
     for _ in range(5):
         a.observe(tokens=1000, inputs=10, seconds=0.1)  # 10,000 tokens/s
-    a.observe(tokens=1000, inputs=10, seconds=20.0)  # one batch stalled 200x (a page-in)
-    assert a.rate == pytest.approx(10_000 / 1.6)  # counted as 4x its time: 1.6x slower
-    a.admit(100, 30_000, later())  # 4.8 s of work ahead at that rate
+    a.observe(tokens=4000, inputs=40, seconds=80.0)  # a large batch stalled 200x (a page-in)
+    assert a.rate == 10_000  # the best of the recent batches
+    a.admit(100, 45_000, later())  # 4.5 s of work ahead at that rate
     assert a.admit(1, 10, time.monotonic() + 5).open  # not refused
 
 
-def test_a_lasting_slowdown_is_followed_within_ten_batches():
+def test_small_batches_before_a_burst_do_not_make_it_look_slow():
+    a = gate(max_inputs=1000, max_tokens=100_000)
+    for _ in range(20):
+        a.observe(tokens=5, inputs=1, seconds=0.005)  # idle: single short inputs, 1,000 tokens/s
+    a.observe(tokens=2000, inputs=16, seconds=0.5)  # the burst's first full batch: 4,000
+    assert a.rate == 4000
+    a.admit(100, 18_000, later())  # 4.5 s ahead at 4,000 tokens/s
+    assert a.admit(1, 10, time.monotonic() + 4.6).open
+
+
+def test_a_lasting_slowdown_is_believed_after_eight_batches():
     a = gate()
     a.observe(tokens=1000, inputs=10, seconds=1.0)  # 1000 tokens/s
-    for _ in range(10):
+    for _ in range(7):
         a.observe(tokens=1000, inputs=10, seconds=10.0)  # now 100 tokens/s
-    assert 100 <= a.rate < 115
+    assert a.rate == 1000  # seven slow batches: the fast one is still among the last eight
+    a.observe(tokens=1000, inputs=10, seconds=10.0)
+    assert a.rate == 100
+
+
+def test_a_batch_below_the_clock_resolution_teaches_nothing():
+    a = gate()
+    a.observe(tokens=10, inputs=1, seconds=0.0)
+    assert a.rate == 0 and a.predicted_wait(10**6) == 0  # no rate: nothing refused as late
+    a.observe(tokens=10, inputs=1, seconds=0.01)
+    assert a.rate == pytest.approx(1000)
 
 
 def test_retry_after_counts_the_waiting_requests_too():
