@@ -241,7 +241,10 @@ class ThreadWorker(gthread.ThreadWorker):
                                      drain.inputs_computed(service) - computed_before, report))
 
     def accept(self, listener: Any) -> None:
-        self._accept_one(listener)
+        # The poller may report a listener readable in the same round in which the deferred
+        # _stop_listening closed it; accepting on it then would kill the worker mid-drain.
+        if listener in self.sockets:
+            self._accept_one(listener)
 
     def _accept_one(self, listener: Any) -> bool:
         """Accept one connection if one is waiting; whether one was."""

@@ -179,7 +179,7 @@ def test_gunicorn_sigterm_under_keep_alive_load_refuses_and_resets_nothing(tmp_p
             for t in threads:
                 t.join(60)
         cut = [o for o in outcomes if o not in ("200", "503", "refused")]
-        assert not cut, (run, cut[:5])
+        assert not cut, (run, cut[:5], server.output()[-3000:])
         assert code == 0 and outcomes.count("200") >= 200, (run, server.output()[-2000:])
         assert outcomes.count("refused") + outcomes.count("503") == 32
         assert "none left unfinished" in server.output()

@@ -65,6 +65,19 @@ def test_a_trickle_is_cut_at_the_deadline(pair):
     assert 0 < len(got) < 100
 
 
+def test_a_listener_event_after_the_listeners_closed_is_ignored():
+    # SIGTERM's deferred _stop_listening and a new connection can be reported by the same
+    # poll: the listener's event is then dispatched after the listener was closed
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(listener.getsockname())
+    listener.close()
+    worker = gunicorn_worker.ThreadWorker.__new__(gunicorn_worker.ThreadWorker)
+    worker.sockets, worker.nr_conns = [], 0
+    worker.accept(listener)
+    assert worker.nr_conns == 0
+    peer.close()
+
+
 def test_errors_are_complete_json_responses():
     raw = json_error(431, "Request Header Fields Too Large", "too many headers",
                      max_body_bytes=100)
