@@ -28,7 +28,11 @@ from .process import ensure_open_files
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("embedsvc.access")
 _POLL_S = 0.05
-_QUIET_S = 0.2
+# After the drain, connections still open are closed once none has been active for this long
+# (gunicorn's worker lingers as long, STOP_KEEPALIVE_LINGER): a client whose last answer was
+# kept alive before the signal, and whose next request is on its way, gets a 503 with
+# "Connection: close" instead of a connection closed under its request.
+_LINGER_S = 2.0
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -118,13 +122,13 @@ class Server:
         arriving = waitress_adapter.requests_in_progress(server)
         report = self.drain_report = drain.drain_service(
             self.service, lambda: waitress_adapter.still_in_progress(arriving), deadline)
-        quiet_since = None  # a request still in transit on a kept-alive connection gets a 503
-        while time.monotonic() < deadline:
+        quiet_since = None
+        while time.monotonic() < deadline and waitress_adapter.open_connections(server):
             if waitress_adapter.any_busy(server):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= _QUIET_S:
+            elif time.monotonic() - quiet_since >= _LINGER_S:
                 break
             time.sleep(_POLL_S)
         log.info("%s", drain.summary(time.monotonic() - started,
