@@ -29,7 +29,9 @@ from pathlib import Path
 from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "out"
+sys.path.insert(0, str(REPO))
+
+from bench.run import baseline_tree  # noqa: E402 - the path above makes the repository importable
 
 BODIES = {
     "1 input": {"model": "bench", "input": "the quick brown fox jumps over the lazy dog"},
@@ -78,21 +80,11 @@ for name, body in bodies.items():
     counting[0], cpu = True, time.process_time()
     for _ in range(count):
         call(raw)
-    counting[0] = False
-    result[name] = (time.process_time() - cpu) / count * 1e6
-    if sys.argv[4] == "calls":
-        result[name] = {"python": calls["call"] / count, "c": calls["c_call"] / count}
+    cpu, counting[0] = time.process_time() - cpu, False
+    result[name] = ({"python": calls["call"] / count, "c": calls["c_call"] / count}
+                    if sys.argv[4] == "calls" else cpu / count * 1e6)
 print(json.dumps(result))
 """
-
-
-def tree_of(rev: str) -> Path:
-    """A checkout of ``rev`` under bench/out/ (made once, as bench/run.py's --baseline)."""
-    tree = OUT / f"baseline-{rev}"
-    if not tree.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
-                       check=True, capture_output=True)
-    return tree
 
 
 def run_child(tree: Path, bodies: dict, count: int, warm: int, mode: str = "cpu",
@@ -141,7 +133,7 @@ def main() -> None:
                         help="count instructions instead, over N requests per body (slow: "
                              "about 50x; --rounds is then the number of counts per tree)")
     args = parser.parse_args()
-    trees = {"baseline": tree_of(args.baseline), "this": args.tree}
+    trees = {"baseline": baseline_tree(args.baseline), "this": args.tree}
     if args.valgrind:
         count_instructions(trees, args.valgrind, args.rounds, args.baseline)
         return

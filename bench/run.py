@@ -190,13 +190,14 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
 _baseline: str | None = None
 
 
-def baseline_tree() -> Path:
-    """A checkout of the baseline revision (``--baseline``), made once under bench/out/."""
-    assert _baseline is not None
-    tree = OUT / f"baseline-{_baseline}"
+def baseline_tree(rev: str | None = None) -> Path:
+    """A checkout of ``rev`` (by default the ``--baseline``), made once under bench/out/."""
+    rev = rev or _baseline
+    assert rev is not None
+    tree = OUT / f"baseline-{rev}"
     if not tree.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree),
-                        _baseline], check=True, capture_output=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+                       check=True, capture_output=True)
     return tree
 
 
