@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from websockets.sync.client import connect
+
+from .. import loopback
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run",
@@ -79,8 +80,8 @@ def browser_page(url: str) -> Iterator[Page]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         port = _devtools_port(profile, proc)
-        target = next(t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json()
-                      if t["type"] == "page")
+        target = next(t for t in loopback.get(f"http://127.0.0.1:{port}/json/list").json()
+                         if t["type"] == "page")
         with connect(target["webSocketDebuggerUrl"], max_size=None) as socket:
             page = Page(socket)
             page.call("Network.enable")

@@ -6,7 +6,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from embedsvc.metrics import Metrics
@@ -14,6 +13,8 @@ from embedsvc.model.encoder import Encoder
 from embedsvc.service import Service
 from embedsvc.serving.server import Server
 from embedsvc.settings import Settings
+
+from .. import loopback
 
 
 @contextmanager
@@ -38,7 +39,7 @@ def fake_server(encoder: Encoder, **settings) -> Iterator[Server]:
 def healthy_answer(server: Server, encoder, text: str = "still serving") -> None:
     import numpy as np
 
-    resp = httpx.post(server.url + "/v1/embeddings", json={"input": text}, timeout=30)
+    resp = loopback.post(server.url + "/v1/embeddings", json={"input": text}, timeout=30)
     assert resp.status_code == 200, resp.text
     np.testing.assert_allclose(resp.json()["data"][0]["embedding"], encoder.expected(text),
                                rtol=1e-5)

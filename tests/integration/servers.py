@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from .. import loopback
+
 BIN = Path(sys.executable).parent
 _PORT_LINES = re.compile(
     r"(?:Listening at: http://127\.0\.0\.1:|Serving on http://127\.0\.0\.1:|serving on "
@@ -64,13 +66,13 @@ class Server:
         raise AssertionError(f"no probe port logged:\n{self.output()[-2000:]}")
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+        return loopback.Client(base_url=self.url, timeout=60, **kwargs)
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if loopback.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -8,11 +8,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from embedsvc.model.fake import FakeEncoder
 
+from .. import loopback
 from ..fakes import BundledTokenizerFake
 from .fake_server import fake_server, healthy_answer
 
@@ -35,7 +35,7 @@ def test_four_maximal_bodies_of_bangs_stay_small_and_answer_in_time():
         before = memory(os.getpid(), "VmRSS")
 
         def client() -> None:
-            with httpx.Client(base_url=server.url, timeout=60) as c:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
                 resp = c.post("/embed", content=body,
                               headers={"content-type": "application/json"})
                 statuses.append(resp.status_code)
@@ -55,7 +55,7 @@ def test_four_maximal_bodies_of_bangs_stay_small_and_answer_in_time():
 def busy_clients(url: str, stop: threading.Event, statuses: list[int], n: int = 16) -> list:
     def run(t: int) -> None:
         rng = np.random.default_rng(t)
-        with httpx.Client(base_url=url, timeout=60) as c:
+        with loopback.Client(base_url=url, timeout=60) as c:
             while not stop.is_set():
                 texts = [f"busy {t} text {k}" for k in range(int(rng.integers(1, 17)))]
                 statuses.append(c.post("/embed", json={"inputs": texts}).status_code)
@@ -76,7 +76,7 @@ def test_a_2048_input_request_is_admitted_beside_16_busy_clients():
         try:
             time.sleep(1.0)
             texts = [f"large request input {i}" for i in range(2048)]
-            resp = httpx.post(server.url + "/embed", json={"inputs": texts}, timeout=60)
+            resp = loopback.post(server.url + "/embed", json={"inputs": texts}, timeout=60)
         finally:
             stop.set()
             for t in clients:
@@ -115,7 +115,7 @@ def test_a_departed_2048_input_client_has_most_of_its_inputs_dropped():
 def test_retry_after_says_when_a_retry_gets_in():
     fake = FakeEncoder(per_token_s=1e-3, record=False)  # 1,000 tokens/s
     with fake_server(fake, request_timeout_s=1, max_batch_size=64) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as c:
+            loopback.Client(base_url=server.url, timeout=60) as c:
         assert c.post("/embed", json={"inputs": ["warm up"] * 64}).status_code == 200
         backlog = threading.Thread(target=lambda: c.post(  # 1,000 x 4 tokens: ~4 s of work
             "/embed", json={"inputs": ["x y"] * 1000}))

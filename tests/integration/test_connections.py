@@ -21,6 +21,7 @@ import pytest
 
 from embedsvc.model.fake import FakeEncoder
 
+from .. import loopback
 from .fake_server import fake_server
 from .servers import FAKE_EMBEDSVC, Server, running
 
@@ -56,7 +57,7 @@ def bounded(request, tmp_path_factory) -> Iterator[Server]:
 
 
 def metric(server: Server, name: str, labels: str = "") -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    text = loopback.get(server.url + "/metrics", timeout=10).text
     found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -157,12 +158,12 @@ def test_slow_and_idle_connections_leave_clients_and_probes_served(bounded):
     before = metric(bounded, "embedsvc_connections_closed_total", '{reason="header_timeout"}')
     with Flood(bounded.port) as flood:
         time.sleep(2 * flood.every_s)  # every connection open, the slow ones trickling
-        with httpx.Client(base_url=bounded.url, timeout=5) as c:  # served within 5 s
+        with loopback.Client(base_url=bounded.url, timeout=5) as c:  # served within 5 s
             resp = c.post("/embed", json={"inputs": ["served beside a flood"]})
             assert resp.status_code == 200 and len(resp.json()[0]) == 384
             assert c.get("/health").status_code == 200
-        assert httpx.get(probes + "/health", timeout=5).status_code == 200
-        assert httpx.get(probes + "/metrics", timeout=5).status_code == 200
+        assert loopback.get(probes + "/health", timeout=5).status_code == 200
+        assert loopback.get(probes + "/metrics", timeout=5).status_code == 200
         deadline = time.monotonic() + HEADER_TIMEOUT_S + 8
         while flood.closed_by_server() < 150 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -173,9 +174,9 @@ def test_slow_and_idle_connections_leave_clients_and_probes_served(bounded):
 
 def test_the_probe_port_serves_only_probes(bounded):
     probes = bounded.probe_url()
-    resp = httpx.post(probes + "/embed", json={"inputs": "x"}, timeout=5)
+    resp = loopback.post(probes + "/embed", json={"inputs": "x"}, timeout=5)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
-    assert httpx.get(probes + "/info", timeout=5).json()["dimension"] == 384
+    assert loopback.get(probes + "/info", timeout=5).json()["dimension"] == 384
 
 
 def fds_to_deleted_files(pid: int) -> list[str]:
@@ -191,7 +192,7 @@ def fds_to_deleted_files(pid: int) -> list[str]:
 
 
 def worker_pid(server: Server) -> int:
-    return httpx.get(server.url + "/info", timeout=10).json()["pid"]
+    return loopback.get(server.url + "/info", timeout=10).json()["pid"]
 
 
 def test_a_200_mib_body_gets_413_without_being_buffered(bounded):
@@ -301,7 +302,7 @@ def serve(tmp_path: Path, *flags: str, batch_s: float | None = None) -> Iterator
 def post_in_thread(server: Server, inputs: list[str], out: list) -> threading.Thread:
     def send() -> None:
         try:
-            out.append(httpx.post(server.url + "/embed", json={"inputs": inputs}, timeout=60))
+            out.append(loopback.post(server.url + "/embed", json={"inputs": inputs}, timeout=60))
         except httpx.HTTPError as exc:
             out.append(exc)
 
@@ -420,7 +421,7 @@ def fake_launcher(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[An
 
 
 def probe_metric(probe_port: int, name: str, labels: str = "") -> float:
-    text = httpx.get(f"http://127.0.0.1:{probe_port}/metrics", timeout=10).text
+    text = loopback.get(f"http://127.0.0.1:{probe_port}/metrics", timeout=10).text
     found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -456,8 +457,8 @@ def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_pa
             stalled_at = time.monotonic()  # every thread's answer written, none taken
             if launcher == "serve":  # waitress holds the answers in temporary files
                 assert len(fds_to_deleted_files(pid)) > held_before
-            resp = httpx.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
-                              timeout=30)
+            resp = loopback.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
+                                 timeout=30)
             assert resp.status_code == 200 and len(resp.json()[0]) == 384
             assert time.monotonic() - stalled_at < 15
             while (probe_metric(probes, "embedsvc_connections_closed_total", closed) < 20

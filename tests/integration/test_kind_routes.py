@@ -3,10 +3,10 @@ under 32 concurrent clients, each route refuses the other kinds, real rerank cli
 
 import threading
 
-import httpx
 import numpy as np
 import pytest
 
+from .. import loopback
 from .conftest import kind_server
 from .servers import running
 from .test_kinds import DOCS, PAIRS, QUERY, TEXTS, TOL, identity, reference_sparse
@@ -53,7 +53,7 @@ def refs(kind_dirs):
 
 
 def post(server, route, body, status=200):
-    resp = httpx.post(server.url + route, json=body, timeout=60)
+    resp = loopback.post(server.url + route, json=body, timeout=60)
     assert resp.status_code == status, resp.text
     return resp.json()
 
@@ -295,7 +295,7 @@ def test_similarity_equals_sentence_transformers_cosine(servers, reference):
 @pytest.mark.parametrize("kind", list(SERVES))
 def test_each_route_refuses_the_kinds_it_does_not_serve(servers, kind):
     for route, body in BODIES.items():
-        resp = httpx.post(servers[kind].url + route, json=body, timeout=60)
+        resp = loopback.post(servers[kind].url + route, json=body, timeout=60)
         if route in SERVES[kind]:
             assert resp.status_code == 200, (kind, route, resp.text)
         else:
@@ -326,26 +326,26 @@ def test_root_and_invocations_serve_the_kinds_main_route(servers, kind, body, sh
 
 def test_info_and_startup_line_name_the_kind(servers):
     for kind, server in servers.items():
-        info = httpx.get(server.url + "/info", timeout=10).json()
+        info = loopback.get(server.url + "/info", timeout=10).json()
         assert info["kind"] == kind
         assert f"kind={kind}" in server.output()
         # every kind serves on ONNX Runtime without PyTorch, its whole pipeline in the graph
         out = server.output()
         assert "on the CPU without PyTorch" in out and f"{kind} pipeline from" in out, out
-    info = httpx.get(servers["classifier"].url + "/info", timeout=10).json()
+    info = loopback.get(servers["classifier"].url + "/info", timeout=10).json()
     assert info["labels"] == ["negative", "neutral", "positive"]
     assert "classifier" in info["model_type"]
 
 
 def test_metrics_count_the_new_routes(servers):
     post(servers["reranker"], "/rerank", {"query": "q", "texts": ["a"]})
-    text = httpx.get(servers["reranker"].url + "/metrics", timeout=10).text
+    text = loopback.get(servers["reranker"].url + "/metrics", timeout=10).text
     assert 'embedsvc_requests_total{route="/rerank",status="200"}' in text
     assert 'kind="reranker"' in text
 
 
 def test_openapi_describes_every_new_route(servers):
-    doc = httpx.get(servers["reranker"].url + "/openapi.json", timeout=10).json()
+    doc = loopback.get(servers["reranker"].url + "/openapi.json", timeout=10).json()
     for route in ("/rerank", "/v1/rerank", "/v2/rerank", "/predict", "/embed_sparse",
                   "/similarity", "/", "/invocations"):
         assert "post" in doc["paths"][route], route
@@ -357,7 +357,7 @@ def test_openapi_describes_every_new_route(servers):
 def test_kind_setting_overrides_detection_in_a_server(kind_dirs, tmp_path, refs):
     cmd = ["embedsvc", "serve", "--model", str(kind_dirs["reranker"]), "--port", "0"]
     with running(cmd, tmp_path / "serve.log", env={"EMBEDSVC_KIND": "classifier"}) as server:
-        assert httpx.get(server.url + "/info", timeout=10).json()["kind"] == "classifier"
+        assert loopback.get(server.url + "/info", timeout=10).json()["kind"] == "classifier"
         err = post(server, "/rerank", BODIES["/rerank"], 400)["error"]
         assert err["code"] == "wrong_model_kind" and "classifier" in err["message"]
         got = post(server, "/predict", {"inputs": list(PAIRS[0])})

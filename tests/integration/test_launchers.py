@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from .. import loopback
 from .conftest import cosine
 from .servers import Server, running
 
@@ -68,7 +69,7 @@ def answering_pids(server: Server, reference, want: int, timeout: float = 90) ->
 
     def hit() -> None:
         while len(seen) < want and time.monotonic() < deadline:
-            with httpx.Client(base_url=server.url, timeout=60) as c:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
                 seen.add(check_vectors(server, reference, c))
 
     threads = [threading.Thread(target=hit) for _ in range(6)]
@@ -144,7 +145,7 @@ def keep_alive_clients(server: Server, count: int, outcomes: list[str]) -> list[
     """``count`` clients posting on kept-alive connections until refused or told to stop."""
 
     def client(t: int) -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with loopback.Client(base_url=server.url, timeout=60) as c:
             while True:
                 try:
                     resp = c.post("/embed", json={"inputs": f"client {t}"})
@@ -196,12 +197,12 @@ def test_gunicorn_drains_the_service_and_stops_the_probe_port(tmp_path):
         found = re.search(r"probes on (http://127\.0\.0\.1:\d+)", server.output())
         assert found, server.output()[-2000:]
         probes = found.group(1)
-        thread = threading.Thread(target=lambda: out.append(httpx.post(
+        thread = threading.Thread(target=lambda: out.append(loopback.post(
             server.url + "/embed", json={"inputs": LONG}, timeout=120)))
         thread.start()
         deadline = time.monotonic() + 60
-        while (httpx.get(probes + "/metrics", timeout=10).text.find("embedsvc_in_flight 0.0") >= 0
-               and time.monotonic() < deadline):
+        while (loopback.get(probes + "/metrics", timeout=10).text.find("embedsvc_in_flight 0.0")
+               >= 0 and time.monotonic() < deadline):
             time.sleep(0.05)
         server.proc.terminate()
         time.sleep(0.5)
@@ -212,7 +213,7 @@ def test_gunicorn_drains_the_service_and_stops_the_probe_port(tmp_path):
         seen = set()
         while server.proc.poll() is None and time.monotonic() < deadline:
             try:
-                health = httpx.get(probes + "/health", timeout=10)
+                health = loopback.get(probes + "/health", timeout=10)
             except httpx.TransportError:
                 break
             seen.add(health.status_code if health.status_code == 200
@@ -224,7 +225,7 @@ def test_gunicorn_drains_the_service_and_stops_the_probe_port(tmp_path):
     assert code == 0, server.output()[-2000:]
     assert out and out[0].status_code == 200 and len(out[0].json()) == len(LONG)
     with pytest.raises(httpx.ConnectError):  # the probe port went with the worker
-        httpx.get(probes + "/health", timeout=5)
+        loopback.get(probes + "/health", timeout=5)
     found = re.search(r"drained in \S+: (\d+) inputs computed while draining, none left "
                       r"unfinished", server.output())
     assert found and int(found.group(1)) > 0, server.output()[-2000:]

@@ -27,6 +27,8 @@ import pytest
 
 from embedsvc.settings import Settings
 
+from .. import loopback
+
 REPO = Path(__file__).parents[2]
 # The pages and sections that run, in this order, in one session: the README's Quick start
 # starts the server and activates .venv for the rest.
@@ -141,7 +143,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 3
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the background block exited:\n{log.read_text()}"
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            if loopback.get(url + "/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass

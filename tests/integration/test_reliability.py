@@ -9,6 +9,7 @@ import numpy as np
 
 from embedsvc.model.fake import FakeEncoder
 
+from .. import loopback
 from ..fakes import GatedEncoder
 from .fake_server import fake_server, healthy_answer
 from .servers import running, stop
@@ -78,8 +79,8 @@ HOSTILE = [
 def test_hostile_bodies_get_the_contract_status_and_the_service_keeps_serving():
     assert len(HOSTILE) >= 30
     fake = FakeEncoder(max_input_tokens=64)
-    with fake_server(fake, **LIMITS) as server, httpx.Client(base_url=server.url,
-                                                             timeout=120) as c:
+    with fake_server(fake, **LIMITS) as server, loopback.Client(base_url=server.url,
+                                                                timeout=120) as c:
         for route, body, status in HOSTILE:
             resp = c.post(route, content=body, headers={"content-type": "application/json"})
             label = f"{route} {body[:60]!r}"
@@ -101,7 +102,7 @@ def test_an_overload_burst_gets_only_200_and_429_with_right_vectors():
 
         def client(t: int) -> None:
             texts = [f"client {t} text {k}" for k in range(2)]
-            with httpx.Client(base_url=server.url, timeout=60) as c:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
                 barrier.wait()
                 for _ in range(3):
                     resp = c.post("/v1/embeddings", json={"input": texts})
@@ -132,7 +133,7 @@ def test_a_client_that_hangs_up_while_queued_is_never_computed():
     fake = GatedEncoder()
     with fake_server(fake) as server:
         fake.hold()
-        first = threading.Thread(target=lambda: httpx.post(
+        first = threading.Thread(target=lambda: loopback.post(
             server.url + "/embed", json={"inputs": "holds the device"}, timeout=30))
         first.start()
         assert fake.entered.wait(5)
@@ -172,7 +173,7 @@ def test_a_dead_batcher_reports_unhealthy_and_is_restarted(monkeypatch):
 
     monkeypatch.setattr(service_module, "_WATCH_S", 0.05)
     fake = FakeEncoder(fail=kills_on_marker)
-    with fake_server(fake) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+    with fake_server(fake) as server, loopback.Client(base_url=server.url, timeout=30) as c:
         resp = c.post("/embed", json={"inputs": "one two three four"})
         assert resp.status_code == 500 and resp.json()["error"]["code"] == "batcher_died"
         deadline = time.monotonic() + 5
@@ -188,7 +189,7 @@ def test_health_says_unhealthy_while_the_batcher_is_down(monkeypatch):
 
     monkeypatch.setattr(service_module, "_WATCH_S", 3600)  # no restart during this test
     fake = FakeEncoder(fail=kills_on_marker)
-    with fake_server(fake) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+    with fake_server(fake) as server, loopback.Client(base_url=server.url, timeout=30) as c:
         assert c.post("/embed", json={"inputs": "one two three four"}).status_code == 500
         resp = c.get("/health")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unhealthy"
@@ -205,7 +206,7 @@ def test_sigterm_under_load_finishes_or_refuses_every_request(tmp_path):
 
         def client(t: int) -> None:
             text = f"steady load from client {t}"
-            with httpx.Client(base_url=server.url, timeout=60) as c:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
                 while time.monotonic() < stop_at:
                     try:
                         resp = c.post("/embed", json={"inputs": text})

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embedsvc.model.fake import FakeEncoder
 
+from .. import loopback
 from .conftest import cosine
 from .servers import FAKE_EMBEDSVC, Server, running, start, stop
 
@@ -34,7 +35,7 @@ def free_port() -> int:
 
 
 def served_requests(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = loopback.get(url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         if family.name == "embedsvc_requests":
             return sum(s.value for s in family.samples if s.name.endswith("_total")
@@ -89,7 +90,7 @@ def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path):
             Server(proc, listen, tmp_path / "error.log").wait_healthy(30)
 
             def client(i: int) -> None:
-                with httpx.Client(base_url=front, timeout=60) as c:
+                with loopback.Client(base_url=front, timeout=60) as c:
                     while not stop_load.is_set():
                         try:
                             resp = c.post("/v1/embeddings", json={"input": texts[i]})

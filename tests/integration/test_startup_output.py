@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 import time
 
-import httpx
-
+from .. import loopback
 from .servers import Server, running
 
 _OURS = r"\S+ \S+ INFO \[\d+\] embedsvc\."
@@ -49,7 +48,7 @@ def assert_lines(lines: list[str], patterns: list[str]) -> None:
 
 
 def assert_no_created_samples(server: Server) -> None:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = loopback.get(server.url + "/metrics", timeout=30).text
     assert "embedsvc_requests_total" in text
     assert not [ln for ln in text.splitlines() if "_created" in ln]
 
@@ -66,7 +65,7 @@ def test_waitress_serve_prints_its_startup_lines_only(tmp_path):
     cmd = ["waitress-serve", "--host=127.0.0.1", "--port=0", "embedsvc:app"]
     with running(cmd, tmp_path / "waitress.log", healthy=False, cwd=str(tmp_path)) as server:
         # the first request of any kind starts the model loading; /health says so at once
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        assert loopback.get(server.url + "/health", timeout=30).status_code == 503
         lines = lines_when(server, MODEL_READY)
         assert_lines(lines, [WAITRESS, access("GET", "/health", 503), BACKEND, MODEL_READY])
         assert_no_created_samples(server)
@@ -76,7 +75,7 @@ def test_gunicorn_prints_its_own_startup_lines_and_ours_only(tmp_path):
     cmd = ["gunicorn", "-b", "127.0.0.1:0", "--no-control-socket", "-w", "1", "--threads", "4",
            "embedsvc:app"]
     with running(cmd, tmp_path / "gunicorn.log", healthy=False, cwd=str(tmp_path)) as server:
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        assert loopback.get(server.url + "/health", timeout=30).status_code == 503
         lines = lines_when(server, MODEL_READY)
         ours = [line for line in lines if not re.fullmatch(GUNICORN, line)]
         assert_lines(ours, [access("GET", "/health", 503), BACKEND, MODEL_READY])
