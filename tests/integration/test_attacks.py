@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from .. import loopback
 from ..fakes import GatedEncoder
 from .conftest import SERVE, kind_server
 from .fake_server import fake_server, healthy_answer
@@ -74,8 +75,8 @@ def kinds(kind_dirs, shared) -> Iterator[dict[str, Server]]:
 def post(server: Server, route: str, body: bytes, timeout: float = 120) -> tuple[int, dict,
                                                                               float]:
     started = time.monotonic()
-    resp = httpx.post(server.url + route, content=body, timeout=timeout,
-                      headers={"Content-Type": "application/json"})
+    resp = loopback.post(server.url + route, content=body, timeout=timeout,
+                         headers={"Content-Type": "application/json"})
     return resp.status_code, resp.json(), time.monotonic() - started
 
 
@@ -116,7 +117,7 @@ def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(em
     def watch() -> None:
         while not stop.is_set():
             started = time.monotonic()
-            assert httpx.get(probe, timeout=5).status_code == 200
+            assert loopback.get(probe, timeout=5).status_code == 200
             slowest.append(time.monotonic() - started)
             time.sleep(0.02)
 
@@ -135,9 +136,9 @@ def test_a_huge_invalid_list_is_refused_at_once_and_the_probes_keep_answering(em
     assert "item 999999 is a number (1.5)" in body["error"]["message"]
     assert spent < 0.5, spent  # it cost 8 CPU-s
     assert embedding.memory.growth() < 100 * MB
-    # Within a kubelet probe's default timeout (1 s). Alone, the slowest probe takes 0.13-0.17 s
-    # (bench/RESULTS.md); under the whole suite's load, the wait for a core is most of it.
-    assert slowest and max(slowest) < 1, max(slowest)
+    # The slowest probe took 0.025-0.056 s under four busy loops at a higher priority
+    # (bench/RESULTS.md); the type check's slices let the probe threads run between them.
+    assert slowest and max(slowest) < 0.5, max(slowest)
 
 
 def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embedding):
@@ -146,7 +147,7 @@ def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embeddi
     sent: list[int] = []
 
     def attack() -> None:
-        with httpx.Client(timeout=30) as client:
+        with loopback.Client(timeout=30) as client:
             while not stop.is_set():
                 sent.append(client.post(embedding.url + "/embed", content=INVALID_LIST,
                                         headers={"Content-Type": "application/json"})
@@ -160,7 +161,7 @@ def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embeddi
         while time.monotonic() < end:
             started = time.monotonic()
             try:  # a kubelet probe with timeoutSeconds: 1
-                if httpx.get(probe, timeout=1).status_code != 200:
+                if loopback.get(probe, timeout=1).status_code != 200:
                     failed.append("status")
             except httpx.TimeoutException:
                 failed.append("timeout")
@@ -246,7 +247,7 @@ def test_embed_all_drops_a_departed_client_and_keeps_its_deadline():
     fake.encode_tokens = counted  # type: ignore[method-assign]
     with fake_server(fake, request_timeout_s=1.5) as server:
         fake.hold()  # the device stays busy with a batch of /embed
-        first = threading.Thread(target=lambda: httpx.post(
+        first = threading.Thread(target=lambda: loopback.post(
             server.url + "/embed", json={"inputs": "holds the device"}, timeout=30))
         first.start()
         assert fake.entered.wait(5)
@@ -257,7 +258,7 @@ def test_embed_all_drops_a_departed_client_and_keeps_its_deadline():
         time.sleep(0.3)  # waiting for the device
         sock.close()
         started = time.monotonic()
-        late = httpx.post(server.url + "/embed_all", json={"inputs": ["late"]}, timeout=30)
+        late = loopback.post(server.url + "/embed_all", json={"inputs": ["late"]}, timeout=30)
         waited = time.monotonic() - started
         fake.gate.set()
         first.join(10)

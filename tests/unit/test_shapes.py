@@ -13,6 +13,7 @@ from embedsvc.api.schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
+from embedsvc.api.shapes import _SLICE, _first_not
 from embedsvc.errors import InvalidRequest
 
 LIMIT = {"max_inputs": 4}
@@ -82,3 +83,13 @@ def test_valid_shapes_pass_as_sent_and_documents_become_texts():
         {"query": "q", "documents": ["a", {"text": "b", "title": "x"}]}, context=LIMIT)
     assert req.documents == ["a", "b"]
     assert PredictRequest.model_validate({"inputs": ["a", "b"]}).inputs == ["a", "b"]
+
+
+@pytest.mark.parametrize("where", [1, _SLICE - 1, _SLICE, _SLICE + 1, 3 * _SLICE + 7 - 1])
+def test_the_first_wrong_item_is_found_in_any_slice(where):
+    ids = [1] * (3 * _SLICE + 8)
+    ids[where] = 1.5
+    ids[-1] = "late"  # a later wrong item is not the one named
+    message = refused(EmbedRequest, {"inputs": ids}).message
+    assert f"item {where} is a number (1.5)" in message, message
+    assert _first_not([1] * (2 * _SLICE), int) is None
