@@ -134,7 +134,7 @@ class Server:
         log.info("%s", drain.summary(time.monotonic() - started,
                                      drain.inputs_computed(self.service) - computed_before,
                                      report))
-        waitress_adapter.in_loop(server, lambda: waitress_adapter.close(server))
+        waitress_adapter.close_soon(server)
 
     def _record_server_error(self, request: Any, status: int) -> None:
         """Count and log an answer waitress wrote itself (a malformed or oversized request)."""

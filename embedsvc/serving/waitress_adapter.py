@@ -327,6 +327,18 @@ def close(server: Server) -> None:
     close_all(server._map)
 
 
+def close_soon(server: Server) -> None:
+    """``close`` in the loop thread, from any thread. When the loop can no longer be woken
+    (its wake-up pipe is closed: the loop closes it on a read error), the connections left
+    are closed from this thread instead, and the loop ends once its map is empty."""
+    try:
+        in_loop(server, lambda: close(server))
+    except OSError as exc:
+        log.warning("the server's wake-up pipe is closed (%s); closing its %d connections "
+                    "from this thread", exc, open_connections(server))
+        close(server)
+
+
 def requests_in_progress(server: Server) -> list[tuple[Channel, Any]]:
     """Each request arriving, queued or being served now, with its connection."""
     found = []

@@ -1,6 +1,8 @@
 """The waitress adapter: the internals it relies on are where it expects them."""
 
 import json
+import socket
+import threading
 import time
 
 import pytest
@@ -32,6 +34,34 @@ def test_a_built_server_has_the_instance_state_the_drain_reads():
     finally:
         waitress_adapter.start_draining(server)
         waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
+def test_close_soon_ends_the_loop_whose_wake_up_pipe_is_closed(caplog):
+    server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    client = socket.create_connection(("127.0.0.1", server.effective_port))
+    try:
+        deadline = time.monotonic() + 5
+        while waitress_adapter.open_connections(server) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waitress_adapter.open_connections(server) == 1
+        # as the loop does when a read of its pipe fails: the trigger leaves the map, closed
+        waitress_adapter.in_loop(server, server.trigger.close)
+        while not server.trigger._closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(OSError):
+            waitress_adapter.in_loop(server, lambda: None)
+        waitress_adapter.start_draining(server)
+        waitress_adapter.close_soon(server)
+        loop.join(5)
+        assert not loop.is_alive(), "the loop did not end"
+        assert "wake-up pipe is closed" in caplog.text
+        assert client.recv(10) == b""  # its connection was closed
+    finally:
+        client.close()
         server.task_dispatcher.shutdown(timeout=1)
 
 
