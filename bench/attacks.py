@@ -11,12 +11,16 @@ The embedding attacks run against the bundled model; the rerank ones against a r
 of ms-marco-MiniLM-L6-v2's shape (bench/rerank.py builds it; 512-token limit). Each attack
 is sent alone, after the server's high-water mark is reset (/proc/PID/clear_refs, "5"); the
 growth is VmHWM minus VmRSS at the reset. Concurrent attacks (twelve /decode bodies, three
-document bodies) send their bodies at once. Clients and server share this machine's cores.
+document bodies) send their bodies at once. Meanwhile a prober GETs /health on the probe port
+(HEALTH_PORT) every 20 ms, each on a new connection as a kubelet's probe; the slowest answer
+is the last column. Clients and server share this machine's cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import os
 import re
 import subprocess
 import sys
@@ -59,16 +63,47 @@ def status_kib(pid: int, key: str) -> int:
     return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1))
 
 
-def start(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
-    return start_server(log, ["--model", model] if model else [], timeout=300)
+def start(model: str | None, log: Path) -> tuple[subprocess.Popen, str, int]:
+    """The server, its URL and its probe port."""
+    os.environ["EMBEDSVC_HEALTH_PORT"] = "0"
+    proc, url = start_server(log, ["--model", model] if model else [], timeout=300)
+    deadline = time.monotonic() + 30
+    while not (found := re.search(r"probes on http://127\.0\.0\.1:(\d+)",
+                                  log.read_text(errors="replace"))):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no probe port logged:\n{log.read_text()}")
+        time.sleep(0.1)
+    return proc, url, int(found.group(1))
 
 
-def attack(url: str, pid: int, route: str, body: bytes, copies: int) -> tuple[str, float, float]:
-    """Statuses, seconds until the last answer, peak RSS growth (MiB)."""
+def probe_seconds(port: int) -> float:
+    """One GET /health on a new connection, as a kubelet's probe; its seconds."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200, resp.status
+    finally:
+        conn.close()
+    return time.monotonic() - started
+
+
+def attack(url: str, pid: int, probes: int, route: str, body: bytes,
+           copies: int) -> tuple[str, float, float, float]:
+    """Statuses, seconds until the last answer, peak RSS growth (MiB), slowest probe (s)."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
     base = status_kib(pid, "VmRSS")
     statuses: list[int] = []
     barrier = threading.Barrier(copies)
+    probed: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            probed.append(probe_seconds(probes))
+            time.sleep(0.02)
 
     def send() -> None:
         barrier.wait(60)
@@ -76,6 +111,8 @@ def attack(url: str, pid: int, route: str, body: bytes, copies: int) -> tuple[st
                           headers={"content-type": "application/json"})
         statuses.append(resp.status_code)
 
+    prober = threading.Thread(target=probe)
+    prober.start()
     started = time.monotonic()
     threads = [threading.Thread(target=send) for _ in range(copies)]
     for t in threads:
@@ -83,18 +120,20 @@ def attack(url: str, pid: int, route: str, body: bytes, copies: int) -> tuple[st
     for t in threads:
         t.join()
     took = time.monotonic() - started
+    done.set()
+    prober.join()
     growth = (status_kib(pid, "VmHWM") - base) / 1024
     counted = ", ".join(f"{statuses.count(s)} x {s}" for s in sorted(set(statuses)))
-    return counted, took, growth
+    return counted, took, growth, max(probed, default=float("nan"))
 
 
 def run(model: str | None, attacks: list, log: Path) -> None:
-    proc, url = start(model, log)
+    proc, url, probes = start(model, log)
     try:
         for name, route, body, copies in attacks:
-            counted, took, growth = attack(url, proc.pid, route, body, copies)
+            counted, took, growth, slowest = attack(url, proc.pid, probes, route, body, copies)
             print(f"| {name} | {route} | {len(body) / MiB:.1f} | {counted} | {took:.2f} | "
-                  f"{growth:.0f} |", flush=True)
+                  f"{growth:.0f} | {slowest * 1000:.0f} |", flush=True)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -105,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("embedding", "rerank"), help="one model's attacks")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="embedsvc-attacks-"))
-    print("| attack | route | body (MiB) | answers | seconds | peak RSS growth (MiB) |")
-    print("|---|---|---:|---|---:|---:|")
+    print("| attack | route | body (MiB) | answers | seconds | peak RSS growth (MiB) "
+          "| slowest probe (ms) |")
+    print("|---|---|---:|---|---:|---:|---:|")
     if args.only != "rerank":
         run(None, EMBEDDING, work / "embedding.log")
     if args.only != "embedding":
