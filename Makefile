@@ -93,14 +93,17 @@ lint: setup
 	$(BIN)/ruff check embedsvc tests bench deploy
 	$(BIN)/mypy
 
-# Test files run in 4 processes: most of their time is spent waiting on servers they start.
+# Test files run in one process more than the machine has cores (most of their time is
+# spent waiting on the servers they start), at most 8. On 2 cores, 3 processes ran the suite
+# in 269-274 s and 497-510 CPU-s; 4 in 311-360 s and 575-662 CPU-s (bench/RESULTS.md).
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
 test: lint tools $(HUB1_VENV)/.installed
-	$(BIN)/python -m pytest -n 4 --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The same run, measuring line coverage of embedsvc/ in the test processes and every Python
 # process they start (pyproject.toml's [tool.coverage.run]); slower, so not part of `test`.
 coverage: lint tools $(HUB1_VENV)/.installed
-	$(BIN)/python -m pytest -n 4 --dist loadfile --cov --cov-report=term:skip-covered
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --cov --cov-report=term:skip-covered
 
 clean:
 	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache .coverage .coverage.*
