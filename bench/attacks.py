@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import os
 import re
 import subprocess
 import sys
@@ -65,8 +64,8 @@ def status_kib(pid: int, key: str) -> int:
 
 def start(model: str | None, log: Path) -> tuple[subprocess.Popen, str, int]:
     """The server, its URL and its probe port."""
-    os.environ["EMBEDSVC_HEALTH_PORT"] = "0"
-    proc, url = start_server(log, ["--model", model] if model else [], timeout=300)
+    proc, url = start_server(log, ["--health-port", "0", *(["--model", model] if model else [])],
+                             timeout=300)
     deadline = time.monotonic() + 30
     while not (found := re.search(r"probes on http://127\.0\.0\.1:(\d+)",
                                   log.read_text(errors="replace"))):

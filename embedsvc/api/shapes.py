@@ -107,13 +107,16 @@ class Shape:
 
 def _first_not(items: list[Any], kind: type) -> int | None:
     """The index of the first item whose type is not ``kind`` (a bool is no int), in C: the
-    set of types of each slice first (the fastest pass), the position only in a slice that
-    needs one. A slice of ``_SLICE`` items takes about 1.5 ms; between two, the interpreter
-    can hand the GIL to another thread (a probe's), which one pass over a million items
-    would hold for 70 ms or more."""
-    for start in range(0, len(items), _SLICE):
-        part = items[start:start + _SLICE]
-        if set(map(type, part)) <= {kind}:
-            continue
-        return start + next(compress(count(), map(partial(is_not, kind), map(type, part))))
-    return None
+    set of types first (the fastest pass), the position only for a list that needs one. A
+    list longer than ``_SLICE`` is checked a slice at a time (about 1.5 ms each): between
+    two, the interpreter can hand the GIL to another thread (a probe's), which one pass over
+    a million items would hold for 70 ms or more."""
+    if len(items) > _SLICE:
+        for start in range(0, len(items), _SLICE):
+            found = _first_not(items[start:start + _SLICE], kind)
+            if found is not None:
+                return start + found
+        return None
+    if set(map(type, items)) <= {kind}:
+        return None
+    return next(compress(count(), map(partial(is_not, kind), map(type, items))))
