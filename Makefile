@@ -94,8 +94,9 @@ lint: setup
 	$(BIN)/mypy
 
 # Test files run in one process more than the machine has cores (most of their time is
-# spent waiting on the servers they start), at most 8. On 2 cores, 3 processes ran the suite
-# in 269-274 s and 497-510 CPU-s; 4 in 311-360 s and 575-662 CPU-s (bench/RESULTS.md).
+# spent waiting on the servers they start), at most 8. On 2 cores in the working tree, 3
+# processes ran the suite in 270-274 s and 497-510 CPU-s, 4 in 295-326 s and 547-591 CPU-s;
+# on a fresh clone the two did not differ measurably (bench/RESULTS.md).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
 test: lint tools $(HUB1_VENV)/.installed
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
