@@ -64,7 +64,7 @@ def run(command: list[str]) -> tuple[float, float, int, str, list[dict]]:
         rows = [json.loads(line) for line in ledger.read_text().splitlines()] \
             if ledger.exists() else []
     found = re.findall(r"^=+ (.*(?:passed|failed|error).*) =+$", proc.stdout, re.M)
-    last = proc.stdout.strip().splitlines()[-1:] or ["no output"]
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
     return wall, cpu, proc.returncode, (found or last)[-1], rows
 
 
