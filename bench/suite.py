@@ -38,7 +38,7 @@ def _ledger():
         return
     t = os.times()
     row = {"cpu": t.user + t.system, "argv": " ".join(sys.argv)[:200],
-           "worker": "xdist.remote" in sys.modules,
+           "worker": sys.argv[:1] == ["-c"] and "execnet" in sys.modules,
            "torch": "torch" in sys.modules, "ort": "onnxruntime" in sys.modules,
            "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
     with open(path, "a") as f:
