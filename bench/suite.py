@@ -29,7 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Written into a temporary directory put first on PYTHONPATH; LEDGER names the output file.
+# Written into a temporary directory put first on PYTHONPATH; EMBEDSVC_SUITE_LEDGER names
+# the file its lines go to.
 SITECUSTOMIZE = '''
 import atexit, json, os, sys
 def _ledger():
@@ -82,14 +83,15 @@ def report(wall: float, cpu: float, code: int, summary: str, rows: list[dict],
            top: int) -> str:
     by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for row in rows:
-        by[kind(row)][0] += 1
-        by[kind(row)][1] += row["cpu"]
+        tally = by[kind(row)]
+        tally[0] += 1
+        tally[1] += row["cpu"]
     named = sum(row["cpu"] for row in rows)
     lines = [f"{wall:.1f} s wall, {cpu:.1f} CPU-s (user + system), exit code {code}: {summary}",
              "", "| processes | count | CPU-s |", "|---|---:|---:|"]
     for name, (count, seconds) in sorted(by.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {name} | {count:.0f} | {seconds:.1f} |")
-    lines.append(f"| not in the ledger (not Python, killed, or a clean environment) | | "
+    lines.append(f"| not in the ledger (not Python, killed, a clean environment, teardown) | | "
                  f"{cpu - named:.1f} |")
     lines += ["", f"The {top} costliest processes that are not workers:", "",
               "| CPU-s | PyTorch | command | started during |", "|---:|---|---|---|"]
