@@ -27,6 +27,7 @@ from .metrics import Metrics
 from .model import backend
 from .model.encoder import Encoder, ModelInfo
 from .model.st_encoder import SentenceTransformerEncoder
+from .runner import LocalPort, Runner
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Service:
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
         self.body_lane = BodyLane()  # large bodies' parsing (api.bodies.parse)
         self._engine: Engine | None = None
+        self._runner: Runner | None = None
         self._given = encoder
         self._loader = loader or (lambda: load_encoder(settings))
         self._loaded = threading.Event()
@@ -91,7 +93,7 @@ class Service:
         if self._draining:
             return "draining"
         engine = self._engine
-        if self.failure or (engine is not None and not engine.batcher.alive):
+        if self.failure or (engine is not None and not engine.port.alive):
             return "unhealthy"
         return "ready" if engine is not None else "loading"
 
@@ -105,7 +107,12 @@ class Service:
     def queue_limit(self) -> int | None:
         """MAX_QUEUE in effect (derived from the measured rate when unset)."""
         engine = self._engine
-        return engine.batcher.admission.limit if engine is not None else self.settings.max_queue
+        return engine.port.queue_limit if engine is not None else self.settings.max_queue
+
+    @property
+    def runner(self) -> Runner | None:
+        """The model side, when it is in this process and loaded (its batcher, encoder)."""
+        return self._runner
 
     def ready(self, timeout: float | None = None) -> Engine:
         """The engine, waiting up to ``timeout`` for the model; 503 if it is not there."""
@@ -143,10 +150,10 @@ class Service:
             self.failure = failure  # only now: waiting requests answer as soon as it is set
             self._loaded.set()
             return
-        batcher = Batcher(encoder.encode, batch_limits(self.settings, encoder),
-                          metrics=self.metrics)
-        batcher.start()
-        self._engine = Engine(self.settings, encoder, batcher, self.metrics)
+        port = local_port(self.settings, encoder, self.metrics)
+        self._runner = port.runner
+        batcher = port.runner.batcher
+        self._engine = Engine(self.settings, encoder, port, self.metrics)
         threading.Thread(target=self._watch, args=(batcher,), name="embedsvc-watchdog",
                          daemon=True).start()
         self._announce(encoder.info, time.monotonic() - started)
@@ -184,6 +191,20 @@ class Service:
                         batcher.restart()
             except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
                 log.exception("watchdog tick failed; continuing")
+
+
+def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalPort:
+    """The model side in this process, its batcher started."""
+    batcher = Batcher(encoder.encode, batch_limits(settings, encoder), metrics=metrics)
+    batcher.start()
+    return LocalPort(Runner(settings, encoder, batcher, metrics))
+
+
+def local_engine(settings: Settings, encoder: Encoder, metrics: Metrics | None = None
+                 ) -> Engine:
+    """An engine whose model is in this process (its batcher started; no watchdog)."""
+    metrics = metrics or Metrics()
+    return Engine(settings, encoder, local_port(settings, encoder, metrics), metrics)
 
 
 def batch_limits(settings: Settings, encoder: Encoder) -> BatchLimits:

@@ -18,6 +18,7 @@ import orjson
 
 from .. import rules
 from ..errors import InvalidRequest
+from ..work import EMBED, SCORE
 from . import typed
 from .bodies import parse
 from .schemas import CohereEmbedRequest, CohereRerankRequest
@@ -42,7 +43,7 @@ def cohere_rerank(call: Call) -> Reply:
     """POST /v1/rerank, /v2/rerank: the Cohere (and Jina) shape."""
     req = parse(CohereRerankRequest, call)
     docs = req.documents  # strings: the shape reads {"text": ...} objects
-    out = call.engine().rerank(req.query, docs, param="documents", **call.waits)
+    out = call.run(call.work(SCORE, docs, query=req.query, param="documents"))
     order = sorted(range(len(docs)), key=lambda i: -out.vectors[i, 0])[: req.top_n]
     results: list[dict[str, Any]] = []
     for i in order:
@@ -53,7 +54,7 @@ def cohere_rerank(call: Call) -> Reply:
     body = {
         "id": str(uuid.uuid4()),
         "results": results,
-        "model": call.engine().info.name,
+        "model": call.info.name,
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
     return embedded_reply(body, out, len(docs))
@@ -85,17 +86,16 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
             raise InvalidRequest(f"'{field}' is not supported: {fix}", param=field,
                                  code="not_supported")
     rules.check_listed(req.texts, "texts")
-    engine = call.engine()
-    texts = typed.with_role(engine, req.texts, req.input_type, _ROLES, "input_type")
+    texts = typed.with_role(call.info, req.texts, req.input_type, _ROLES, "input_type")
     truncate, direction = _TRUNCATE[req.truncate]
-    out = engine.embed(texts, normalize=True, dimensions=req.output_dimension,
-                       truncate=truncate, direction=direction, **call.waits)
+    out = call.run(call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
+                             truncate=truncate, direction=direction))
     body: dict[str, Any] = {"id": str(uuid.uuid4())}
     if v1 and req.embedding_types is None:
         body.update(response_type="embeddings_floats", embeddings=out.vectors)
     else:
         types = dict.fromkeys(req.embedding_types or ["float"])  # in order, once each
-        by_type = {t: _as_type(engine, out.vectors, t, req.output_dimension) for t in types}
+        by_type = {t: _as_type(call, out.vectors, t, req.output_dimension) for t in types}
         body.update(response_type="embeddings_by_type", embeddings=by_type)
     body["texts"] = req.texts
     body["meta"] = {"api_version": {"version": "1" if v1 else "2"},
@@ -103,7 +103,7 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
     return embedded_reply(body, out, len(texts))
 
 
-def _as_type(engine: Any, rows: np.ndarray, dtype: str, dimensions: int | None) -> Any:
+def _as_type(call: Call, rows: np.ndarray, dtype: str, dimensions: int | None) -> Any:
     if dtype == "base64":
         return typed.base64_rows(rows.astype(np.float32))
-    return typed.encoded(engine, rows, dtype, dimensions=dimensions)
+    return call.engine().codes(rows, dtype, dimensions=dimensions)

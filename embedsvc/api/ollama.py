@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ApiError, InvalidRequest, NotFound
-from ..model.encoder import ModelInfo
+from ..work import EMBED, ModelInfo
 from .bodies import as_list, parse
 from .schemas import OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaShowRequest
 from .web import Call, Handler, Reply, embedded_reply, json_reply
@@ -51,12 +51,11 @@ def embed(call: Call) -> Reply:
     """POST /api/embed: L2-normalised vectors, as Ollama gives them."""
     req = parse(OllamaEmbedRequest, call)
     inputs = as_list(req.input)
-    engine = call.engine()
     if not inputs:  # Ollama answers an empty list with no vectors
-        return json_reply(_embed_body(engine.info, [], call, 0))
-    out = engine.embed(inputs, normalize=True, dimensions=req.dimensions, truncate=req.truncate,
-                       **call.waits)
-    return embedded_reply(_embed_body(engine.info, out.vectors, call, out.tokens), out,
+        return json_reply(_embed_body(call.info, [], call, 0))
+    out = call.run(call.work(EMBED, inputs, normalize=True, dimensions=req.dimensions,
+                             truncate=req.truncate))
+    return embedded_reply(_embed_body(call.info, out.vectors, call, out.tokens), out,
                           len(inputs))
 
 
@@ -74,14 +73,14 @@ def _embed_body(info: ModelInfo, vectors: Any, call: Call, tokens: int) -> dict[
 def embeddings(call: Call) -> Reply:
     """POST /api/embeddings (legacy): one prompt, the model's raw vector, as Ollama gives it."""
     req = parse(OllamaEmbeddingsRequest, call)
-    out = call.engine().embed([req.prompt], normalize=False, **call.waits)
+    out = call.run(call.work(EMBED, [req.prompt], normalize=False))
     return embedded_reply({"embedding": out.vectors[0]}, out, 1)
 
 
 @ollama_errors
 def tags(call: Call) -> Reply:
     """GET /api/tags: the served model, as ``ollama list`` shows models."""
-    info = call.engine().info
+    info = call.info
     name = ollama_name(info)
     return json_reply({"models": [{
         "name": name, "model": name, "modified_at": _listed_at(),
@@ -93,7 +92,7 @@ def tags(call: Call) -> Reply:
 def show(call: Call) -> Reply:
     """POST /api/show: the served model's details, by the name /api/tags lists."""
     req = parse(OllamaShowRequest, call)
-    info = call.engine().info
+    info = call.info
     asked = req.model or req.name
     if asked is None:
         raise InvalidRequest("'model' is required", param="model", code="invalid_model")

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..work import EMBED
 from . import typed
 from .bodies import as_list, parse
 from .openai_tokens import decode_ids
@@ -27,28 +28,27 @@ def embeddings(call: Call) -> Reply:
     """POST /v1/embeddings and /embeddings: the OpenAI shape."""
     req = parse(TypedEmbeddingsRequest, call)
     inputs = as_list(req.input)
-    engine = call.engine()
     dimensions = _agreed(req, "dimensions", "output_dimension")
     dtype = _agreed(req, "output_dtype", "embedding_type") or "float"
     encoding = "base64" if dtype == "base64" else req.encoding_format
     dtype = "float" if dtype == "base64" else dtype
     normalize = req.normalized is not False
-    prefix = _role_prefix(engine, req)
+    prefix = _role_prefix(call, req)
     decode = None
-    if engine.settings.token_ids == "openai":
+    if call.service.settings.token_ids == "openai":
         # OpenAI clients send ids of the tiktoken encoding of the model they name; as text,
         # they take the role's prompt too
         decode = partial(_decoded, model=req.model, prefix=prefix)
     inputs = _prompted(inputs, prefix, req, ids_take_prompts=decode is not None)
-    out = engine.embed(inputs, normalize=normalize, dimensions=dimensions,
-                       truncate=req.truncation, decode=decode, **call.waits)
-    rows = typed.encoded(engine, out.vectors, dtype, normalize=normalize, dimensions=dimensions)
+    out = call.run(call.work(EMBED, inputs, normalize=normalize, dimensions=dimensions,
+                             truncate=req.truncation, decode=decode))
+    rows = call.engine().codes(out.vectors, dtype, normalize=normalize, dimensions=dimensions)
     encoded: list[Any] = typed.base64_rows(rows) if encoding == "base64" else list(rows)
     body = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e}
                  for i, e in enumerate(encoded)],
-        "model": engine.info.name,
+        "model": call.info.name,
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
     return embedded_reply(body, out, len(inputs))
@@ -63,7 +63,7 @@ def _agreed(req: TypedEmbeddingsRequest, name: str, alias: str) -> Any:
     return other if value is None else value
 
 
-def _role_prefix(engine: Any, req: TypedEmbeddingsRequest) -> str:
+def _role_prefix(call: Call, req: TypedEmbeddingsRequest) -> str:
     """The prompt of Voyage's input_type or Jina's task, where the model has one."""
     if req.input_type is None and req.task is None:  # OpenAI's requests: no role
         return ""
@@ -72,7 +72,7 @@ def _role_prefix(engine: Any, req: TypedEmbeddingsRequest) -> str:
                              param="task", code="invalid_task")
     sent, roles, param = ((req.task, _JINA_ROLES, "task") if req.task is not None
                           else (req.input_type, _VOYAGE_ROLES, "input_type"))
-    return typed.with_role(engine, [""], sent, roles, param)[0]
+    return typed.with_role(call.info, [""], sent, roles, param)[0]
 
 
 def _prompted(inputs: list[Any], prefix: str, req: TypedEmbeddingsRequest, *,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from ..errors import Unavailable
-from ..model.kinds import tei_model_type
+from ..work import ModelInfo
 from .web import Call, Reply, json_reply
 
 _HEALTH_REASONS = {
@@ -14,6 +16,16 @@ _HEALTH_REASONS = {
     "draining": "the server is shutting down",
     "unhealthy": "the model failed to load or the batcher is not running; see the log",
 }
+
+
+def tei_model_type(info: ModelInfo) -> dict[str, Any]:
+    """``model_type`` of TEI's /info, which clients read to tell the kind."""
+    if info.kind in ("reranker", "classifier"):
+        id2label = {str(i): name for i, name in enumerate(info.labels)}
+        return {info.kind: {"id2label": id2label,
+                            "label2id": {name: i for i, name in enumerate(info.labels)}}}
+    pooling = "splade" if info.kind == "sparse" else info.pooling
+    return {"embedding": {"pooling": pooling} if pooling else {}}
 
 
 def info(call: Call) -> Reply:

@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import rules
 from ..errors import InvalidRequest
-from ..model.sparse import elements
+from ..work import EMBED, SCORE, SPARSE, TOKENS, elements
 from . import cohere
 from .bodies import as_list, parse
 from .schemas import (
@@ -47,22 +47,20 @@ from .web import Call, Reply, embedded_reply, json_reply
 def embed(call: Call) -> Reply:
     """POST /embed: the TEI shape, one vector per input (texts or the model's token ids)."""
     req = parse(EmbedRequest, call)
-    engine = call.engine()
-    inputs = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
-    out = engine.embed(inputs, normalize=req.normalize, dimensions=req.dimensions,
-                       truncate=req.truncate, direction=req.truncation_direction, **call.waits)
+    inputs = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
+    out = call.run(call.work(EMBED, inputs, normalize=req.normalize, dimensions=req.dimensions,
+                             truncate=req.truncate, direction=req.truncation_direction))
     return embedded_reply(out.vectors, out, len(inputs))
 
 
 def embed_all(call: Call) -> Reply:
     """POST /embed_all: the TEI shape, per input one raw vector per token."""
     req = parse(EmbedAllRequest, call)
-    engine = call.engine()
-    inputs = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
-    rows, tokens = engine.embed_all(inputs, truncate=req.truncate,
-                                    direction=req.truncation_direction, **call.waits)
-    reply = json_reply(rows, headers=[("x-compute-tokens", str(tokens))])
-    reply.inputs, reply.tokens = len(inputs), tokens
+    inputs = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
+    out = call.run(call.work(TOKENS, inputs, truncate=req.truncate,
+                             direction=req.truncation_direction))
+    reply = json_reply(out.token_vectors, headers=[("x-compute-tokens", str(out.tokens))])
+    reply.inputs, reply.tokens = len(inputs), out.tokens
     return reply
 
 
@@ -93,8 +91,9 @@ def rerank(call: Call) -> Reply:
     if cohere.is_cohere_body(call.body):
         return cohere.cohere_rerank(call)
     req = parse(RerankRequest, call)
-    out = call.engine().rerank(req.query, req.texts, raw=req.raw_scores, truncate=req.truncate,
-                               direction=req.truncation_direction, **call.waits)
+    out = call.run(call.work(SCORE, req.texts, query=req.query, param="texts",
+                             raw=req.raw_scores, truncate=req.truncate,
+                             direction=req.truncation_direction))
     ranks = [{"index": i, "score": float(s)} for i, s in enumerate(out.vectors[:, 0])]
     ranks.sort(key=lambda r: -r["score"])
     if req.return_text:
@@ -107,10 +106,9 @@ def predict(call: Call) -> Reply:
     """POST /predict: a text, a pair, or a batch of them; every label's score, best first."""
     req = parse(PredictRequest, call)
     single, inputs = _predict_inputs(req.inputs)
-    engine = call.engine()
-    out = engine.score(inputs, raw=req.raw_scores, truncate=req.truncate,
-                       direction=req.truncation_direction, **call.waits)
-    labels = engine.info.labels
+    out = call.run(call.work(SCORE, inputs, raw=req.raw_scores, truncate=req.truncate,
+                             direction=req.truncation_direction))
+    labels = call.info.labels
     predictions = [
         [{"score": float(s), "label": labels[j]}
          for s, j in sorted(((float(s), j) for j, s in enumerate(row)), key=lambda sj: -sj[0])]
@@ -122,11 +120,10 @@ def predict(call: Call) -> Reply:
 def embed_sparse(call: Call) -> Reply:
     """POST /embed_sparse: the non-zero (index, value) pairs of each input's sparse vector."""
     req = parse(EmbedSparseRequest, call)
-    engine = call.engine()
-    texts = rules.prompted(engine.info.prompts, req.prompt_name, as_list(req.inputs))
-    out, vectors = engine.embed_sparse(texts, truncate=req.truncate,
-                                       direction=req.truncation_direction, **call.waits)
-    body = [elements(idx, val) for idx, val in vectors]
+    texts = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
+    out = call.run(call.work(SPARSE, texts, normalize=False, truncate=req.truncate,
+                             direction=req.truncation_direction))
+    body = [elements(idx, val) for idx, val in out.sparse or ()]
     return embedded_reply(body, out, len(texts))
 
 
@@ -134,14 +131,15 @@ def similarity(call: Call) -> Reply:
     """POST /similarity: TEI's sentence similarity, the cosine of each sentence to the source."""
     req = parse(SimilarityRequest, call)
     params = req.parameters
-    engine = call.engine()
     truncate, direction, name = None, "right", None
     if params is not None:
         truncate, direction, name = params.truncate, params.truncation_direction, params.prompt_name
-    source, *sentences = rules.prompted(engine.info.prompts, name,
+    source, *sentences = rules.prompted(call.info.prompts, name,
                                         [req.inputs.source_sentence, *req.inputs.sentences])
-    out, cosines = engine.similarity(source, sentences, truncate=truncate, direction=direction,
-                                     **call.waits)
+    rules.check_listed(sentences, "inputs.sentences")
+    out = call.run(call.work(EMBED, [source, *sentences], normalize=True, truncate=truncate,
+                             direction=direction))
+    cosines = out.vectors[1:] @ out.vectors[0]
     return embedded_reply([float(c) for c in cosines], out, len(sentences) + 1)
 
 
@@ -150,7 +148,7 @@ _MAIN = {"reranker": rerank, "classifier": predict, "sparse": embed_sparse}
 
 def main_route(call: Call) -> Reply:
     """POST / and /invocations: the served kind's main route, as TEI's (SageMaker) do."""
-    return _MAIN.get(call.engine().info.kind, embed)(call)
+    return _MAIN.get(call.info.kind, embed)(call)
 
 
 def _predict_inputs(value: Any) -> tuple[bool, list[Any]]:

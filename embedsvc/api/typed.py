@@ -1,7 +1,7 @@
 """What the Cohere, Voyage and Jina embedding fields share: an input role (a query, a
 document) mapped to the model's prompts, and vectors out as float, int8, uint8 or packed bits.
 
-int8/uint8 codes need the model's calibration (``Engine.calibration``). It is computed at the
+int8/uint8 codes need the model's calibration (``Engine.codes``). It is computed at the
 first request that asks for them, not at startup: most deployments never ask, and for them
 startup stays as it was; with the cache warm it is read from disk (bench/RESULTS.md has both
 times).
@@ -10,15 +10,11 @@ times).
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidRequest
-from ..model import quantize
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..work import ModelInfo
 
 # The prompt names each role goes by in sentence-transformers models, most usual first.
 _ROLE_PROMPTS = {
@@ -40,7 +36,7 @@ def role_prefix(prompts: dict[str, str], sent: str, role: str) -> str:
     return ""
 
 
-def with_role(engine: Engine, texts: list[str], sent: str | None, roles: dict[str, str],
+def with_role(info: ModelInfo, texts: list[str], sent: str | None, roles: dict[str, str],
               param: str) -> list[str]:
     """``texts`` with the prompt of the role the client's ``param`` value names."""
     if sent is None:
@@ -49,17 +45,8 @@ def with_role(engine: Engine, texts: list[str], sent: str | None, roles: dict[st
         known = ", ".join(sorted(roles))
         raise InvalidRequest(f"'{param}' {sent!r} is not one of {known}", param=param,
                              code=f"invalid_{param}")
-    prefix = role_prefix(engine.info.prompts, sent, roles[sent])
+    prefix = role_prefix(info.prompts, sent, roles[sent])
     return [prefix + t for t in texts] if prefix else texts
-
-
-def encoded(engine: Engine, rows: np.ndarray, dtype: str, *, normalize: bool = True,
-            dimensions: int | None = None) -> np.ndarray:
-    """``rows`` (shaped by ``normalize`` and ``dimensions``) as ``dtype``."""
-    ranges = None
-    if dtype in (quantize.INT8, quantize.UINT8):
-        ranges = engine.calibration().ranges(normalize=normalize, dimensions=dimensions)
-    return quantize.quantize(rows, dtype, ranges)
 
 
 def base64_rows(rows: np.ndarray) -> list[str]:

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import BaseModel
 
+from ..work import Embedded, ModelInfo, Work
+
 if TYPE_CHECKING:
-    from ..engine import Embedded, Engine
+    from ..engine import Engine
     from ..service import Service
 
 JSON = "application/json"
@@ -53,10 +55,21 @@ class Call:
     def deadline(self) -> float:
         return self.arrived + self.service.settings.request_timeout_s
 
+    def work(self, kind: str, inputs: Any, **options: Any) -> Work:
+        """The one value a handler builds: what to compute (``Work``'s fields as
+        ``options``), with what the pipeline knows of this request (deadline, client,
+        connection)."""
+        return Work(kind, inputs, deadline=self.deadline, disconnected=self.disconnected,
+                    flow=self.flow, **options)
+
+    def run(self, work: Work) -> Embedded:
+        """``work``'s answer from the engine (its rows, in input order)."""
+        return self.engine().run(work)
+
     @property
-    def waits(self) -> dict[str, Any]:
-        """The engine's ``deadline``, ``disconnected`` and ``flow`` options for this call."""
-        return {"deadline": self.deadline, "disconnected": self.disconnected, "flow": self.flow}
+    def info(self) -> ModelInfo:
+        """The served model (waits for it as ``engine`` does)."""
+        return self.engine().info
 
     def engine(self) -> Engine:
         """The loaded engine, waiting for the model up to this request's deadline (else 503)."""

@@ -31,10 +31,11 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from ..errors import (
+    ApiError,
     ClientDisconnected,
     DeadlineExceeded,
     Overloaded,
@@ -55,29 +56,47 @@ _BEST_OF = 8
 _AUTO_CAP = 16  # MAX_QUEUE unset: at most this many times MAX_INPUTS_PER_REQUEST
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Ticket:
-    """One request's reservation; ``open`` until the batcher takes it over or it is freed."""
+    """One request's reservation: ``open`` from its grant until the batcher takes it over or
+    it is freed; ``waiting`` while it stands in the FIFO. ``notify`` (for a caller that does
+    not block on ``admit``: the engine process's loop) is called, under the gate's lock, when
+    a waiting ticket is granted or refused (``refused``: the error, when draining)."""
 
     inputs: int
     tokens: int
     deadline: float
+    flow: Hashable = None
     open: bool = False
+    waiting: bool = False
+    notify: Callable[[Ticket], None] | None = None
+    refused: ApiError | None = None
+
+
+# The queue's model (``Batcher.tokens_ahead``): the tokens the device computes before new work
+# of a flow reaches it; None without one (this gate's own count stands in for it).
+QueueModel = Callable[[Hashable], int]
 
 
 class Admission:
     """The FIFO gate in front of tokenizing and queueing; thread-safe."""
 
     def __init__(self, *, max_inputs: int | None, max_tokens: int, timeout_s: float,
-                 floor_inputs: int, metrics: Metrics | None = None) -> None:
+                 floor_inputs: int, metrics: Metrics | None = None,
+                 queue: QueueModel | None = None) -> None:
         self.max_inputs = max_inputs  # None: derived from the measured rate (see ``limit``)
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.floor_inputs = floor_inputs
         self.metrics = metrics or Metrics()
+        self.queue = queue
         self.used_inputs = 0
         self.used_tokens = 0
         self._waiting: deque[Ticket] = deque()
+        # open tickets (admitted, not yet queued): tokens by flow, and the sum of each
+        # ticket's first input (what it puts ahead of another flow's work at equal tags)
+        self._opened: dict[Hashable, int] = {}
+        self._opened_first = 0
         self._cond = threading.Condition()
         self._closed = False
         self._rates: deque[float] = deque(maxlen=_BEST_OF)  # tokens/s of the last batches
@@ -103,13 +122,25 @@ class Admission:
         return len(self._waiting)
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None) -> Ticket:
+              disconnected: Callable[[], bool] | None = None, flow: Hashable = None
+              ) -> Ticket:
         """Reserve ``inputs`` and about ``tokens``; waits in FIFO order for room.
 
         Raises 413 (larger than MAX_QUEUE), 429 (cannot reach the model before
         ``deadline``), 503 (draining), 504 (still waiting at ``deadline``), 499 (the client
-        left while waiting).
+        left while waiting). ``flow`` (the client's connection) is the queue where its work
+        will take turns with others' (``Batcher.start_tag``), which says what is ahead of it.
         """
+        ticket = self.request(inputs, tokens, deadline, flow)
+        if not ticket.open:
+            self._wait_granted(ticket, disconnected)
+        return ticket
+
+    def request(self, inputs: int, tokens: int, deadline: float, flow: Hashable = None,
+                notify: Callable[[Ticket], None] | None = None) -> Ticket:
+        """``admit`` without waiting: the ticket is open, or stands in the FIFO (``waiting``)
+        until room frees, when ``notify`` is called with it (or with ``refused`` set, when
+        draining). 413, 429 and 503 are raised as by ``admit``."""
         limit = self.limit
         if inputs > limit:
             raise PayloadTooLarge(
@@ -117,29 +148,36 @@ class Admission:
                 "once (MAX_QUEUE); split it into smaller requests",
                 param="input", code="too_many_inputs",
             )
-        ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline)
+        ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow)
+        ahead = self.queue(flow) if self.queue is not None else None  # before our lock
         with self._cond:
+            if ahead is not None:  # and the work admitted, still tokenizing
+                ahead += self._opened_first
+                if flow is not None:
+                    ahead += self._opened.get(flow, 0)
             self._refuse_if_closed()
-            self._refuse_if_late(ticket, time.monotonic())
-            if self._waiting or not self._fits(ticket):  # in line behind others, or no room
+            self._refuse_if_late(ticket, time.monotonic(), ahead)
+            if not self._waiting and self._fits(ticket):
+                self._open(ticket)
+            else:  # in line behind others, or no room
+                ticket.waiting, ticket.notify = True, notify
                 self._waiting.append(ticket)
-                try:
-                    self._wait_turn(ticket, disconnected)
-                finally:
-                    self._waiting.remove(ticket)
-                    self._cond.notify_all()  # the next waiter may fit now
-            self.used_inputs += ticket.inputs
-            self.used_tokens += ticket.tokens
-            ticket.open = True
         return ticket
+
+    def withdraw(self, ticket: Ticket) -> bool:
+        """Take a waiting ticket out of the FIFO (its deadline passed, its client left);
+        False if it was granted or refused meanwhile."""
+        with self._cond:
+            return self._take_back(ticket)
 
     def settle(self, ticket: Ticket, tokens: int) -> None:
         """The batcher takes the reservation over, at its exact token count."""
         with self._cond:
             if ticket.open:
+                self._close(ticket)
                 self.used_tokens += tokens - ticket.tokens
-                ticket.tokens, ticket.open = tokens, False
-                self._wake()
+                ticket.tokens = tokens
+                self._grant()
 
     def cancel(self, ticket: Ticket) -> None:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
@@ -147,7 +185,7 @@ class Admission:
             return
         with self._cond:
             if ticket.open:
-                ticket.open = False
+                self._close(ticket)
                 self._free(ticket.inputs, ticket.tokens)
 
     def release(self, inputs: int, tokens: int) -> None:
@@ -169,10 +207,16 @@ class Admission:
         """Refuse new requests (draining) and send the waiting ones away with 503."""
         with self._cond:
             self._closed = True
+            while self._waiting:
+                ticket = self._waiting.popleft()
+                ticket.waiting, ticket.refused = False, shutting_down()
+                if ticket.notify is not None:
+                    ticket.notify(ticket)
             self._cond.notify_all()
 
     def predicted_wait(self, tokens_ahead: int | None = None) -> float:
-        """Seconds until work admitted or waiting now has reached the model."""
+        """Seconds until ``tokens_ahead`` (by default: all work admitted or waiting now)
+        have been computed, at the device's measured rate."""
         rate = self.rate
         if rate <= 0:
             return 0.0
@@ -182,24 +226,49 @@ class Admission:
 
     # -- under self._cond ---------------------------------------------------------------------
 
+    def _open(self, ticket: Ticket) -> None:
+        self.used_inputs += ticket.inputs
+        self.used_tokens += ticket.tokens
+        ticket.open = True
+        self._opened_first += ticket.tokens // max(1, ticket.inputs)
+        if ticket.flow is not None:
+            self._opened[ticket.flow] = self._opened.get(ticket.flow, 0) + ticket.tokens
+
+    def _close(self, ticket: Ticket) -> None:
+        """``ticket`` is no longer open: settled (the batcher holds it) or freed."""
+        ticket.open = False
+        self._opened_first -= ticket.tokens // max(1, ticket.inputs)
+        if ticket.flow is not None:
+            left = self._opened.get(ticket.flow, 0) - ticket.tokens
+            if left > 0:
+                self._opened[ticket.flow] = left
+            else:
+                self._opened.pop(ticket.flow, None)
+
     def _free(self, inputs: int, tokens: int) -> None:
         self.used_inputs -= inputs
         self.used_tokens -= tokens
-        self._wake()
+        self._grant()
 
-    def _wake(self) -> None:
-        """Tell the waiting requests that room may have freed. Only they wait on the
-        condition (``_wait_turn``), each listed in ``_waiting`` while it does; when none is,
-        the notification is skipped (every request frees and settles once)."""
-        if self._waiting:
-            self._cond.notify_all()
+    def _grant(self) -> None:
+        """Room may have freed: grant the waiters at the head of the FIFO that fit, in
+        order (a later request never overtakes an earlier one), and tell them."""
+        if not self._waiting:  # every request frees and settles once: usually nobody waits
+            return
+        while self._waiting and self._fits(self._waiting[0]):
+            ticket = self._waiting.popleft()
+            ticket.waiting = False
+            self._open(ticket)
+            if ticket.notify is not None:
+                ticket.notify(ticket)
+        self._cond.notify_all()  # the threads blocked in admit() look at their tickets
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise shutting_down()
 
-    def _refuse_if_late(self, ticket: Ticket, now: float) -> None:
-        wait = self.predicted_wait()
+    def _refuse_if_late(self, ticket: Ticket, now: float, ahead: int | None) -> None:
+        wait = self.predicted_wait(ahead)
         budget = ticket.deadline - now
         if wait <= budget:
             return
@@ -216,16 +285,30 @@ class Admission:
             return False
         return self.used_tokens == 0 or self.used_tokens + ticket.tokens <= self.max_tokens
 
-    def _wait_turn(self, ticket: Ticket, disconnected: Callable[[], bool] | None) -> None:
-        while not (self._waiting[0] is ticket and self._fits(ticket)):
-            self._refuse_if_closed()
-            left = ticket.deadline - time.monotonic()
-            if left <= 0:
-                raise deadline_error()
-            if disconnected is not None and disconnected():
-                self.metrics.dropped_inputs.labels(reason="disconnected").inc(ticket.inputs)
-                raise ClientDisconnected("the client disconnected", code="client_disconnected")
-            self._cond.wait(min(left, _WATCH_S) if disconnected is not None else left)
+    def _wait_granted(self, ticket: Ticket, disconnected: Callable[[], bool] | None) -> None:
+        """Block until ``ticket`` is granted; withdrawn at its deadline (504), when its
+        client leaves (499) or refused when draining (503)."""
+        with self._cond:
+            while not ticket.open:
+                if ticket.refused is not None:
+                    raise ticket.refused
+                left = ticket.deadline - time.monotonic()
+                if left <= 0:
+                    self._take_back(ticket)
+                    raise deadline_error()
+                if disconnected is not None and disconnected():
+                    self._take_back(ticket)
+                    self.metrics.dropped_inputs.labels(reason="disconnected").inc(ticket.inputs)
+                    raise ClientDisconnected("the client disconnected", code="client_disconnected")
+                self._cond.wait(min(left, _WATCH_S) if disconnected is not None else left)
+
+    def _take_back(self, ticket: Ticket) -> bool:
+        if not ticket.waiting:
+            return False
+        self._waiting.remove(ticket)
+        ticket.waiting = False
+        self._grant()  # the next waiter may fit now
+        return True
 
 
 def deadline_error() -> DeadlineExceeded:
@@ -234,3 +317,17 @@ def deadline_error() -> DeadlineExceeded:
         "retry, or send fewer inputs at once",
         code="timeout",
     )
+
+
+def still_wanted(metrics: Metrics, left: int, deadline: float | None,
+                 disconnected: Callable[[], bool] | None) -> None:
+    """Raise 504 past ``deadline``, 499 once the client left; ``left`` inputs dropped."""
+    error: ApiError
+    if deadline is not None and time.monotonic() > deadline:
+        error = deadline_error()
+    elif disconnected is not None and disconnected():
+        error = ClientDisconnected("the client disconnected", code="client_disconnected")
+    else:
+        return
+    metrics.dropped_inputs.labels(reason=error.reason).inc(left)
+    raise error

@@ -141,6 +141,9 @@ class Job:
         self.finished_at = 0.0
         self.inference_s = 0.0
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
+        self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
+        self.flow: Hashable = None
+        self.on_done: Callable[[Job], None] | None = None  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
         self.error: ApiError | None = None
@@ -182,6 +185,8 @@ class Job:
         self.finished_at = time.monotonic()
         self._finished = True
         self._signal.release()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 @dataclass(slots=True)
@@ -252,9 +257,13 @@ class Batcher:
         self._pending: list[_Item] = []
         self._earliest_deadline = math.inf  # no queued job is due before this
         self._flows: dict[Hashable, float] = {}  # flow -> the end of its work's tags
+        self._backlog: dict[Hashable, list[int]] = {}  # flow -> [tokens, inputs] queued
+        self._anonymous_end = 0.0  # the end of the tags of work queued without a flow
+        self._served: set[int] = set()  # the jobs of the last batch (ids)
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
-            timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics)
+            timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics,
+            queue=self.tokens_ahead)
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
         self._computed = 0  # inputs whose rows reached a waiting request
@@ -271,19 +280,22 @@ class Batcher:
 
     def submit(self, inputs: list[list[int]], deadline: float,
                disconnected: Callable[[], bool] | None = None,
-               ticket: Ticket | None = None, flow: Hashable | None = None) -> Job:
+               ticket: Ticket | None = None, flow: Hashable | None = None,
+               on_done: Callable[[Job], None] | None = None) -> Job:
         """Queue one request's wrapped token ids under its admission ``ticket``.
 
         Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
         Until its first input reaches the model, the job fails with 504 at ``deadline``; its
         inputs still queued are dropped once ``disconnected()`` is true (``cancel_due``).
         ``flow`` (the client's connection) decides its turn among other clients'
-        (``start_tag``).
+        (``start_tag``). ``on_done(job)`` is called once the job has its rows or its error
+        (from the thread that finishes it: keep it short and never block in it).
         """
         n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
-            ticket = self.admission.admit(n, tokens, deadline, disconnected)
+            ticket = self.admission.admit(n, tokens, deadline, disconnected, flow)
         job = Job(inputs, deadline, disconnected)
+        job.flow, job.queued, job.on_done = flow, tokens, on_done
         with self._cond:
             if self._stopping:
                 self.admission.cancel(ticket)
@@ -291,6 +303,11 @@ class Batcher:
             self.admission.settle(ticket, tokens)
             now = time.monotonic()
             tag = self._start_tag(flow, tokens)
+            backlog = self._backlog.setdefault(flow, [0, 0])
+            backlog[0] += tokens
+            backlog[1] += n
+            if flow is None:
+                self._anonymous_end = max(self._anonymous_end, tag + tokens)
             for i, ids in enumerate(inputs):
                 self._pending.append(_Item(job, i, ids, now, tag))
                 tag += len(ids)
@@ -327,9 +344,40 @@ class Batcher:
         return start
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None) -> Ticket:
+              disconnected: Callable[[], bool] | None = None, flow: Hashable = None) -> Ticket:
         """Reserve room for a request before it tokenizes (see ``Admission.admit``)."""
-        return self.admission.admit(inputs, tokens, deadline, disconnected)
+        return self.admission.admit(inputs, tokens, deadline, disconnected, flow)
+
+    def tokens_ahead(self, flow: Hashable = None) -> int:
+        """The tokens the device computes before new work of ``flow`` reaches it: the model
+        of the queue that admission's 429 and its ``Retry-After`` come from.
+
+        Start-time fair queueing puts ahead of the work what each flow has queued with
+        earlier tags (a flow's queued work is the tail of its tags, so that is the part of
+        it before the new work's start) and, at equal tags, the first input of each flow
+        that came earlier; the floor of a started request (``_turn``) interleaves at most
+        one batch of its own per batch of those; and the batch on the device finishes
+        first. A new flow starts at the virtual time now, so about one batch per busy client
+        is ahead of it, however much a heavy client has queued; a client with work queued
+        has that work, and others' up to where its own ends, ahead of its next request.
+        """
+        with self._cond:
+            now = self.device_lock.virtual
+            start = now if flow is None else max(now, self._flows.get(flow, now))
+            ahead = 0
+            oldest = self._oldest_started()
+            floor = oldest.queued if oldest is not None else 0
+            for g, (queued, inputs) in self._backlog.items():
+                first = (self._anonymous_end if g is None else self._flows.get(g, now)) - queued
+                if first > start:
+                    continue
+                mine = min(queued, int(start - first) + queued // inputs)
+                ahead += mine
+                if oldest is not None and g == oldest.flow:
+                    floor = max(0, floor - mine)
+            budget = self.limits.max_batch_tokens
+            interleaved = min(floor, -(-ahead // budget) * budget)
+            return ahead + interleaved + sum(len(it.ids) for it in self._current)
 
     def cancel_due(self) -> int:
         """Cancel queued jobs past their deadline, and the queued inputs of clients that
@@ -485,9 +533,28 @@ class Batcher:
         return self._pending[0].queued + self.limits.max_wait_s - now
 
     def _turn(self) -> int:
-        """The queued input whose turn it is: the one with the earliest tag."""
+        """The queued input whose turn it is: the one with the earliest tag, unless the
+        oldest started request got nothing in the last batch (then its next input).
+
+        The floor keeps a large request moving under a stream of small ones: once its first
+        input reached the device, it has the turn at least every other batch, so it gets at
+        least about half of the device however many light clients arrive (they wait one or
+        two batches meanwhile). Without it, a request of 2,048 inputs beside 16 busy
+        single-input clients had a seventeenth of each batch's turns.
+        """
         tags = [it.tag for it in self._pending]
-        return tags.index(min(tags))
+        first = tags.index(min(tags))
+        oldest = self._oldest_started()
+        if oldest is None or id(oldest) in self._served or self._pending[first].job is oldest:
+            return first
+        return next(i for i, it in enumerate(self._pending) if it.job is oldest)
+
+    def _oldest_started(self) -> Job | None:
+        """The earliest submitted request with inputs both computed and still queued."""
+        for it in self._pending:  # in submission order
+            if it.job.started:
+                return it.job
+        return None
 
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
@@ -502,6 +569,8 @@ class Batcher:
         now = time.monotonic()
         for it in batch:
             it.job.started = True
+            self._dequeued(it)
+        self._served = {id(it.job) for it in batch}
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
@@ -587,10 +656,22 @@ class Batcher:
         mine = [it for it in self._pending if it.job is job]
         if mine:
             self._pending = [it for it in self._pending if it.job is not job]
+            for it in mine:
+                self._dequeued(it)
             self._release(mine)
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
         self._cond.notify_all()
+
+    def _dequeued(self, item: _Item) -> None:
+        """``item`` left the queue (for the device, or dropped): the backlogs shrink."""
+        job, tokens = item.job, len(item.ids)
+        job.queued -= tokens
+        backlog = self._backlog[job.flow]
+        backlog[0] -= tokens
+        backlog[1] -= 1
+        if backlog[1] <= 0:
+            del self._backlog[job.flow]
 
     def _unanswered(self, which: Callable[[Job], bool]) -> int:
         """Inputs on the device, not yet answered, of the jobs ``which`` picks."""

@@ -17,10 +17,10 @@ import numpy as np
 
 from ..errors import ApiError
 from ..model import quantize
-from ..model.sparse import elements
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
+from ..work import elements
 from .errors import BulkError, UsageError
 from .kinds import dtype_problem, expected_kind, kind_problem, served_kind
 

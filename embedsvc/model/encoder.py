@@ -10,27 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    dimension: int
-    max_input_tokens: int
-    vocab_size: int
-    device: str
-    dtype: str
-    parameters: int = 0
-    size_bytes: int = 0
-    prompts: dict[str, str] = field(default_factory=dict)
-    kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
-    labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
-    pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
-    backend: str = "torch"
+from ..work import ModelInfo as ModelInfo  # the boundary's description of a model
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .encoder import ModelInfo
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -116,16 +115,6 @@ def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
         encoder.serve_as(found.kind)
     log.debug("model kind: %s (%s)", found.kind, found.reason)  # "model ready" names it
     return encoder
-
-
-def tei_model_type(info: ModelInfo) -> dict[str, Any]:
-    """``model_type`` of TEI's /info, which clients read to tell the kind."""
-    if info.kind in ("reranker", "classifier"):
-        id2label = {str(i): name for i, name in enumerate(info.labels)}
-        return {info.kind: {"id2label": id2label,
-                            "label2id": {name: i for i, name in enumerate(info.labels)}}}
-    pooling = "splade" if info.kind == "sparse" else info.pooling
-    return {"embedding": {"pooling": pooling} if pooling else {}}
 
 
 def _cross_kind(config: dict[str, Any]) -> str:

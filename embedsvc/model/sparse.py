@@ -96,13 +96,3 @@ def top_active(rows: np.ndarray, k: int) -> np.ndarray:
     out = np.zeros_like(rows)
     np.put_along_axis(out, keep, np.take_along_axis(rows, keep, axis=1), axis=1)
     return out
-
-
-def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
-    """One sparse vector in TEI's shape (``/embed_sparse``, ``embedsvc embed``'s JSONL).
-
-    >>> elements(np.array([1, 3]), np.array([1.5, 0.25], dtype=np.float32))
-    [{'index': 1, 'value': 1.5}, {'index': 3, 'value': 0.25}]
-    """
-    return [{"index": i, "value": v}
-            for i, v in zip(indices.tolist(), values.tolist(), strict=True)]

@@ -113,7 +113,7 @@ def test_the_backend_asked_for_is_the_one_serving(real_app):
     assert info.backend == real_app.extensions["embedsvc"].settings.backend
     assert real_app.test_client().get("/info").get_json()["backend"] == info.backend
     # ONNX Runtime holds the whole pipeline (lean.py): the encoder keeps no PyTorch module
-    encoder = real_app.extensions["embedsvc"].ready(0).encoder
+    encoder = real_app.extensions["embedsvc"].runner.encoder
     if info.backend == "onnx":
         assert not hasattr(encoder, "input_module")
     else:

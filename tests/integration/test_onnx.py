@@ -74,7 +74,7 @@ def test_a_batch_over_the_run_size_is_computed_in_slices_with_the_same_vectors(e
     engine = service.ready()
     batch = engine.tokens(texts)
     assert len(batch) * max(map(len, batch)) > 2 * RUN_TOKENS  # three runs or more
-    rows = engine.encoder.encode(batch)
+    rows = service.runner.encoder.encode(batch)
     service.drain(timeout=5)
     assert (cosine(rows, reference.encode(texts)) > 0.9999).all()
 

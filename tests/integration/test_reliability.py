@@ -141,7 +141,7 @@ def test_a_client_that_hangs_up_while_queued_is_never_computed():
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        batcher = server.service.ready().batcher
+        batcher = server.service.runner.batcher
         deadline = time.monotonic() + 5
         while batcher.depth == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -194,7 +194,7 @@ def test_health_says_unhealthy_while_the_batcher_is_down(monkeypatch):
         resp = c.get("/health")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unhealthy"
         assert server.registry.get_sample_value("embedsvc_batcher_alive") == 0
-        assert server.service._engine.batcher.restart()
+        assert server.service.runner.batcher.restart()
         healthy_answer(server, fake)
 
 

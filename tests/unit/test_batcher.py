@@ -527,3 +527,41 @@ def test_a_failed_batch_has_given_its_admission_back_when_its_requests_hear(metr
         b.submit([ids(5)], later()).result(5)
     assert b.admitted == 0
     b.shutdown(1)
+
+
+def test_a_started_request_gets_every_other_batch_under_a_stream_of_light_ones(metrics):
+    """The floor of a large request's share: once its first input ran, it has the turn at
+    least every other batch, however many light clients queue (issue 41: a 2,048-input
+    request beside 16 single-input clients had a seventeenth of the turns)."""
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_tokens=20)  # two inputs of 10 tokens a batch
+    enc.hold()
+    big = b.submit([ids(*range(100, 108)) for _ in range(8)], later(), flow="big")
+    assert enc.entered.wait(5)  # its first batch is on the device: it has started
+    light = [b.submit([ids(*range(10 + i, 18 + i))], later(), flow=f"light{i}")
+             for i in range(6)]
+    enc.gate.set()
+    for job in (big, *light):
+        job.result(5)
+    owners = ["big" if batch[0][1] == 100 else "light" for batch in enc.batches[1:]]
+    # the light flows start at the virtual time and go first, two to a batch, but never
+    # two batches in a row while the started request waits
+    assert owners[:6] == ["light", "big", "light", "big", "light", "big"]
+    b.shutdown(1)
+
+
+def test_the_queue_model_puts_about_a_batch_ahead_of_a_new_client(metrics):
+    """What 429 and Retry-After are computed from: a heavy client's queue is not ahead of a
+    new client; its own queued work is ahead of its own next request; equal tags count the
+    first input of each flow that came earlier."""
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_tokens=40)
+    occupy(b, enc)  # 3 tokens on the device
+    b.submit([ids(*range(100, 108)) for _ in range(20)], later(), flow="heavy")  # 200 tokens
+    assert b.tokens_ahead("new") == 3 + 10  # the batch on the device, the heavy flow's first
+    assert b.tokens_ahead("heavy") == 3 + 200  # its own queue first
+    for i in range(5):
+        b.submit([ids(1, 2)], later(), flow=f"light{i}")  # 4 tokens each, all at the same tag
+    assert b.tokens_ahead("new") == 3 + 10 + 5 * 4
+    enc.gate.set()
+    b.shutdown(5)

@@ -16,7 +16,7 @@ from embedsvc.bulk.options import OUTPUT_DTYPES
 from embedsvc.bulk.records import Position, read_records
 from embedsvc.cli import main
 from embedsvc.model import quantize
-from embedsvc.model.sparse import elements
+from embedsvc.work import elements
 
 
 class HashEmbedder:

@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.engine import Engine, l2_normalize
 from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
+from embedsvc.service import local_engine
 from embedsvc.settings import Settings
 
 from .conftest import make_app
@@ -20,17 +20,19 @@ from .conftest import make_app
 def engine(registry):
     settings = Settings(max_inputs_per_request=8, max_queue=64, max_input_chars=50)
     encoder = FakeEncoder(dimension=6, max_input_tokens=8)
-    batcher = Batcher(encoder.encode, BatchLimits.from_settings(settings),
-                      metrics=Metrics(registry))
-    batcher.start()
-    yield Engine(settings, encoder, batcher)
-    batcher.shutdown(timeout=1)
+    engine = local_engine(settings, encoder, Metrics(registry))
+    yield engine
+    engine.shutdown(timeout=1)
+
+
+def batcher_of(engine):
+    return engine.port.runner.batcher
 
 
 def test_embed_returns_normalised_rows_in_order_and_counts_tokens(engine):
     texts = ["one", "two words", "three more words"]
     out = engine.embed(texts)
-    expected = np.stack([engine.encoder.expected(t) for t in texts])
+    expected = np.stack([engine.text.expected(t) for t in texts])
     np.testing.assert_allclose(out.vectors, expected, rtol=1e-6)
     assert out.tokens == sum(len(t.split()) + 2 for t in texts)
     assert out.total_s >= out.tokenize_s >= 0
@@ -55,18 +57,18 @@ def test_the_library_refuses_what_http_refuses(engine, inputs, options, code):
     with pytest.raises(InvalidRequest) as info:
         engine.embed(inputs, **options)
     assert info.value.code == code
-    assert engine.batcher.admitted == 0
+    assert batcher_of(engine).admitted == 0
 
 
 def test_token_ids_and_their_text_give_the_same_row(engine):
-    ids = engine.encoder.tokenize(["hello world"])[0]
+    ids = engine.text.tokenize(["hello world"])[0]
     np.testing.assert_allclose(engine.embed([ids]).vectors, engine.embed(["hello world"]).vectors)
 
 
 def test_truncation_keeps_the_right_end_when_asked(engine):
     words = [f"w{i}" for i in range(12)]
     left = engine.tokens([" ".join(words)], direction="left")[0]
-    assert left == engine.encoder.wrap(engine.encoder.tokenize([" ".join(words[-6:])])[0])
+    assert left == engine.text.wrap(engine.text.tokenize([" ".join(words[-6:])])[0])
 
 
 def test_concurrent_callers_each_get_their_own_rows(engine):
@@ -81,7 +83,7 @@ def test_concurrent_callers_each_get_their_own_rows(engine):
     for t in threads:
         t.join(10)
     for i, rows in results.items():
-        np.testing.assert_allclose(rows[1], engine.encoder.expected(f"second {i}"), rtol=1e-6)
+        np.testing.assert_allclose(rows[1], engine.text.expected(f"second {i}"), rtol=1e-6)
     assert len(results) == 16
 
 
@@ -105,7 +107,7 @@ class Spy(FakeEncoder):
         self.error: Exception | None = None
 
     def _seen(self, kind, n, limit=None, direction=None):
-        self.calls.append((kind, n, self.engine.batcher.admitted, limit, direction))
+        self.calls.append((kind, n, batcher_of(self.engine).admitted, limit, direction))
         time.sleep(self.pause_s)
         if self.error is not None:
             raise self.error
@@ -134,7 +136,7 @@ def test_inputs_are_admitted_before_they_are_tokenized_and_cut_before_it(spy):
     spy.calls.clear()
     spy.engine.embed(["a b"], truncate=False)  # one past the room tells "too long"
     assert spy.calls == [("tokenize", 1, 1, 15, "right")]
-    assert spy.engine.batcher.admitted == 0
+    assert batcher_of(spy.engine).admitted == 0
 
 
 def test_truncation_keeps_exactly_the_tokens_full_tokenization_would(spy):
@@ -149,7 +151,7 @@ def test_an_error_while_tokenizing_gives_the_admission_back(spy):
     spy.error = RuntimeError("tokenizer broke")
     with pytest.raises(RuntimeError):
         spy.engine.embed(["a", "b"])
-    assert (spy.engine.batcher.admitted, spy.engine.batcher.admission.used_tokens) == (0, 0)
+    assert (batcher_of(spy.engine).admitted, batcher_of(spy.engine).admission.used_tokens) == (0, 0)
 
 
 def test_tokenizing_stops_at_the_deadline_with_504(spy):
@@ -157,7 +159,7 @@ def test_tokenizing_stops_at_the_deadline_with_504(spy):
     with pytest.raises(DeadlineExceeded):
         spy.engine.embed(["word"] * 600, deadline=time.monotonic() + 0.08)
     assert [c[1] for c in spy.calls] == [256, 256]  # the third chunk never started
-    assert spy.engine.batcher.admitted == 0
+    assert batcher_of(spy.engine).admitted == 0
 
 
 def test_tokenize_route_runs_under_the_hosts_admission(spy):
@@ -169,35 +171,37 @@ def test_tokenize_route_runs_under_the_hosts_admission(spy):
     rows = spy.engine.pieces(["a b", "c"])
     assert spy.calls == [("pieces", 2, 0, None, None)] and held == [2]
     assert [p.text for p in rows[0]] == ["[CLS]", "a", "b", "[SEP]"]
-    assert spy.engine.batcher.admitted == 0 == spy.engine.host.used_inputs
+    assert batcher_of(spy.engine).admitted == 0 == spy.engine.host.used_inputs
 
 
 def test_tokenize_and_decode_are_admitted_on_their_own_cost_not_the_devices(engine):
     """/tokenize and /decode never reach the device: its rate refuses only what does, and
     their budget is their own."""
-    admission = engine.batcher.admission
+    admission = batcher_of(engine).admission
     admission.observe(tokens=1, inputs=1, seconds=100.0)  # a very slow device
-    held = engine.batcher.admit(1, 10, time.monotonic() + 5)  # 1,000 s of work ahead
+    # 1,000 s of this client's own work ahead of its next request
+    held = batcher_of(engine).admit(1, 10, time.monotonic() + 5, flow="client")
     try:
         with pytest.raises(Overloaded):
-            engine.embed(["hello"])
+            engine.embed(["hello"], flow="client")
         assert [p.text for p in engine.pieces(["a b"])[0] if not p.special] == ["a", "b"]
         assert engine.decode([[5, 6]]) == ["w5 w6"]
         hogged = engine.host.admit(1, 1 << 30, time.monotonic() + 5)  # the host's budget full
         try:
-            assert engine.embed(["hello"], deadline=time.monotonic() + 2000).vectors.shape[0] == 1
+            assert engine.embed(["hello"], deadline=time.monotonic() + 2000,
+                                flow="client").vectors.shape[0] == 1
         finally:
             engine.host.cancel(hogged)
     finally:
         admission.cancel(held)
-    assert engine.batcher.admitted == 0 == engine.host.used_inputs
+    assert batcher_of(engine).admitted == 0 == engine.host.used_inputs
 
 
 def test_embed_all_takes_at_most_its_cap(engine):
     from embedsvc.engine import EMBED_ALL_MAX_INPUTS
 
     assert EMBED_ALL_MAX_INPUTS == 32
-    small = Engine(Settings(max_inputs_per_request=64), engine.encoder, engine.batcher)
+    small = Engine(Settings(max_inputs_per_request=64), engine.text, engine.port)
     with pytest.raises(InvalidRequest) as info:
         small.embed_all(["x"] * 33)
     assert info.value.code == "too_many_inputs" and "(32)" in info.value.message
@@ -208,13 +212,13 @@ def test_embed_all_gives_the_device_back_after_each_input_at_the_models_limit(en
     """Its slices hold at most one input at the model's limit (8 tokens here), so another
     client waits for that much compute between two of them, not for a batch."""
     runs = []
-    encode_tokens = engine.encoder.encode_tokens
+    encode_tokens = engine.text.encode_tokens
 
     def recorded(batch):
         runs.append([len(ids) for ids in batch])
         return encode_tokens(batch)
 
-    engine.encoder.encode_tokens = recorded
+    engine.text.encode_tokens = recorded
     rows, tokens = engine.embed_all(["a b", "a b", "a b c d e f", "a", "a"])
     assert [len(r) for r in rows] == [4, 4, 8, 3, 3] and tokens == 22
     assert runs == [[4, 4], [8], [3, 3]]  # in order; no run over 8 padded tokens

@@ -1,6 +1,10 @@
 """The package's layers, enforced: every import of embedsvc's own modules runs downward.
 
-    api -> service -> engine -> {batching, model, rules} -> foundation
+    api -> service -> remote -> {engine, runner} -> {batching, model, rules} -> foundation
+
+and the boundary between the HTTP side and the model: the API's modules build ``Work`` and
+read ``Embedded`` (work.py) and import nothing of the model side (model/, batching/, runner,
+remote/), so that an HTTP process in front of the engine process holds no model.
 
 with serving/ and bulk/ above the api and the service, and the entry points (cli, the package
 face, __main__, the gunicorn worker's published path) above everything. Imports made inside
@@ -17,14 +21,20 @@ PACKAGE = Path(__file__).parents[2] / "embedsvc"
 # (rank, group): a module may import its own group, or a group of lower rank.
 LAYERS = {
     "settings": (0, "foundation"), "errors": (0, "foundation"),
-    "metrics": (0, "foundation"), "logs": (0, "foundation"),
+    "metrics": (0, "foundation"), "logs": (0, "foundation"), "work": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
-    "engine": (2, "engine"),
-    "service": (3, "service"),
-    "api": (4, "api"),
-    "serving": (5, "serving"), "bulk": (5, "bulk"),
-    "cli": (6, "entry"), "__main__": (6, "entry"), "gunicorn_worker": (6, "entry"),
+    "engine": (2, "engine"), "runner": (2, "runner"),
+    "remote": (3, "remote"),
+    "service": (4, "service"),
+    "api": (5, "api"),
+    "serving": (6, "serving"), "bulk": (6, "bulk"),
+    "cli": (7, "entry"), "__main__": (7, "entry"), "gunicorn_worker": (7, "entry"),
 }
+MODEL_SIDE = ("model", "batching", "runner", "remote")
+# The app factory wires a service (it takes an encoder for tests and library users); the
+# lane for large bodies moves to the API once its owner does (it is an HTTP-side concern).
+BOUNDARY_EXEMPT = {"embedsvc.api.wsgi"}
+BOUNDARY_ALLOWED = {"embedsvc.batching.lane"}
 
 
 def module_name(path: Path) -> str:
@@ -105,6 +115,37 @@ def test_every_module_has_a_layer():
 
 def test_no_import_runs_upward_or_sideways():
     assert violations() == []
+
+
+def boundary_violations() -> list[str]:
+    found = []
+    for path in sorted((PACKAGE / "api").rglob("*.py")):
+        importer = module_name(path)
+        if importer in BOUNDARY_EXEMPT:
+            continue
+        for line, target, _ in imports(path):
+            parts = target.split(".")
+            if len(parts) > 1 and parts[1] in MODEL_SIDE and target not in BOUNDARY_ALLOWED:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}, "
+                             "which is the model's side of the boundary (build a Work)")
+    return found
+
+
+def test_the_api_imports_nothing_of_the_model_side():
+    assert boundary_violations() == []
+
+
+def test_the_boundary_check_sees_a_model_import(tmp_path, monkeypatch):
+    fake = tmp_path / "embedsvc"
+    (fake / "api").mkdir(parents=True)
+    (fake / "model").mkdir()
+    for name in ("__init__.py", "api/__init__.py", "model/__init__.py", "model/encoder.py"):
+        (fake / name).write_text("")
+    (fake / "api" / "tei.py").write_text("from ..model import encoder\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert boundary_violations() == [
+        "embedsvc/api/tei.py:1 imports embedsvc.model.encoder, which is the model's side of "
+        "the boundary (build a Work)"]
 
 
 def test_no_import_circle():

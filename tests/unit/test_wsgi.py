@@ -38,22 +38,30 @@ def test_api_key_guards_all_but_health_and_metrics(fake, registry):
     assert client.post("/embed", json={"inputs": "a"}, headers=ok).status_code == 200
 
 
+CONNECTION = {"REMOTE_ADDR": "10.0.0.1", "REMOTE_PORT": "5555"}  # one client's connection
+
+
 def test_work_that_cannot_start_before_its_deadline_gets_429_with_retry_after(registry):
+    """A client's own earlier work is ahead of its next request: past the deadline, 429."""
     fake = FakeEncoder(per_token_s=0.005)  # 200 tokens/s
     app = make_app(fake, registry, request_timeout_s=1, max_batch_size=4)
     client = app.test_client()
     assert client.post("/embed", json={"inputs": "warm up"}).status_code == 200  # a rate
-    batcher = app.extensions["embedsvc"].ready().batcher
+    batcher = app.extensions["embedsvc"].runner.batcher
     done = []
     t = threading.Thread(target=lambda: done.append(  # 80 x 4 tokens: 1.6 s of work
-        app.test_client().post("/embed", json={"inputs": ["x y"] * 80})))
+        app.test_client().post("/embed", json={"inputs": ["x y"] * 80},
+                               environ_base=CONNECTION)))
     t.start()
     deadline = time.monotonic() + 5
-    while not batcher.admitted and time.monotonic() < deadline:
+    while not batcher.depth and time.monotonic() < deadline:
         time.sleep(0.005)
-    resp = client.post("/embed", json={"inputs": "z"})
+    resp = client.post("/embed", json={"inputs": "z"}, environ_base=CONNECTION)
     assert_error(resp, 429, "rate_limit_error")
     assert int(resp.headers["Retry-After"]) >= 1
+    other = client.post("/embed", json={"inputs": "z"},  # another client: about one batch
+                        environ_base={**CONNECTION, "REMOTE_PORT": "6666"})
+    assert other.status_code == 200 and float(other.headers["x-queue-time"]) < 500
     t.join(10)
     assert done[0].status_code == 200
     assert_still_serving(client, fake)
@@ -166,7 +174,7 @@ def test_the_wsgi_front_reads_a_body_without_content_length(fake, registry):
 
 def test_a_waiting_client_that_hangs_up_is_dropped_before_compute(fake, registry):
     app = make_app(fake, registry)
-    engine = app.extensions["embedsvc"].ready()
+    batcher = app.extensions["embedsvc"].runner.batcher
     fake.hold()
     first = threading.Thread(target=lambda: app.test_client().post("/embed",
                                                                    json={"inputs": "first"}))
@@ -184,7 +192,7 @@ def test_a_waiting_client_that_hangs_up_is_dropped_before_compute(fake, registry
     t = threading.Thread(target=orphan)
     t.start()
     deadline = time.monotonic() + 5
-    while engine.batcher.depth == 0 and time.monotonic() < deadline:
+    while batcher.depth == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     gone.set()  # the watchdog notices within its 100 ms tick
     t.join(5)

@@ -1,0 +1,207 @@
+"""The model side of the boundary: one loaded encoder, its batcher and the device's admission.
+
+A ``Runner`` takes ``Work`` whose ``ids`` the front side (engine.py) filled in and returns its
+rows, activated for scorers and reduced to active pairs for sparse models: everything that
+needs the model happens here, and nothing else does. It serves this process's request threads
+(``LocalPort``) or, in the engine process, the HTTP processes' frames (remote/server.py).
+
+>>> import time
+>>> from embedsvc.batching.batcher import Batcher, BatchLimits
+>>> from embedsvc.model.fake import FakeEncoder
+>>> from embedsvc.settings import Settings
+>>> from embedsvc.work import EMBED, Work
+>>> encoder = FakeEncoder(dimension=4)
+>>> runner = Runner(Settings(), encoder, Batcher(encoder.encode,
+...                                                BatchLimits.from_settings(Settings())))
+>>> runner.batcher.start()
+>>> port = LocalPort(runner)
+>>> work = Work(EMBED, ["hi"], deadline=time.monotonic() + 5, ids=[[1, 7, 2]])
+>>> port.submit(work, port.admit(work, 3)).result().vectors.shape
+(1, 4)
+>>> runner.shutdown(timeout=1.0).failed
+0
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .batching.admission import Ticket, still_wanted
+from .batching.batcher import Batcher, Job, ShutdownReport
+from .errors import InvalidRequest
+from .metrics import Metrics
+from .model.encoder import Encoder, ModelInfo, Scorer, Sparse
+from .model.sparse import active
+from .settings import Settings
+from .work import SCORE, SPARSE, TOKENS, Disconnected, Embedded, Work
+
+_LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
+
+
+class Runner:
+    """One encoder, its batcher and admission: where ``Work`` meets the model.
+
+    ``submit`` queues embedding, scoring and sparse work for the batcher; ``finish`` turns a
+    job's raw rows into the answer (activated scores, active pairs); ``embed_all`` computes
+    per-token vectors in the calling thread, taking the device between two batches.
+    """
+
+    def __init__(self, settings: Settings, encoder: Encoder, batcher: Batcher,
+                 metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.encoder = encoder
+        self.batcher = batcher
+        self.metrics = metrics or batcher.metrics
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.encoder.info
+
+    @property
+    def alive(self) -> bool:
+        return self.batcher.alive
+
+    def check(self, work: Work) -> None:
+        """400 for work this model cannot do (a kind it does not serve)."""
+        if work.kind == SCORE and not isinstance(self.encoder, Scorer):
+            raise self._not_serving("scores no texts or pairs")
+        if work.kind == SPARSE and not isinstance(self.encoder, Sparse):
+            raise self._not_serving("gives no sparse vectors; use /embed")
+        if work.kind == TOKENS and getattr(self.encoder, "encode_tokens", None) is None:
+            raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
+                                 code="not_supported")
+
+    def submit(self, work: Work, ticket: Ticket | None) -> Job:
+        """Queue ``work.ids`` for the batcher under the admission ``ticket``."""
+        assert work.deadline is not None
+        return self.batcher.submit(work.ids, work.deadline, work.disconnected, ticket=ticket,
+                                   flow=work.flow)
+
+    def finish(self, work: Work, rows: np.ndarray) -> Embedded:
+        """The answer to ``work`` from its raw rows."""
+        if work.kind == SCORE:
+            return Embedded(self.encoder.activate(rows, work.raw), 0)  # type: ignore[attr-defined]
+        if work.kind == SPARSE:
+            pairs = active(rows, self.encoder.max_active_dims)  # type: ignore[attr-defined]
+            return Embedded(np.empty((len(rows), 0), np.float32), 0, sparse=pairs)
+        return Embedded(rows, 0)
+
+    def embed_all(self, work: Work) -> Embedded:
+        """Per-token vectors of ``work.ids``, in the calling thread, in slices of at most one
+        input at the model's limit, each holding the device between two batches at its
+        turn (so another client waits for one input's compute, not for a batch of them);
+        dropped when the client leaves or the deadline passes."""
+        encode_tokens = self.encoder.encode_tokens  # type: ignore[attr-defined]
+        assert work.deadline is not None
+        ids = work.ids
+        tag = self.batcher.start_tag(work.flow, sum(map(len, ids)))
+        rows: list[np.ndarray] = []
+        limits = self.batcher.limits
+        turn = min(limits.max_batch_tokens, self.encoder.info.max_input_tokens)
+        started = time.monotonic()
+        inference = 0.0
+        for part in slices(ids, limits.max_batch_size, turn):
+            self._device_turn(len(ids) - len(rows), work.deadline, work.disconnected, tag)
+            tag += sum(map(len, part))
+            computing = time.monotonic()
+            try:
+                rows.extend(encode_tokens(part))
+            finally:
+                self.batcher.device_lock.release()
+            inference += time.monotonic() - computing
+        waited = time.monotonic() - started - inference
+        return Embedded(np.empty((len(ids), 0), np.float32), 0, queue_s=waited,
+                        inference_s=inference, token_vectors=rows)
+
+    def shutdown(self, timeout: float) -> ShutdownReport:
+        """Refuse new work (503), finish what was admitted within ``timeout``."""
+        return self.batcher.shutdown(timeout)
+
+    def _device_turn(self, left: int, deadline: float, disconnected: Disconnected, tag: float
+                     ) -> None:
+        """The device lock, taken between two batches at the turn of ``tag`` while the
+        request is still wanted."""
+        lock = self.batcher.device_lock
+        while True:
+            still_wanted(self.metrics, left, deadline, disconnected)
+            wait = max(0.0, min(_LOCK_WATCH_S, deadline - time.monotonic()))
+            if lock.acquire(timeout=wait, tag=tag):
+                return
+
+    def _not_serving(self, what: str) -> InvalidRequest:
+        """A 400 that says what this model is."""
+        return InvalidRequest(f"this server's {self.info.kind} model {what}",
+                              code="not_supported")
+
+
+class LocalPort:
+    """The model side in this process: what the front side (engine.py) calls on a Runner."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.admission = runner.batcher.admission
+
+    @property
+    def alive(self) -> bool:
+        return self.runner.alive
+
+    @property
+    def queue_limit(self) -> int:
+        return self.admission.limit
+
+    def admit(self, work: Work, tokens: int) -> Ticket:
+        """Reserve room for ``work`` before it is tokenized (``Admission.admit``)."""
+        self.runner.check(work)
+        assert work.deadline is not None
+        return self.admission.admit(work.count, tokens, work.deadline, work.disconnected,
+                                    work.flow)
+
+    def cancel(self, ticket: Ticket) -> None:
+        self.admission.cancel(ticket)  # a no-op once the batcher took it over
+
+    def shutdown(self, timeout: float) -> ShutdownReport:
+        return self.runner.shutdown(timeout)
+
+    def submit(self, work: Work, ticket: Ticket) -> Pending:
+        if work.kind == TOKENS:
+            done = self.runner.embed_all(work)  # in this thread; the ticket is held meanwhile
+            return Pending(lambda: done)
+        job = self.runner.submit(work, ticket)
+        return Pending(lambda: self._answer(work, job))
+
+    def _answer(self, work: Work, job: Job) -> Embedded:
+        rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
+        out = self.runner.finish(work, rows)
+        out.queue_s, out.inference_s = job.queue_s, job.inference_s
+        return out
+
+
+class Pending:
+    """An answer on its way: ``result()`` waits for it (or raises the request's error)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Callable[[], Embedded]) -> None:
+        self.result = result
+
+
+def slices(ids: Sequence[Sequence[int]], max_items: int, max_tokens: int
+           ) -> list[list[Sequence[int]]]:
+    """``ids`` cut, in order, into runs of at most ``max_items`` and ``max_tokens`` padded
+    tokens (a longer input runs alone)."""
+    out: list[list[Sequence[int]]] = []
+    run: list[Sequence[int]] = []
+    longest = 0
+    for seq in ids:
+        wider = max(longest, len(seq))
+        if run and (len(run) >= max_items or wider * (len(run) + 1) > max_tokens):
+            out.append(run)
+            run, wider = [], len(seq)
+        run.append(seq)
+        longest = wider
+    if run:
+        out.append(run)
+    return out

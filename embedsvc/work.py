@@ -1,0 +1,119 @@
+"""The boundary between the HTTP side and the model: one typed request, one typed result.
+
+A handler says what it wants computed as one ``Work``: the kind (``EMBED``, ``SCORE``,
+``SPARSE``, ``TOKENS``), the inputs (texts, token ids, or for scorers texts and pairs) and
+the options. The front side (engine.py) checks and tokenizes the inputs into ``Work.ids``;
+the model side (runner.py) admits them, batches them with every other request's and computes
+their rows; the answer is one ``Embedded``. In one process the same ``Work`` is passed along;
+between an HTTP process and the engine process it travels as a frame (remote/wire.py) holding
+the model side's fields only, and ``Embedded`` comes back the same way.
+
+>>> work = Work(EMBED, ["a text"], dimensions=8)
+>>> work.kind, work.normalize, work.count
+('embed', True, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+EMBED = "embed"  # one vector per input (dense embedding models)
+SCORE = "score"  # one row of scores per text or pair (rerankers, classifiers)
+SPARSE = "sparse"  # the active (index, value) pairs of each input (SPLADE)
+TOKENS = "tokens"  # one vector per token of each input (/embed_all): never batched
+KINDS = (EMBED, SCORE, SPARSE, TOKENS)
+
+# Token-id inputs of another tokenizer (OpenAI's) to texts, each as it is decoded, given
+# ``max_chars`` (MAX_INPUT_CHARS) so that one input's decoding stops once it is too long.
+Decoder = Callable[..., Iterable[str]]
+Disconnected = Callable[[], bool] | None
+SparseRow = tuple[np.ndarray, np.ndarray]  # the active dimensions' indices and values
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is, as both sides of the boundary and the clients see it."""
+
+    name: str
+    dimension: int
+    max_input_tokens: int
+    vocab_size: int
+    device: str
+    dtype: str
+    parameters: int = 0
+    size_bytes: int = 0
+    prompts: dict[str, str] = field(default_factory=dict)
+    kind: str = "embedding"  # embedding, reranker, classifier or sparse (see kinds.py)
+    labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
+    pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
+    backend: str = "torch"
+
+
+@dataclass(slots=True)
+class Work:
+    """One request for the model, as a handler builds it.
+
+    ``inputs``: texts or token-id lists (``EMBED``, ``SPARSE``, ``TOKENS``), or texts and
+    (text, text) pairs (``SCORE``); with ``query``, ``SCORE`` inputs are texts, each scored
+    against it (a rerank; ``param`` names the list in errors). Options: ``normalize`` and
+    ``dimensions`` (``EMBED``: the first N components, then L2-normalised), ``truncate``
+    (None: the AUTO_TRUNCATE setting) and ``direction``, ``raw`` (``SCORE``: logits instead
+    of the model's activation), ``decode`` (token ids of another tokenizer, turned to text
+    first). What the pipeline knows of the request: ``deadline`` (monotonic seconds;
+    reaching the model after it is a 504), ``disconnected`` (True once the client left),
+    ``flow`` (the client's connection: its turn among others') and ``tenant`` (the API key's
+    name). ``ids`` are filled in by the front side: the wrapped token ids the model computes.
+    """
+
+    kind: str
+    inputs: Sequence[Any]
+    normalize: bool = True
+    dimensions: int | None = None
+    truncate: bool | None = None
+    direction: str = "right"
+    raw: bool = False
+    query: str | None = None
+    param: str = "input"
+    decode: Decoder | None = None
+    deadline: float | None = None
+    disconnected: Disconnected = None
+    flow: Hashable | None = None
+    tenant: str | None = None
+    ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.inputs)
+
+
+@dataclass(slots=True)
+class Embedded:
+    """The rows for one ``Work``, in input order, and where its time went.
+
+    ``vectors``: one row per input (``EMBED``: the vector; ``SCORE``: a score per label);
+    ``sparse``: ``SPARSE``'s active pairs per input; ``token_vectors``: ``TOKENS``' per-token
+    vectors per input. ``tokens``: the real tokens computed (special tokens included).
+    """
+
+    vectors: np.ndarray
+    tokens: int
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    total_s: float = 0.0
+    sparse: list[SparseRow] | None = None
+    token_vectors: list[np.ndarray] | None = None
+
+
+def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
+    """One sparse vector in TEI's shape (``/embed_sparse``, ``embedsvc embed``'s JSONL).
+
+    >>> elements(np.array([1, 3]), np.array([1.5, 0.25], dtype=np.float32))
+    [{'index': 1, 'value': 1.5}, {'index': 3, 'value': 0.25}]
+    """
+    return [{"index": i, "value": v}
+            for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
