@@ -48,11 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
         "servers will read.",
     )
     Settings.add_arguments(export, command="export")
+    _add_children(commands)
     tokens = commands.add_parser("tiktoken-cache", help="write tiktoken's cl100k_base and "
                                  "o200k_base files where OpenAI clients find them offline")
     tokens.add_argument("directory", nargs="?", help="default: TIKTOKEN_CACHE_DIR, else "
                         "tiktoken's own default ($TMPDIR/data-gym-cache)")
     return parser
+
+
+def _add_children(commands: argparse._SubParsersAction) -> None:
+    """``engine`` and ``front``: the processes of ``embedsvc serve --workers N`` and of
+    ``gunicorn -w N``, started by embedsvc itself with every setting in the environment;
+    unlisted, since nobody types them."""
+    for name in ("engine", "front"):
+        child = commands.add_parser(name)
+        child.add_argument("--runtime-dir", required=True)
+        child.add_argument("--watch-pid", type=int, action="append", default=[])
+        if name == "front":
+            child.add_argument("--fd", type=int, required=True)
+            child.add_argument("--probe-fd", type=int)
 
 
 def _add_embed(commands: argparse._SubParsersAction) -> None:
@@ -132,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .api.openai_tokens import cache_command
 
         return cache_command(args.directory, os.environ)
+    if args.command in ("engine", "front"):
+        return _child(args)
     try:
         settings = Settings.from_args(args, os.environ)
     except SettingsError as exc:
@@ -176,6 +192,19 @@ def _export(settings: Settings) -> int:
     return 0
 
 
+def _child(args: argparse.Namespace) -> int:
+    """A process of a multi-process server; its settings are all in the environment."""
+    from pathlib import Path
+
+    from .serving import children
+
+    settings = Settings.from_env(os.environ)
+    directory = Path(args.runtime_dir)
+    if args.command == "engine":
+        return children.run_engine(settings, directory, args.watch_pid)
+    return children.run_front(settings, directory, args.fd, args.probe_fd, args.watch_pid)
+
+
 def _serve(settings: Settings) -> int:
     """``embedsvc serve``: a user's mistake is one line and exit 2 (usage) or 1 (failure)."""
     from .serving.preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
@@ -183,9 +212,14 @@ def _serve(settings: Settings) -> int:
     try:
         check_serving(settings)  # before the imports below, which take seconds
         from .serving.process import serving_process
-        from .serving.server import serve
 
         serving_process(settings)
+        if settings.workers > 1 or settings.engine == "process":
+            from .serving.supervisor import Supervisor
+
+            return Supervisor(settings).run()
+        from .serving.server import serve
+
         return serve(settings)
     except PreflightError as exc:
         print(f"embedsvc: {exc}", file=sys.stderr)

@@ -80,7 +80,9 @@ class Port(Protocol):
     hands over the ids under that reservation; ``cancel`` frees one never submitted."""
 
     @property
-    def alive(self) -> bool: ...
+    def state(self) -> str:
+        """``ready``, ``unhealthy`` (the batcher is not running), ``loading`` (the engine
+        process is starting) or ``draining``."""
 
     @property
     def queue_limit(self) -> int: ...

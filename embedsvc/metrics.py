@@ -14,8 +14,18 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    Metric,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -62,6 +72,10 @@ class Metrics:
         self.padding_efficiency = BulkHistogram(
             "embedsvc_padding_efficiency_ratio", "Per batch: real tokens / padded tokens",
             buckets=_SHARE, registry=r,
+        )
+        self.batch_fronts = BulkHistogram(
+            "embedsvc_batch_fronts", "Per batch: the HTTP processes its inputs came from "
+            "(with an engine process)", buckets=_POW2_ITEMS[:7], registry=r,
         )
         self.inputs = Counter("embedsvc_inputs", "Inputs computed", registry=r)
         self.input_tokens = Counter(
@@ -146,9 +160,97 @@ class Metrics:
     def count_rejection(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()
 
+    def families(self, pid: int | None = None) -> list[Family]:
+        """This process's metrics as plain data (``families``)."""
+        return families(self.registry, pid)
+
     def watch_device_memory(self, read: Callable[[], tuple[int, int]]) -> None:
         """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
         self._device_memory.read = read
+
+
+# One metric family as plain data: [name, type, help, [[sample name, labels, value], ...]].
+# What a front sends the engine (``Snapshot``), and what a scrape merges.
+Family = list[Any]
+
+
+def families(registry: CollectorRegistry, pid: int | None = None) -> list[Family]:
+    """``registry``'s metrics as plain data. With ``pid``, a process's own figures (its
+    memory, CPU, descriptors: ``process_*``) carry it as a label, since summing them over
+    processes would mean nothing; an info metric with no value yet has no sample."""
+    out: list[Family] = []
+    for metric in registry.collect():
+        own = pid is not None and metric.name.startswith("process_")
+        samples = []
+        for sample in metric.samples:
+            labels = dict(sample.labels)
+            if metric.type == "info" and not labels:
+                continue
+            if own:
+                labels["pid"] = str(pid)
+            samples.append([sample.name, labels, sample.value])
+        out.append([metric.name, metric.type, metric.documentation, samples])
+    return out
+
+
+def merge(*sources: Iterable[Family]) -> list[Family]:
+    """Families of several processes as one: the samples of equal name and labels added
+    (counters, histograms' buckets and sums, gauges such as open connections)."""
+    by_name: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    for source in sources:
+        for name, kind, documentation, samples in source:
+            values = by_name.setdefault(name, (kind, documentation, {}))[2]
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
+                values[key] = values.get(key, 0.0) + value
+    return [[name, kind, documentation, [[n, dict(labels), v] for (n, labels), v in values.items()]]
+            for name, (kind, documentation, values) in by_name.items()]
+
+
+def exposition(merged: list[Family]) -> bytes:
+    """The Prometheus text exposition of ``merged`` families."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(merged))
+    return generate_latest(registry)
+
+
+class _Families(Collector):
+    def __init__(self, merged: list[Family]) -> None:
+        self._families = merged
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, documentation, samples in self._families:
+            metric = Metric(name, documentation, kind)
+            for sample_name, labels, value in samples:
+                metric.add_sample(sample_name, labels, value)
+            yield metric
+
+
+class Snapshots:
+    """The fronts' latest metrics, as the engine keeps them for a scrape of any front.
+
+    A front sends its own every second; a scrape merges the engine's, every front's but the
+    asking one's (which merges its own, live) and the last of the fronts that are gone:
+    their counters and histograms stay (their requests happened), their gauges go.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[int, list[Family]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, pid: int, snapshot: list[Family]) -> None:
+        with self._lock:
+            self._latest[pid] = snapshot
+
+    def merged(self, own: list[Family], but: int, live: Iterable[int]) -> list[Family]:
+        alive = set(live)
+        with self._lock:
+            fronts = [(pid, snap) for pid, snap in self._latest.items() if pid != but]
+        parts = [own]
+        for pid, snapshot in fronts:
+            parts.append(snapshot if pid in alive else
+                         [f for f in snapshot if f[1] in ("counter", "histogram")])
+        return merge(*parts)
 
 
 class _DeviceMemory(Collector):

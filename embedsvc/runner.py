@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .batching.admission import Ticket, still_wanted
+from .batching.admission import Admission, Ticket, still_wanted
 from .batching.batcher import Batcher, Job, ShutdownReport
 from .errors import InvalidRequest
 from .metrics import Metrics
@@ -64,6 +64,11 @@ class Runner:
     def alive(self) -> bool:
         return self.batcher.alive
 
+    @property
+    def admission(self) -> Admission:
+        """The device's admission (the batcher's)."""
+        return self.batcher.admission
+
     def check(self, work: Work) -> None:
         """400 for work this model cannot do (a kind it does not serve)."""
         if work.kind == SCORE and not isinstance(self.encoder, Scorer):
@@ -74,11 +79,13 @@ class Runner:
             raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
                                  code="not_supported")
 
-    def submit(self, work: Work, ticket: Ticket | None) -> Job:
-        """Queue ``work.ids`` for the batcher under the admission ``ticket``."""
+    def submit(self, work: Work, ticket: Ticket | None,
+               on_done: Callable[[Job], None] | None = None) -> Job:
+        """Queue ``work.ids`` for the batcher under the admission ``ticket``; ``on_done``
+        as ``Batcher.submit`` takes it."""
         assert work.deadline is not None
         return self.batcher.submit(work.ids, work.deadline, work.disconnected, ticket=ticket,
-                                   flow=work.flow)
+                                   flow=work.flow, on_done=on_done, origin=work.front)
 
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""
@@ -147,6 +154,10 @@ class LocalPort:
     @property
     def alive(self) -> bool:
         return self.runner.alive
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.runner.alive else "unhealthy"
 
     @property
     def queue_limit(self) -> int:

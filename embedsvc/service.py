@@ -17,18 +17,24 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import generate_latest
 
 from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .batching.lane import BodyLane
 from .engine import Engine
 from .errors import Unavailable, shutting_down
-from .metrics import Metrics
+from .metrics import Metrics, exposition, merge
 from .model import backend
 from .model.encoder import Encoder, ModelInfo
 from .model.st_encoder import SentenceTransformerEncoder
 from .runner import LocalPort, Runner
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .remote.client import Link
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,11 @@ class Service:
 
     States: ``loading`` -> ``ready`` -> ``draining``; ``unhealthy`` when loading failed or the
     batcher thread is not running. ``ready()`` hands out the ``Engine`` once there is one.
+
+    With ``engine_address`` the model is in the engine process at that socket
+    (remote/server.py): this process loads nothing, builds its engine from the engine's card
+    (its tokenizer, the model's description) and says ``loading`` while that process starts,
+    or restarts after it was lost.
     """
 
     def __init__(
@@ -58,6 +69,8 @@ class Service:
         encoder: Encoder | None = None,
         loader: Callable[[], Encoder] | None = None,
         metrics: Metrics | None = None,
+        engine_address: str | None = None,
+        keeper: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -69,6 +82,9 @@ class Service:
         self._runner: Runner | None = None
         self._given = encoder
         self._loader = loader or (lambda: load_encoder(settings))
+        self.engine_address = engine_address
+        self._keeper = keeper  # starts the engine process when there is none (gunicorn)
+        self._link: Link | None = None
         self._loaded = threading.Event()
         self._stop = threading.Event()
         self._draining = False
@@ -93,9 +109,33 @@ class Service:
         if self._draining:
             return "draining"
         engine = self._engine
-        if self.failure or (engine is not None and not engine.port.alive):
+        if self.failure:
             return "unhealthy"
-        return "ready" if engine is not None else "loading"
+        return engine.port.state if engine is not None else "loading"
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The pid of the process that holds the model (this one, or the engine process)."""
+        if self._link is not None:
+            return self._link.engine_pid
+        return self.pid if self._engine is not None else None
+
+    @property
+    def front_pids(self) -> list[int]:
+        """The HTTP processes in front of the model: this one, or all the engine's."""
+        if self._link is not None:
+            return self._link.fronts or [self.pid]
+        return [self.pid]
+
+    def exposition(self) -> bytes:
+        """/metrics: this process's metrics; with an engine process, the whole service's
+        (the engine's, every front's) merged, each counted once."""
+        if self._link is None or self._link.state == "loading":
+            return generate_latest(self.metrics.registry)
+        from .remote.wire import Exposition, Scrape
+
+        others = self._link.ask(Scrape(os.getpid()), Exposition, timeout=2.0)
+        return exposition(merge(others.families, self.metrics.families(self.pid)))
 
     @property
     def model(self) -> ModelInfo | None:
@@ -132,11 +172,17 @@ class Service:
         """Refuse new work, finish what was admitted within ``timeout``."""
         self._draining = True
         self._stop.set()
-        if self._engine is None:
-            return ShutdownReport(0, 0, True)
-        return self._engine.shutdown(timeout)
+        report = ShutdownReport(0, 0, True)
+        if self._engine is not None:
+            report = self._engine.shutdown(timeout)
+        if self._link is not None:
+            self._link.close()
+        return report
 
     def _load(self, background: bool = True) -> None:
+        if self.engine_address is not None:
+            self._connect(self.engine_address)
+            return
         started = time.monotonic()
         try:
             encoder = self._given or self._loader()
@@ -160,6 +206,30 @@ class Service:
         self._loaded.set()
         for callback in self.on_ready:
             callback(encoder.info)
+
+    def _connect(self, address: str) -> None:
+        """Wait for the engine process's card; build this process's engine from it."""
+        from .model.text import text_model
+        from .remote.client import Link, RemotePort
+
+        self._link = link = Link(address, snapshot=lambda: self.metrics.families(self.pid),
+                                 keeper=self._keeper)
+        link.start()
+        while not self._stop.is_set():
+            card = link.wait_card(0.5)
+            if card is None:
+                continue
+            try:
+                text = text_model(card.info, card.text)
+            except Exception as exc:  # noqa: BLE001 - a front that cannot tokenize cannot serve
+                self.failure = f"the engine's tokenizer cannot be rebuilt here: {_reason(exc)}"
+                log.error("%s", self.failure)
+            else:
+                self._engine = Engine(self.settings, text, RemotePort(link), self.metrics)
+                log.info("front ready: pid=%d, the model in the engine process (pid %d)",
+                         self.pid, card.pid)
+            break
+        self._loaded.set()
 
     def _announce(self, info: ModelInfo, seconds: float) -> None:
         self.metrics.model_load.set(seconds)

@@ -263,6 +263,21 @@ class Settings:
         _choice("auto", "embedding", "reranker", "classifier", "sparse"),
         "the model's kind; auto: read from its config files (see docs/api.md, model kinds)",
     )
+    workers: int = _setting(
+        1, _positive(int),
+        "HTTP processes for 'embedsvc serve', sharing its port; with more than one, the model "
+        "is in one engine process of its own that every one of them feeds (one model copy, "
+        "one batcher)",
+        serve_only=True,
+    )
+    engine: str = _setting(
+        "auto", _choice("auto", "inline", "process"),
+        "where the model is: auto (in a process of its own when several HTTP processes serve: "
+        "'embedsvc serve --workers N' or 'gunicorn -w N'; else in the process that serves), "
+        "process (in a process of its own, always), inline (in each serving process: one copy "
+        "per gunicorn worker)",
+        serve_only=True,
+    )
     token_ids: str = _setting(
         "openai",
         _choice("openai", "model"),
@@ -299,6 +314,17 @@ class Settings:
                 values[f.name] = _parse(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as ``EMBEDSVC_*`` variables: what a child process (the engine,
+        a front) reads back with ``from_env`` to run with exactly them."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                text = str(value).lower() if isinstance(value, bool) else str(value)
+                out[ENV_PREFIX + f.name.upper()] = text
+        return out
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> Settings:

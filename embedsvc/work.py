@@ -83,6 +83,7 @@ class Work:
     disconnected: Disconnected = None
     flow: Hashable | None = None
     tenant: str | None = None
+    front: int | None = None  # the HTTP process it came from, when the model is elsewhere
     ids: list[list[int]] = field(default_factory=list)
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..errors import Unavailable
@@ -59,6 +59,8 @@ def info(call: Call) -> Reply:
         "sha": None,
         "docker_label": None,
         "pid": service.pid,
+        "engine_pid": service.engine_pid,  # the process that holds the model
+        "front_pids": service.front_pids,  # the HTTP processes in front of it
         "state": service.state,
     })
 
@@ -73,5 +75,4 @@ def health(call: Call) -> Reply:
 
 def metrics(call: Call) -> Reply:
     """GET /metrics: the Prometheus text exposition."""
-    return Reply(200, generate_latest(call.service.metrics.registry),
-                 content_type=CONTENT_TYPE_LATEST)
+    return Reply(200, call.service.exposition(), content_type=CONTENT_TYPE_LATEST)

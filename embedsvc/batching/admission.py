@@ -95,7 +95,7 @@ class Admission:
         self._waiting: deque[Ticket] = deque()
         # open tickets (admitted, not yet queued): tokens by flow, and the sum of each
         # ticket's first input (what it puts ahead of another flow's work at equal tags)
-        self._opened: dict[Hashable, int] = {}
+        self._opened: dict[Hashable, list[int]] = {}  # flow -> [tokens, first inputs' tokens]
         self._opened_first = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -153,8 +153,9 @@ class Admission:
         with self._cond:
             if ahead is not None:  # and the work admitted, still tokenizing
                 ahead += self._opened_first
-                if flow is not None:
-                    ahead += self._opened.get(flow, 0)
+                own = self._opened.get(flow) if flow is not None else None
+                if own is not None:  # all of its own, not just its first input
+                    ahead += own[0] - own[1]
             self._refuse_if_closed()
             self._refuse_if_late(ticket, time.monotonic(), ahead)
             if not self._waiting and self._fits(ticket):
@@ -230,20 +231,24 @@ class Admission:
         self.used_inputs += ticket.inputs
         self.used_tokens += ticket.tokens
         ticket.open = True
-        self._opened_first += ticket.tokens // max(1, ticket.inputs)
+        first = ticket.tokens // max(1, ticket.inputs)
+        self._opened_first += first
         if ticket.flow is not None:
-            self._opened[ticket.flow] = self._opened.get(ticket.flow, 0) + ticket.tokens
+            opened = self._opened.setdefault(ticket.flow, [0, 0])
+            opened[0] += ticket.tokens
+            opened[1] += first
 
     def _close(self, ticket: Ticket) -> None:
         """``ticket`` is no longer open: settled (the batcher holds it) or freed."""
         ticket.open = False
-        self._opened_first -= ticket.tokens // max(1, ticket.inputs)
+        first = ticket.tokens // max(1, ticket.inputs)
+        self._opened_first -= first
         if ticket.flow is not None:
-            left = self._opened.get(ticket.flow, 0) - ticket.tokens
-            if left > 0:
-                self._opened[ticket.flow] = left
-            else:
-                self._opened.pop(ticket.flow, None)
+            opened = self._opened[ticket.flow]
+            opened[0] -= ticket.tokens
+            opened[1] -= first
+            if opened[0] <= 0:
+                del self._opened[ticket.flow]
 
     def _free(self, inputs: int, tokens: int) -> None:
         self.used_inputs -= inputs

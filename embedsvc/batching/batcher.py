@@ -143,6 +143,7 @@ class Job:
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
         self.flow: Hashable = None
+        self.origin: int | None = None  # the front it came from (the engine process)
         self.on_done: Callable[[Job], None] | None = None  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
@@ -281,7 +282,8 @@ class Batcher:
     def submit(self, inputs: list[list[int]], deadline: float,
                disconnected: Callable[[], bool] | None = None,
                ticket: Ticket | None = None, flow: Hashable | None = None,
-               on_done: Callable[[Job], None] | None = None) -> Job:
+               on_done: Callable[[Job], None] | None = None, origin: int | None = None
+               ) -> Job:
         """Queue one request's wrapped token ids under its admission ``ticket``.
 
         Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
@@ -290,12 +292,13 @@ class Batcher:
         ``flow`` (the client's connection) decides its turn among other clients'
         (``start_tag``). ``on_done(job)`` is called once the job has its rows or its error
         (from the thread that finishes it: keep it short and never block in it).
+        ``origin``: the HTTP process it came from, when several feed this batcher.
         """
         n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
             ticket = self.admission.admit(n, tokens, deadline, disconnected, flow)
         job = Job(inputs, deadline, disconnected)
-        job.flow, job.queued, job.on_done = flow, tokens, on_done
+        job.flow, job.queued, job.on_done, job.origin = flow, tokens, on_done, origin
         with self._cond:
             if self._stopping:
                 self.admission.cancel(ticket)
@@ -610,6 +613,8 @@ class Batcher:
     def _record(self, batch: list[_Item], elapsed: float) -> None:
         lengths = [len(it.ids) for it in batch]
         self.metrics.observe_batch(lengths, elapsed)
+        if batch[0].job.origin is not None:  # fed by several HTTP processes
+            self.metrics.batch_fronts.observe(len({it.job.origin for it in batch}))
         self.admission.observe(sum(lengths), len(batch), elapsed)
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:

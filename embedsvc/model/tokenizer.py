@@ -82,6 +82,11 @@ class TextSide:
         self._margin = added_token_margin(tok)
         self._prefix, self._suffix = template_ids(tok)
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text: what a process without the model
+        tokenizes with (model/text.py)."""
+        return str(self._tokenizer.to_str())
+
     def tokenize(self, texts: Sequence[str], limit: int | None = None,
                  direction: str = "right") -> list[list[int]]:
         if limit is None:

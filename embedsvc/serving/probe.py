@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,7 +51,8 @@ def probe_only(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[by
 class ProbeListener:
     """A small waitress server in a thread of its own, for the probe routes of ``app``."""
 
-    def __init__(self, app: Callable[..., Iterable[bytes]], settings: Settings) -> None:
+    def __init__(self, app: Callable[..., Iterable[bytes]], settings: Settings,
+                 sock: socket.socket | None = None) -> None:
         assert settings.health_port is not None, "HEALTH_PORT is off"
         self.settings = settings
         bounds = waitress_adapter.Bounds(
@@ -61,7 +63,7 @@ class ProbeListener:
         )
         self.server = waitress_adapter.create(
             probe_only(app), host=settings.host, port=settings.health_port, threads=_THREADS,
-            bounds=bounds, ident="embedsvc-probes",
+            bounds=bounds, ident="embedsvc-probes", sock=sock,
         )
         self._thread: threading.Thread | None = None
 

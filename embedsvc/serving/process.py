@@ -192,13 +192,23 @@ class LazyApp:
 
     def _build(self) -> Flask:
         from ..api.wsgi import create_app
+        from .shared_engine import SharedEngine, engine_owner, gunicorn_workers
 
         settings = Settings.from_env(self._env)
         serving_process(settings)
         check_fork(settings)
-        service = Service(settings, loader=partial(self._load, settings, self._preloaded))
-        service.on_ready.append(lambda info: warn_if_wasteful(
-            info.device, sibling_workers(), _server_software(self._env)))
+        owner = engine_owner(settings, gunicorn_workers())
+        if owner is not None:  # the model in one engine process that every worker feeds
+            from ..remote.place import engine_address
+
+            shared = SharedEngine(settings, owner)
+            shared.ensure()
+            service = Service(settings, engine_address=engine_address(shared.directory),
+                              keeper=shared.ensure)
+        else:
+            service = Service(settings, loader=partial(self._load, settings, self._preloaded))
+            service.on_ready.append(lambda info: warn_if_wasteful(
+                info.device, sibling_workers(), _server_software(self._env)))
         app = create_app(settings, service=service)
         service.start(background=True)
         return app
@@ -206,8 +216,14 @@ class LazyApp:
     def _preload(self, settings: Settings) -> None:
         from ..model.kinds import load_model
         from ..model.lean import recorded
+        from .shared_engine import engine_owner, gunicorn_workers
 
         serving_process(settings)
+        workers = gunicorn_workers()
+        if engine_owner(settings, workers) is not None:
+            log.info("gunicorn master (pid %d) preloads nothing: its %s workers share one "
+                     "engine process, which the first of them starts", os.getpid(), workers)
+            return
         if recorded(settings):
             log.info("gunicorn master (pid %d) preloads nothing: the model serves from its "
                      "exported record without PyTorch, and each worker opens its own ONNX "

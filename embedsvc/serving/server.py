@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -52,7 +53,9 @@ class Server:
         threading.Thread(target=server.run, args=(False,)).start()
     """
 
-    def __init__(self, settings: Settings, service: Service) -> None:
+    def __init__(self, settings: Settings, service: Service,
+                 sock: socket.socket | None = None, probe_sock: socket.socket | None = None
+                 ) -> None:
         self.settings = settings
         self.service = service
         self.app = create_app(settings, service=service)
@@ -67,11 +70,11 @@ class Server:
             self.app, host=settings.host, port=settings.port, threads=settings.threads,
             bounds=bounds, ident="embedsvc",
             on_close=lambda reason: metrics.connections_closed.labels(reason=reason).inc(),
-            on_error=self._record_server_error,
+            on_error=self._record_server_error, sock=sock,
         )
         metrics.open_connections.set_function(
             lambda: waitress_adapter.open_connections(self.waitress))
-        self.probes = (ProbeListener(self.app, settings)
+        self.probes = (ProbeListener(self.app, settings, probe_sock)
                        if settings.health_port is not None else None)
         self._signals = 0
         self.drain_report: ShutdownReport | None = None

@@ -248,11 +248,13 @@ class Server(TcpWSGIServer):
     draining = False
 
     def __init__(self, app: Any, adj: Adjustments, bounds: Bounds,
-                 on_close: Callable[[str], None], on_error: Callable[[Any, int], None]) -> None:
+                 on_close: Callable[[str], None], on_error: Callable[[Any, int], None],
+                 sock: socket.socket | None = None) -> None:
         self.bounds = bounds
         self.on_close = on_close
         self.on_error = on_error
-        super().__init__(app, adj=adj)
+        # ``sock``: a listening socket bound elsewhere (the supervisor's, shared by fronts)
+        super().__init__(app, adj=adj, _sock=sock, bind_socket=sock is None)
 
     def maintenance(self, now: float) -> None:
         super().maintenance(now)  # idle kept-alive connections (channel_timeout)
@@ -281,8 +283,10 @@ class Server(TcpWSGIServer):
 
 def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, ident: str,
            on_close: Callable[[str], None] = lambda reason: None,
-           on_error: Callable[[Any, int], None] = lambda request, status: None) -> Server:
-    """A waitress server for ``app`` on ``host:port`` that enforces ``bounds``."""
+           on_error: Callable[[Any, int], None] = lambda request, status: None,
+           sock: socket.socket | None = None) -> Server:
+    """A waitress server for ``app`` on ``host:port`` (or on ``sock``, a listening socket
+    already bound) that enforces ``bounds``."""
     missing = check_internals()
     if missing:
         raise RuntimeError("this waitress lacks what embedsvc's adapter uses: "
@@ -301,7 +305,7 @@ def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, iden
         cleanup_interval=1,  # how often the sweep runs (seconds; waitress takes an int)
         recv_bytes=65536,
     )
-    return Server(app, adj, bounds, on_close, on_error)
+    return Server(app, adj, bounds, on_close, on_error, sock)
 
 
 def in_loop(server: Server, thunk: Callable[[], object]) -> None:

@@ -2,24 +2,26 @@
 
     python -m tests.integration.fake_serve serve --port 0 ...
 
-Everything is the real command (settings, waitress, probes, signals, drain, exit codes)
-except the encoder: a ``FakeEncoder`` at 384 dimensions that spends ``FAKE_SERVE_DELAY_S``
-per batch in ``time.sleep`` (the GIL released, as during device work), so that a test can
-catch a batch computing. Starting it costs a fraction of a second of CPU, not a model load.
+Everything is the real command (settings, waitress, probes, signals, drain, exit codes, the
+engine process and fronts of ``--workers N``, which are this program again) except the
+encoder: a ``FakeEncoder`` at 384 dimensions that spends ``FAKE_SERVE_DELAY_S`` per batch
+and ``FAKE_SERVE_PER_TOKEN_S`` per padded token in ``time.sleep`` (the GIL released, as during
+device work), so that a test can catch a batch computing. Starting it costs a fraction of a
+second of CPU, not a model load.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
+from embedsvc import service
 from embedsvc.cli import main
 from embedsvc.model.fake import FakeEncoder
-from embedsvc.serving import server
 
 if __name__ == "__main__":
     encoder = FakeEncoder(dimension=384, max_input_tokens=256, record=False,
-                          delay_s=float(os.environ.get("FAKE_SERVE_DELAY_S", "0")))
-    server.Service = functools.partial(server.Service, encoder=encoder)  # type: ignore[misc]
+                          delay_s=float(os.environ.get("FAKE_SERVE_DELAY_S", "0")),
+                          per_token_s=float(os.environ.get("FAKE_SERVE_PER_TOKEN_S", "0")))
+    service.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
     sys.exit(main())

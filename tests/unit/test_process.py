@@ -116,14 +116,14 @@ def test_a_forked_child_builds_its_own_service():
         try:
             child = app.warm(timeout=5)
             resp = app.flask().test_client().post("/embed", json={"inputs": "x"})
-            ok = child is not parent and child.pid == os.getpid() and child.ready().port.alive
+            ok = child is not parent and child.pid == os.getpid() and child.state == "ready"
             os.write(write, f"{ok} {resp.status_code}".encode())
         finally:
             os._exit(0)
     os.close(write)
     os.waitpid(pid, 0)
     assert os.read(read, 100).decode() == "True 200"
-    assert app.service is parent and parent.ready().port.alive
+    assert app.service is parent and parent.ready().port.state == "ready"
     parent.drain(timeout=1)
 
 

@@ -1,0 +1,7 @@
+"""The engine process and the HTTP processes in front of it: one model, many processes.
+
+``wire.py`` is what travels on the engine's socket (typed frames, never pickles);
+``server.py`` serves a ``Runner`` on that socket (the engine process's loop); ``client.py``
+is the front side's port to it (``RemotePort``) and the model's tokenizer rebuilt from the
+engine's card; ``place.py`` is the private directory the socket lives in.
+"""

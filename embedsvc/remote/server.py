@@ -1,0 +1,391 @@
+"""The engine process's loop: one ``Runner`` served on a ZeroMQ socket to every front.
+
+One thread (the loop) owns the ROUTER socket. It reads the fronts' frames, admits each
+``Submit`` without blocking (``Admission.request``: a request that does not fit waits in the
+same FIFO as in one process, parked here until its grant), queues it for the batcher with a
+callback, and writes each answer when the batcher's thread (or the watchdog's) says its job
+is done: those threads only append to a queue and write one byte to a pipe the loop polls,
+so a batch's answers cost one wake-up, not one per request. Batches form from every front's
+requests, in the batcher's one queue, with its turns and admission's rules, exactly as in
+one process.
+
+A frame that does not decode, or ids that do not fit the model, are refused there: a
+malformed frame is dropped with one log line, a frame larger than the largest request can
+make (``wire.max_frame_bytes``) closes its sender's connection (ZeroMQ's ``MAXMSGSIZE``),
+and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..batching.admission import Ticket, deadline_error
+from ..batching.batcher import Job
+from ..errors import ApiError, ClientDisconnected, InvalidRequest
+from ..metrics import Metrics, Snapshots
+from ..runner import Runner
+from ..work import KINDS, SPARSE, TOKENS, Embedded, Work
+from . import wire
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.1  # how often parked requests are checked for their deadline and their client
+_READ_BATCH = 512  # frames read before the loop looks at its other work
+_FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
+
+
+@dataclass(eq=False)
+class _Request:
+    peer: bytes
+    id: int
+    work: Work
+    ticket: Ticket | None = None
+    job: Job | None = None
+    gone: bool = False
+    result: Embedded | ApiError | None = None  # /embed_all's, computed in its own thread
+
+
+@dataclass
+class _Front:
+    pid: int
+    seen: float = field(default_factory=time.monotonic)
+
+
+class EngineServer:
+    """Serves ``runner`` on ``address`` (``ipc://...``) until ``stop`` and drained.
+
+    ``state()`` is the engine's (``ready``, ``draining``, ``unhealthy``), told to every
+    front in its pongs; ``card`` is what a front needs of the model (``Card``'s fields but
+    the state); ``metrics`` is the engine's own, merged with the fronts' snapshots for a
+    scrape.
+    """
+
+    def __init__(self, runner: Runner, address: str, *, card: dict[str, Any],
+                 state: Callable[[], str], metrics: Metrics) -> None:
+        self.runner = runner
+        self.address = address
+        self.card = card
+        self.state = state
+        self.metrics = metrics
+        self.snapshots = Snapshots()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(
+            runner.settings.max_inputs_per_request, runner.info.max_input_tokens))
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a gone front is dropped
+        self._socket.bind(address)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._signalled = False
+        self._ready: deque[_Request] = deque()  # granted while parked
+        self._done: deque[_Request] = deque()  # finished jobs, and /embed_all's answers
+        self._parked: dict[tuple[bytes, int], _Request] = {}
+        self._running: dict[tuple[bytes, int], _Request] = {}
+        self._fronts: dict[bytes, _Front] = {}
+        self._malformed = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._parked) + len(self._running)
+
+    def run(self, stop: threading.Event) -> None:
+        """The loop, until ``stop`` is set and nothing admitted is left unanswered."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic() + _TICK_S
+        try:
+            while not (stop.is_set() and not self.in_flight):
+                events = dict(poller.poll(int(_TICK_S * 1000)))
+                if self._socket in events:
+                    self._read()
+                if self._wake_r in events:
+                    self._signalled = False  # before draining: a later append writes again
+                    _drain_pipe(self._wake_r)
+                self._answer_done()
+                self._start_granted()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + _TICK_S
+                    self._sweep_parked()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- frames in ----------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        for _ in range(_READ_BATCH):
+            try:
+                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                self._refuse_frame(f"a frame of {len(parts)} parts")
+                continue
+            peer, payload = parts
+            try:
+                frame = wire.decode_to_engine(payload)
+            except ValueError as exc:  # msgspec's DecodeError and ValidationError
+                self._refuse_frame(str(exc))
+                continue
+            self._dispatch(peer, frame)
+
+    def _refuse_frame(self, why: str) -> None:
+        self._malformed += 1
+        log.warning("a malformed frame on the engine socket was dropped (%s); %d so far",
+                    why[:200], self._malformed)
+
+    def _dispatch(self, peer: bytes, frame: Any) -> None:
+        if isinstance(frame, wire.Submit):
+            self._submit(peer, frame)
+        elif isinstance(frame, wire.Cancel):
+            self._cancel(peer, frame.id)
+        elif isinstance(frame, wire.Ping):
+            self._seen(peer, frame.pid)
+            self._send(peer, wire.Pong(os.getpid(), self.state(), self.runner.admission.limit,
+                                       self.fronts()))
+        elif isinstance(frame, wire.Hello):
+            self._seen(peer, frame.pid)
+            self._send(peer, wire.Card(pid=os.getpid(), state=self.state(),
+                                       queue_limit=self.runner.admission.limit, **self.card))
+        elif isinstance(frame, wire.Snapshot):
+            self._seen(peer, frame.pid)
+            self.snapshots.keep(frame.pid, frame.families)
+        elif isinstance(frame, wire.Scrape):
+            own = self.metrics.families(os.getpid())
+            self._send(peer, wire.Exposition(self.snapshots.merged(own, frame.pid,
+                                                                   self.fronts())))
+
+    def _seen(self, peer: bytes, pid: int) -> None:
+        front = self._fronts.get(peer)
+        if front is None or front.pid != pid:
+            self._fronts[peer] = _Front(pid)
+        else:
+            front.seen = time.monotonic()
+
+    def fronts(self) -> list[int]:
+        """The pids of the fronts heard from lately (their control sockets ping)."""
+        now = time.monotonic()
+        for peer in [p for p, f in self._fronts.items() if now - f.seen > _FRONT_GONE_S]:
+            del self._fronts[peer]
+        return sorted({f.pid for f in self._fronts.values()})
+
+    def _submit(self, peer: bytes, frame: wire.Submit) -> None:
+        req: _Request | None = None
+        try:
+            work = self._work(frame)
+            req = _Request(peer, frame.id, work)
+            work.disconnected = partial(_is_gone, req)
+            self.runner.check(work)
+            ticket = self.runner.admission.request(
+                work.count, sum(map(len, work.ids)), work.deadline or 0.0, work.flow,
+                notify=partial(self._granted, req))
+        except ApiError as exc:
+            self._send(peer, failed(frame.id, exc))
+            return
+        req.ticket = ticket
+        if ticket.open:
+            self._start(req)
+        else:
+            self._parked[(peer, frame.id)] = req
+
+    def _work(self, frame: wire.Submit) -> Work:
+        """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
+        never a failed batch that takes other requests down with it."""
+        if frame.kind not in KINDS:
+            raise InvalidRequest(f"unknown kind of work {frame.kind!r}", code="invalid_frame")
+        try:
+            ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), code="invalid_frame") from None
+        info, s = self.runner.info, self.runner.settings
+        flat = np.frombuffer(frame.ids, dtype="<i4")
+        if not ids or len(ids) > s.max_inputs_per_request:
+            raise InvalidRequest(f"{len(ids)} inputs in one frame", code="invalid_frame")
+        if flat.size and (flat.min() < 0 or flat.max() >= info.vocab_size):
+            raise InvalidRequest("a token id outside the vocabulary", code="invalid_frame")
+        if max(map(len, ids)) > info.max_input_tokens:
+            raise InvalidRequest("an input longer than the model's limit", code="invalid_frame")
+        return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
+                    tenant=frame.tenant, front=frame.front,
+                    deadline=time.monotonic() + max(0.0, frame.timeout))
+
+    def _cancel(self, peer: bytes, request_id: int) -> None:
+        """The front's client left: a parked request goes now (499); a queued one loses its
+        inputs at the watchdog's next look (``Batcher.cancel_due``), then answers 499."""
+        req = self._parked.get((peer, request_id)) or self._running.get((peer, request_id))
+        if req is not None:
+            req.gone = True
+        parked = self._parked.get((peer, request_id))
+        if parked is not None and parked.ticket is not None and \
+                self.runner.admission.withdraw(parked.ticket):
+            del self._parked[(peer, request_id)]
+            self._send(peer, failed(request_id, _gone()))
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def _start(self, req: _Request) -> None:
+        key = (req.peer, req.id)
+        self._running[key] = req
+        if req.work.kind == TOKENS:
+            threading.Thread(target=self._embed_all, args=(req,), name="embedsvc-embed-all",
+                             daemon=True).start()
+            return
+        try:
+            req.job = self.runner.submit(req.work, req.ticket,
+                                         on_done=partial(self._finished, req))
+        except ApiError as exc:
+            del self._running[key]
+            if req.ticket is not None:
+                self.runner.admission.cancel(req.ticket)
+            self._send(req.peer, failed(req.id, exc))
+
+    def _embed_all(self, req: _Request) -> None:
+        """/embed_all's per-token work, in a thread of its own (it takes the device between
+        batches, as in one process), its admission held meanwhile."""
+        try:
+            out: Embedded | ApiError = self.runner.embed_all(req.work)
+        except ApiError as exc:
+            out = exc
+        except Exception:  # noqa: BLE001 - answered as the batch failure it is
+            log.exception("per-token work failed")
+            out = ApiError("the per-token work failed; retry it", code="batch_failed")
+        finally:
+            if req.ticket is not None:
+                self.runner.admission.cancel(req.ticket)
+        req.result = out
+        self._finished(req, None)
+
+    # -- answers, from the loop ---------------------------------------------------------------
+
+    def _granted(self, req: _Request, ticket: Ticket) -> None:
+        """Called by admission (any thread, under its lock): a parked request's turn came."""
+        self._ready.append(req)
+        self._wake()
+
+    def _finished(self, req: _Request, job: Job | None) -> None:
+        """Called as a job finishes (the batcher's thread, the watchdog's)."""
+        self._done.append(req)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._signalled:
+            self._signalled = True
+            with contextlib.suppress(OSError):  # closing down
+                os.write(self._wake_w, b"\0")
+
+    def _start_granted(self) -> None:
+        while self._ready:
+            req = self._ready.popleft()
+            if self._parked.pop((req.peer, req.id), None) is None:
+                continue  # withdrawn meanwhile
+            ticket = req.ticket
+            if ticket is not None and ticket.refused is not None:
+                self._send(req.peer, failed(req.id, ticket.refused))
+            else:
+                self._start(req)
+
+    def _answer_done(self) -> None:
+        while self._done:
+            req = self._done.popleft()
+            self._running.pop((req.peer, req.id), None)
+            self._send(req.peer, self._answer(req))
+
+    def _answer(self, req: _Request) -> wire.Frame:
+        result = req.result
+        if result is None:
+            job = req.job
+            assert job is not None
+            if job.error is not None:
+                return failed(req.id, job.error)
+            assert job.rows is not None
+            try:
+                result = self.runner.finish(req.work, job.rows)
+            except Exception:  # noqa: BLE001 - a scorer's activation, sparse pairs
+                log.exception("shaping the rows of a batch failed")
+                return failed(req.id, ApiError("the batch that held this request failed; "
+                                               "retry it", code="batch_failed"))
+            result.queue_s, result.inference_s = job.queue_s, job.inference_s
+        if isinstance(result, ApiError):
+            return failed(req.id, result)
+        return answer_frame(req.id, req.work.kind, result)
+
+    def _sweep_parked(self) -> None:
+        """Parked requests past their deadline get 504, those whose client left 499."""
+        now = time.monotonic()
+        for key, req in list(self._parked.items()):
+            late = req.work.deadline is not None and now > req.work.deadline
+            if not (late or req.gone) or req.ticket is None:
+                continue
+            if self.runner.admission.withdraw(req.ticket):
+                del self._parked[key]
+                self._send(req.peer, failed(req.id, deadline_error() if late else _gone()))
+
+    def _send(self, peer: bytes, frame: wire.Frame) -> None:
+        try:
+            self._socket.send_multipart([peer, wire.encode(frame)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the front went away, or its queue is full
+            log.debug("an answer to a front was not sent: %s", exc)
+
+
+def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
+    """The frame of a computed answer (rows, sparse pairs or per-token rows)."""
+    if kind == SPARSE:
+        assert out.sparse is not None
+        counts = np.array([len(i) for i, _ in out.sparse], dtype="<i4")
+        indices = np.concatenate([i for i, _ in out.sparse] or [np.empty(0)]).astype("<i4")
+        values = np.concatenate([v for _, v in out.sparse] or [np.empty(0)]).astype("<f4")
+        return wire.Sparse(request_id, counts.tobytes(), indices.tobytes(), values.tobytes(),
+                           out.queue_s, out.inference_s)
+    if kind == TOKENS:
+        rows = out.token_vectors or []
+        counts = np.array([len(r) for r in rows], dtype="<i4")
+        width = rows[0].shape[1] if rows else 0
+        flat = np.concatenate(rows).astype("<f4") if rows else np.empty((0, 0), "<f4")
+        return wire.TokenRows(request_id, counts.tobytes(), flat.tobytes(), width,
+                              out.queue_s, out.inference_s)
+    vectors = np.ascontiguousarray(out.vectors, dtype="<f4")
+    return wire.Rows(request_id, vectors.tobytes(),
+                     (int(vectors.shape[0]), int(vectors.shape[1])), out.queue_s, out.inference_s)
+
+
+def failed(request_id: int, exc: ApiError) -> wire.Failed:
+    return wire.Failed(request_id, exc.status, exc.type, exc.reason, exc.message, exc.code,
+                       exc.param, dict(exc.headers))
+
+
+def _gone() -> ClientDisconnected:
+    return ClientDisconnected("the client disconnected", code="client_disconnected")
+
+
+def _is_gone(req: _Request) -> bool:
+    return req.gone
+
+
+def _drain_pipe(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 4096):
+                return
+        except BlockingIOError:
+            return
+

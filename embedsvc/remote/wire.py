@@ -1,0 +1,190 @@
+"""What travels on the engine's socket: typed frames (msgspec Structs, MessagePack).
+
+A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
+side: the kind, the token ids, the options), ``Cancel`` (its client left), ``Ping`` and
+``Snapshot`` (its metrics); the engine answers ``Rows``, ``Sparse``, ``TokenRows`` or
+``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape``. Ids,
+rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
+into exactly these types or refused: nothing on the socket is ever unpickled or executed.
+
+>>> frame = encode(Submit(7, "embed", *pack_ids([[101, 7, 102]]), timeout=5.0))
+>>> got = decode_to_engine(frame)
+>>> got.id, unpack_ids(got.ids, got.lengths, got.seconds)
+(7, [[101, 7, 102]])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..model.scorer import Pair
+
+
+class Frame(msgspec.Struct, tag=True, tag_field="frame"):
+    """Every frame names its type in its ``frame`` field."""
+
+
+class Hello(Frame):
+    pid: int
+
+
+class Submit(Frame):
+    """One ``Work`` for the model: its wrapped ids (flat int32, and each input's length;
+    ``seconds``: where a pair's second segment starts, for scorers), its options, and the
+    seconds left before its deadline (clocks are not compared across processes)."""
+
+    id: int
+    kind: str
+    ids: bytes
+    lengths: bytes
+    seconds: bytes = b""
+    raw: bool = False
+    timeout: float = 30.0
+    flow: str | None = None
+    tenant: str | None = None
+    front: int = 0  # the sending front's pid
+
+
+class Cancel(Frame):
+    id: int
+
+
+class Ping(Frame):
+    pid: int
+
+
+class Snapshot(Frame):
+    """A front's own metrics, as families of samples (``metrics.snapshot``)."""
+
+    pid: int
+    families: list[Any]
+
+
+class Scrape(Frame):
+    pid: int  # the asking front, whose own live metrics it merges itself
+
+
+class Card(Frame):
+    """What a front needs of the model: its description, its tokenizer, and the engine."""
+
+    info: dict[str, Any]
+    text: dict[str, Any]
+    pid: int
+    state: str
+    queue_limit: int
+
+
+class Pong(Frame):
+    pid: int
+    state: str
+    queue_limit: int
+    fronts: list[int] = []
+
+
+class Rows(Frame):
+    id: int
+    rows: bytes
+    shape: tuple[int, int]
+    queue_s: float
+    inference_s: float
+
+
+class Sparse(Frame):
+    id: int
+    counts: bytes  # int32: the active dimensions of each input
+    indices: bytes  # int32
+    values: bytes  # float32
+    queue_s: float
+    inference_s: float
+
+
+class TokenRows(Frame):
+    id: int
+    counts: bytes  # int32: the tokens of each input
+    rows: bytes  # float32, (sum of counts, width)
+    width: int
+    queue_s: float
+    inference_s: float
+
+
+class Failed(Frame):
+    """An ``ApiError`` of the model side, to be raised again in the front."""
+
+    id: int
+    status: int
+    type: str
+    reason: str
+    message: str
+    code: str | None = None
+    param: str | None = None
+    headers: dict[str, str] = {}
+
+
+class Exposition(Frame):
+    families: list[Any]
+
+
+ToEngine = Hello | Submit | Cancel | Ping | Snapshot | Scrape
+ToFront = Card | Pong | Rows | Sparse | TokenRows | Failed | Exposition
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_front = msgspec.msgpack.Decoder(ToFront)
+
+
+def encode(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_to_engine(data: bytes) -> Any:
+    """A front's frame; ``msgspec.DecodeError`` (a ``ValueError``) for anything else."""
+    return _to_engine.decode(data)
+
+
+def decode_to_front(data: bytes) -> Any:
+    return _to_front.decode(data)
+
+
+def max_frame_bytes(inputs: int, tokens: int) -> int:
+    """The largest frame a front sends for requests of at most ``inputs`` inputs of at most
+    ``tokens`` tokens: 4 bytes an id, 8 an input (its length, a pair's second segment), and
+    a margin for the rest. The engine's socket closes a larger sender's connection."""
+    return 4 * inputs * tokens + 8 * inputs + (1 << 20)
+
+
+def pack_ids(ids: Sequence[Sequence[int]]) -> tuple[bytes, bytes, bytes]:
+    """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments."""
+    total = sum(map(len, ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype="<i4", count=total)
+    lengths = np.fromiter(map(len, ids), dtype="<i4", count=len(ids))
+    seconds = b""
+    if ids and isinstance(ids[0], Pair):
+        seconds = np.array([p.second for p in ids], dtype="<i4").tobytes()  # type: ignore[attr-defined]
+    return flat.tobytes(), lengths.tobytes(), seconds
+
+
+def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"") -> list[list[int]]:
+    """``pack_ids``' inverse; ValueError for arrays that do not add up."""
+    ids = np.frombuffer(flat, dtype="<i4")
+    sizes = np.frombuffer(lengths, dtype="<i4")
+    if len(flat) % 4 or len(lengths) % 4 or (sizes < 0).any() or int(sizes.sum()) != len(ids):
+        raise ValueError("the ids and their lengths do not add up")
+    bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+    values = ids.tolist()
+    rows = [values[a:b] for a, b in itertools.pairwise(bounds)]
+    if not seconds:
+        return rows
+    second = np.frombuffer(seconds, dtype="<i4").tolist()
+    if len(second) != len(rows):
+        raise ValueError("a pair's second segment is missing")
+    return [Pair(row, s) for row, s in zip(rows, second, strict=True)]
+
+
+def float_rows(data: bytes, shape: tuple[int, int]) -> np.ndarray:
+    """Rows sent as little-endian float32 bytes (read-only, no copy)."""
+    return np.frombuffer(data, dtype="<f4").reshape(shape)

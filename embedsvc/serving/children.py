@@ -1,0 +1,180 @@
+"""The two programs of a multi-process server: the engine (the one process that holds the
+model, its device and the batcher) and a front (an HTTP process in front of it).
+
+Both are the same program as their parent, started with a subcommand users do not type
+(``embedsvc engine``, ``embedsvc front``): ``embedsvc serve --workers N`` starts them
+(serving/supervisor.py), and gunicorn's first worker starts the engine
+(serving/process.py). Each watches the processes it serves (``watch``) and drains when they
+are gone, so that no engine is left behind when its supervisor or gunicorn's master dies,
+even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ..model.text import describe, text_spec
+from ..remote.place import engine_address
+from ..remote.server import EngineServer
+from ..service import Service
+from ..settings import Settings
+from .process import serving_process
+
+log = logging.getLogger(__name__)
+
+ENGINE_BOOT_ERROR = 3  # the model did not load: restarting it would fail the same way
+_WATCH_S = 0.5
+
+
+def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -> int:
+    """Load the model, then serve it on the engine socket in ``directory`` until SIGTERM or
+    until a watched process is gone (then the directory goes too); the exit code."""
+    watch_pids = list(watch_pids)
+    serving_process(settings)
+    orphaned = [pid for pid in watch_pids if not _alive(pid, None)]
+    if orphaned:
+        log.info("engine not started: process %d, which it would serve, is gone", orphaned[0])
+        return 0
+    service = Service(settings)
+    try:
+        service.start(background=False)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return ENGINE_BOOT_ERROR
+    runner = service.runner
+    assert runner is not None
+    address = engine_address(directory)
+    server = EngineServer(runner, address, state=lambda: service.state,
+                          metrics=service.metrics,
+                          card={"info": describe(runner.info), "text": text_spec(runner.encoder)})
+    stop = threading.Event()
+    drain = _drainer(lambda: service.drain(settings.drain_timeout_s), stop)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: drain(f"signal {signum}"))
+    abandoned = threading.Event()
+
+    def gone(pid: int) -> None:
+        abandoned.set()
+        drain(f"process {pid}, which it serves, is gone")
+
+    watch(watch_pids, gone)
+    info = runner.info
+    log.info("engine serving: pid=%d device=%s dtype=%s model=%s kind=%s on %s", os.getpid(),
+             info.device, info.dtype, info.name, info.kind, address)
+    server.run(stop)
+    if abandoned.is_set():  # nobody will connect again: its directory is litter now
+        shutil.rmtree(directory, ignore_errors=True)
+    log.info("engine stopped")
+    return 0
+
+
+def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None,
+              watch_pids: Iterable[int]) -> int:
+    """Serve HTTP on the listening socket ``fd`` (shared with the other fronts), the model
+    in the engine process; drain on SIGTERM or when the supervisor is gone."""
+    from .server import Server
+
+    serving_process(settings)
+    service = Service(settings, engine_address=engine_address(directory))
+    service.start(background=True)
+    sock = socket.socket(fileno=fd)
+    probes = socket.socket(fileno=probe_fd) if probe_fd is not None else None
+    server = Server(settings, service, sock=sock, probe_sock=probes)
+    watch(watch_pids, lambda pid: server.stop())
+    server.run()
+    return 0
+
+
+def _drainer(drain: Callable[[], Any], stop: threading.Event) -> Callable[[str], None]:
+    """Once, in a thread: finish what was admitted, then let the loop end."""
+    started = threading.Event()
+
+    def begin(why: str) -> None:
+        if started.is_set():
+            return
+        started.set()
+        log.info("engine draining: %s", why)
+
+        def run() -> None:
+            try:
+                drain()
+            finally:
+                stop.set()
+
+        threading.Thread(target=run, name="embedsvc-engine-drain", daemon=True).start()
+
+    return begin
+
+
+def watch(pids: Iterable[int], on_gone: Callable[[int], None]) -> threading.Thread | None:
+    """Call ``on_gone(pid)`` when any of ``pids`` has exited (a pidfd where the system has
+    them, so that a reused pid is never mistaken for the process), from a daemon thread."""
+    watched = [pid for pid in pids if pid > 1]
+    if not watched:
+        return None
+    handles = {pid: _pidfd(pid) for pid in watched}
+
+    def run() -> None:
+        while True:
+            for pid, fd in handles.items():
+                if not _alive(pid, fd):
+                    on_gone(pid)
+                    return
+            time.sleep(_WATCH_S)
+
+    thread = threading.Thread(target=run, name="embedsvc-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pidfd(pid: int) -> int | None:
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:  # already gone, or not allowed: the pid itself is watched
+        return None
+
+
+def _alive(pid: int, fd: int | None) -> bool:
+    if fd is not None:
+        readable, _, _ = select.select([fd], [], [], 0)
+        return not readable  # a pidfd turns readable when its process exits
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process with that pid: ours has gone
+        return False
+    return True
+
+
+def child_command(subcommand: str, *args: str) -> list[str]:
+    """This program again, with ``subcommand``: the module ``python -m`` ran, or the script
+    (the ``embedsvc`` command), as multiprocessing's spawn finds its parent's main."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        module = spec.name.removesuffix(".__main__")
+        return [sys.executable, "-m", module, subcommand, *args]
+    return [sys.executable, sys.argv[0], subcommand, *args]
+
+
+def close_quietly(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,125 @@
+"""One engine process for all the workers of one gunicorn master (``gunicorn -w N``).
+
+Who starts it: the first worker that needs it (its first request, or ``warm`` in
+``post_worker_init``), with or without ``--preload``: under a lock in the master's private
+directory, it starts ``python -m embedsvc engine`` as a new program, in a session of its
+own, watching the master's pid. Every other worker finds it there and connects. When a
+worker finds it gone (killed, crashed), the first to take the lock starts another one; the
+requests that were in the old one get 503 with ``Retry-After``.
+
+Who stops it: the master's death, whatever its cause. The engine watches the master's pid
+and drains when it is gone, so a SIGTERM (graceful: the workers finish their requests, then
+the master exits), a SIGINT, or a SIGKILL of the master leaves no engine behind; the workers
+themselves notice their master's death and exit, as gunicorn's workers do.
+
+The master never loads the model, touches a device or opens an ONNX Runtime session, so no
+worker is ever forked from a process that holds one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..remote.place import owner_dir
+from ..settings import Settings
+
+log = logging.getLogger(__name__)
+
+_PID_FILE = "engine.pid"
+_LOCK_FILE = "engine.lock"
+
+
+def gunicorn_workers() -> int | None:
+    """How many workers the gunicorn that runs this code was told to run (None: not in a
+    gunicorn master or worker). Found on the stack: gunicorn calls the app, and loads it,
+    from methods of its worker (or, with --preload, its arbiter), which hold its config."""
+    try:
+        from gunicorn.arbiter import Arbiter
+        from gunicorn.workers.base import Worker
+    except ImportError:
+        return None
+    if "gunicorn.arbiter" not in sys.modules:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Worker | Arbiter):
+            return int(owner.cfg.workers)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def engine_owner(settings: Settings, workers: int | None) -> int | None:
+    """The pid whose life the engine process follows, when the model goes in one: gunicorn's
+    master when its workers share one (ENGINE=auto and more than one worker, or
+    ENGINE=process), this process for ENGINE=process under another server (waitress-serve);
+    None when the model is in the serving process itself."""
+    if settings.engine == "inline":
+        return None
+    if workers is not None and (workers > 1 or settings.engine == "process"):
+        return os.getppid()
+    return os.getpid() if settings.engine == "process" else None
+
+
+class SharedEngine:
+    """The engine process that serves while ``master_pid`` lives, started on demand."""
+
+    def __init__(self, settings: Settings, master_pid: int) -> None:
+        self.settings = settings
+        self.master_pid = master_pid
+        self.directory = owner_dir(master_pid)
+
+    def ensure(self) -> None:
+        """Start the engine unless one is running (any worker may call it, at any time)."""
+        if not _alive(self.master_pid):  # its master is gone: this worker is about to go too
+            return
+        with self._locked():
+            if _running(self.directory / _PID_FILE):
+                return
+            cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
+                   str(self.directory), "--watch-pid", str(self.master_pid)]
+            env = {**os.environ, **self.settings.to_env()}
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            (self.directory / _PID_FILE).write_text(str(proc.pid))
+            log.info("process %d started the engine process (pid %d), shared while process "
+                     "%d lives", os.getpid(), proc.pid, self.master_pid)
+        # reap it when it exits (its parent is this process), so that it leaves no zombie
+        threading.Thread(target=proc.wait, name="embedsvc-engine-reaper", daemon=True).start()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.directory / _LOCK_FILE, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _running(pid_file: Path) -> bool:
+    """Whether the engine whose pid ``pid_file`` holds is running (and is an engine)."""
+    try:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path("/proc").is_dir() else b""
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return not cmdline or b"engine" in cmdline

@@ -1,0 +1,185 @@
+"""``embedsvc serve --workers N``: one engine process, N fronts sharing one listening socket.
+
+The supervisor binds the port (and HEALTH_PORT's), makes a private directory for the engine's
+socket, and starts the engine and the fronts as new programs (never by forking a process
+that holds a model, a device or an ONNX Runtime session). It replaces any child that dies:
+the fronts reconnect to a new engine by themselves, and the requests that were in the old
+one get 503 with ``Retry-After``. On SIGTERM, SIGINT or SIGHUP it drains as one process
+does: the fronts stop accepting and finish what they admitted, then the engine finishes what
+is left and exits, then the supervisor. A second signal ends every child at once.
+
+Example::
+
+    Supervisor(Settings(port=0, workers=2)).run()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from ..remote.place import fresh_dir
+from ..settings import Settings
+from .children import ENGINE_BOOT_ERROR, child_command
+from .process import ensure_open_files
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_QUICK_DEATH_S = 5.0  # a child that dies sooner after its start counts towards giving up
+_QUICK_DEATHS = 5  # ...this many times in a row: the supervisor stops with an error
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass
+class Child:
+    role: str  # "engine" or "front"
+    proc: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    """Starts, watches and stops the engine and the fronts of ``embedsvc serve --workers N``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.directory = fresh_dir()
+        self.listener = _listen(settings.host, settings.port)
+        self.probes = (_listen(settings.host, settings.health_port)
+                       if settings.health_port is not None else None)
+        self.engine: Child | None = None
+        self.fronts: list[Child] = []
+        self._signals = 0
+        self._draining = False
+        self._quick_deaths = 0
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    def run(self) -> int:
+        for signum in _SIGNALS:
+            signal.signal(signum, self._on_signal)
+        ensure_open_files(self.settings.max_connections)
+        try:
+            self.engine = self._start("engine")
+            self.fronts = [self._start("front") for _ in range(self.settings.workers)]
+            log.info("serving on http://%s:%d (supervisor pid %d; engine pid %d; %d fronts, "
+                     "pids %s)", self.settings.host, self.port, os.getpid(),
+                     self.engine.proc.pid, len(self.fronts),
+                     ", ".join(str(f.proc.pid) for f in self.fronts))
+            if self.probes is not None:
+                log.info("probes on http://%s:%d (/health, /info, /metrics)",
+                         self.settings.host, self.probes.getsockname()[1])
+            return self._watch()
+        finally:
+            self._stop_all()
+            self.listener.close()
+            if self.probes is not None:
+                self.probes.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- children -----------------------------------------------------------------------------
+
+    def _start(self, role: str) -> Child:
+        args = ["--runtime-dir", str(self.directory), "--watch-pid", str(os.getpid())]
+        fds = []
+        if role == "front":
+            fds.append(self.listener.fileno())
+            args += ["--fd", str(self.listener.fileno())]
+            if self.probes is not None:
+                fds.append(self.probes.fileno())
+                args += ["--probe-fd", str(self.probes.fileno())]
+        env = {**os.environ, **self.settings.to_env()}
+        proc = subprocess.Popen(child_command(role, *args), env=env, pass_fds=fds)
+        return Child(role, proc)
+
+    def _watch(self) -> int:
+        """Replace children that die, until a signal has drained them all; the exit code."""
+        while not self._draining:
+            time.sleep(_POLL_S)
+            for child in [self.engine, *self.fronts]:
+                assert child is not None
+                code = child.proc.poll()
+                if code is None or self._draining:
+                    continue
+                if child.role == "engine" and code == ENGINE_BOOT_ERROR:
+                    log.error("the engine could not load the model (its log says why); "
+                              "stopping")
+                    return 1
+                if not self._replace(child, code):
+                    return 1
+        return 0
+
+    def _replace(self, child: Child, code: int) -> bool:
+        """Start a new child in place of ``child``; False after too many quick deaths."""
+        quick = time.monotonic() - child.started < _QUICK_DEATH_S
+        self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        if self._quick_deaths >= _QUICK_DEATHS:
+            log.error("the %s process died %d times within %.0fs of its start; stopping",
+                      child.role, self._quick_deaths, _QUICK_DEATH_S)
+            return False
+        new = self._start(child.role)
+        log.warning("the %s process (pid %d) exited with %s; started pid %d in its place",
+                    child.role, child.proc.pid, _status(code), new.proc.pid)
+        if child.role == "engine":
+            self.engine = new
+        else:
+            self.fronts[self.fronts.index(child)] = new
+        return True
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("signal %d again: ending every process at once", signum)
+            for child in [self.engine, *self.fronts]:
+                if child is not None and child.proc.poll() is None:
+                    child.proc.kill()
+            os._exit(128 + signum)
+        log.info("signal %d: draining the fronts, then the engine (up to %.0fs)", signum,
+                 self.settings.drain_timeout_s)
+        self._draining = True
+
+    def _stop_all(self) -> None:
+        """The fronts first (they finish what they admitted, which needs the engine), then
+        the engine."""
+        deadline = time.monotonic() + self.settings.drain_timeout_s + 5
+        _stop([f.proc for f in self.fronts], deadline)
+        if self.engine is not None:
+            _stop([self.engine.proc], deadline + 5)
+
+
+def _stop(procs: list[subprocess.Popen], deadline: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop in time; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket every front accepts on (inherited by them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _status(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"code {code}"

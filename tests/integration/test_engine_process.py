@@ -1,0 +1,240 @@
+"""``embedsvc serve --workers N``: one engine process, N fronts (issue 38), as real processes
+on loopback, around the fake encoder (tests/integration/fake_serve.py: the engine and the
+fronts are that program again), whose batches sleep so that a test can catch one computing.
+The real model's round, and gunicorn's, are in test_engine_gunicorn.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from embedsvc.model.fake import FakeEncoder
+
+from .. import loopback
+from .servers import FAKE_EMBEDSVC, Server, running
+
+FAKE = FakeEncoder(dimension=384, max_input_tokens=256)  # as fake_serve.py serves it
+ENGINE_LINE = re.compile(r"engine serving: pid=(\d+) .* on ipc://(\S+)")
+
+
+@contextmanager
+def workers(tmp_path: Path, n: int = 2, batch_s: float = 0.0, *flags: str,
+            name: str = "workers") -> Iterator[Server]:
+    env = {"FAKE_SERVE_DELAY_S": str(batch_s)}
+    cmd = [*FAKE_EMBEDSVC, "serve", "--port", "0", "--workers", str(n), "--threads", "16",
+           *flags]
+    with running(cmd, tmp_path / f"{name}.log", env=env) as server:
+        all_ready(server, n)
+        yield server
+
+
+def info(server: Server) -> dict:
+    return loopback.get(server.url + "/info", timeout=10).json()
+
+
+def all_ready(server: Server, n: int, timeout: float = 60) -> None:
+    """Until the engine knows ``n`` fronts and each answers /health (new connections go
+    to either front, so a few in a row reach both)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(info(server)["front_pids"]) == n and all(
+                loopback.get(server.url + "/health", timeout=5).status_code == 200
+                for _ in range(4 * n)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not {n} fronts ready:\n{server.output()[-3000:]}")
+
+
+def children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(p) for p in found]
+
+
+def engine_socket(server: Server, pid: int) -> str:
+    for found in ENGINE_LINE.finditer(server.output()):
+        if int(found.group(1)) == pid:
+            return found.group(2)
+    raise AssertionError(f"no engine line for pid {pid}:\n{server.output()[-2000:]}")
+
+
+def metric(server: Server, line_start: str) -> float:
+    text = loopback.get(server.url + "/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(line_start)]
+    assert values, f"no sample {line_start}"
+    return sum(values)
+
+
+def embed(url: str, texts: list[str], timeout: float = 60):
+    return loopback.post(url + "/embed", json={"inputs": texts}, timeout=timeout)
+
+
+def assert_vectors(resp, texts: list[str]) -> None:
+    assert resp.status_code == 200, resp.text
+    np.testing.assert_allclose(resp.json(), [FAKE.expected(t) for t in texts], rtol=1e-5)
+
+
+def test_two_fronts_share_one_engine_whose_batches_mix_their_requests(tmp_path):
+    with workers(tmp_path, 2, 0.05) as server:
+        about = info(server)
+        fronts = set(about["front_pids"])
+        assert len(fronts) == 2 and about["engine_pid"] not in fronts
+        assert set(children(server.pid)) == fronts | {about["engine_pid"]}
+        results: list = []
+
+        def client(i: int) -> None:
+            with loopback.Client(base_url=server.url, timeout=60) as c:  # its own connection
+                for k in range(3):
+                    texts = [f"client {i} request {k}"]
+                    results.append((texts, c.post("/embed", json={"inputs": texts})))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 72
+        for texts, resp in results:  # each its own vector, never another request's
+            assert_vectors(resp, texts)
+        time.sleep(1.2)  # the other front's metrics reach the engine once a second
+        assert metric(server, 'embedsvc_requests_total{route="/embed",status="200"}') == 72
+        batches = metric(server, "embedsvc_batch_fronts_count")
+        single = metric(server, 'embedsvc_batch_fronts_bucket{le="1.0"}')
+        assert batches > single, "no batch held inputs from both fronts"
+
+
+def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(tmp_path):
+    """SIGKILL of the engine under load: every request in it gets a JSON 503 with
+    Retry-After within about a second (the fronts see its socket close; at worst
+    LOST_AFTER_S), the supervisor starts another, /health says loading, then ok."""
+    with workers(tmp_path, 2, 0.3) as server:
+        engine = info(server)["engine_pid"]
+        stop = threading.Event()
+        answers: list = []
+
+        def client(i: int) -> None:
+            with loopback.Client(base_url=server.url, timeout=30) as c:
+                while not stop.is_set():
+                    texts = [f"load {i} {time.monotonic()}"]
+                    sent = time.monotonic()
+                    resp = c.post("/embed", json={"inputs": texts})
+                    answers.append((sent, time.monotonic(), texts, resp))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        states = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            health = loopback.get(server.url + "/health", timeout=5)
+            states.add(health.status_code if health.status_code == 200
+                       else health.json()["error"]["code"])
+            if health.status_code == 200 and info(server)["engine_pid"] not in (engine, None):
+                break
+            time.sleep(0.1)
+        recovered = time.monotonic()
+        all_ready(server, 2)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert "loading" in states, states  # /health said so while the new one started
+    in_flight = [a for a in answers if a[0] < killed < a[1]]
+    assert in_flight, "no request was in the engine when it was killed"
+    for _sent, done, texts, resp in in_flight:
+        assert done - killed < 2.0, f"answered {done - killed:.1f}s after the kill"
+        if resp.status_code == 200:  # computed and sent before the kill took effect
+            assert_vectors(resp, texts)
+            continue
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text
+        assert resp.json()["error"]["type"] == "service_unavailable"
+    for _, _, texts, resp in answers:
+        assert resp.status_code in (200, 503), resp.text
+        if resp.status_code == 200:
+            assert_vectors(resp, texts)
+    assert any(a[0] > recovered and a[3].status_code == 200 for a in answers)
+    assert "the engine process (pid" in server.output()
+
+
+def test_a_killed_front_is_replaced_and_the_other_keeps_serving(tmp_path):
+    with workers(tmp_path, 2) as server:
+        fronts = info(server)["front_pids"]
+        os.kill(fronts[0], signal.SIGKILL)
+        for i in range(20):  # the kernel gives new connections to the live front
+            assert_vectors(embed(server.url, [f"after {i}"]), [f"after {i}"])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = set(info(server)["front_pids"])
+            if len(now) == 2 and fronts[0] not in now:
+                break
+            time.sleep(0.3)
+        assert len(now) == 2 and fronts[0] not in now, now
+        assert f"the front process (pid {fronts[0]}) exited with signal 9" in server.output()
+
+
+def test_sigterm_drains_the_fronts_then_the_engine_and_cuts_nothing_admitted(tmp_path):
+    with workers(tmp_path, 2, 0.5) as server:
+        results: list = []
+        clients = []
+        for _i in range(8):
+            c = loopback.Client(base_url=server.url, timeout=60)
+            assert c.get("/health").status_code == 200  # a kept-alive connection
+            clients.append(c)
+
+        def send(c, i: int) -> None:
+            texts = [f"draining {i}"]
+            results.append((texts, c.post("/embed", json={"inputs": texts})))
+
+        threads = [threading.Thread(target=send, args=(c, i)) for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # admitted, the first batch computing
+        kids = children(server.pid)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(60) == 0
+        for c in clients:
+            c.close()
+    assert len(results) == 8
+    for texts, resp in results:
+        assert_vectors(resp, texts)
+    for pid in kids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    assert "engine stopped" in server.output()
+
+
+def test_a_malformed_or_oversized_frame_is_dropped_and_the_engine_serves_on(tmp_path):
+    with workers(tmp_path, 1, 0.0, "--engine", "process") as server:
+        engine = info(server)["engine_pid"]
+        address = engine_socket(server, engine)
+        context = zmq.Context()
+        try:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{address}")
+            sock.send(b"\x93not a frame")
+            sock.send_multipart([b"two", b"parts"])
+            sock.send(b"\x81\xa5frame\xa6Submit")  # a Submit with no fields
+            sock.send(b"x" * (8 << 20))  # larger than any request can make
+            time.sleep(0.5)
+        finally:
+            context.destroy(linger=0)
+        assert_vectors(embed(server.url, ["still serving"]), ["still serving"])
+        assert info(server)["engine_pid"] == engine
+        assert server.output().count("a malformed frame on the engine socket was dropped") >= 3
+
+
+        assert len(info(server)["front_pids"]) == 1  # ENGINE=process, with one front
