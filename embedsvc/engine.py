@@ -222,8 +222,8 @@ class Engine:
             work.inputs, truncate=work.truncate, direction=work.direction,
             deadline=work.deadline, disconnected=work.disconnected))
         if work.kind == EMBED:
-            if work.dimensions is not None:
-                out.vectors = out.vectors[:, :work.dimensions]
+            if work.dimensions is not None:  # a copy: rows from the engine process are
+                out.vectors = np.ascontiguousarray(out.vectors[:, :work.dimensions])  # views
             if work.normalize:
                 out.vectors = l2_normalize(out.vectors)
         return out

@@ -1,0 +1,84 @@
+"""``gunicorn -w N embedsvc:app`` on the bundled model (issue 38): the workers share one
+engine process, which is the only process that maps ONNX Runtime, with or without
+``--preload``, on a plain command line and with deploy/gunicorn.conf.py; the vectors are the
+one-process server's; a SIGKILL of the master leaves no engine behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .. import loopback
+from .servers import running
+
+TEXTS = ["the workers share one model", "and one batcher", "a third text, a bit longer"]
+PLAIN = ["gunicorn", "-w", "4", "-b", "127.0.0.1:0", "--timeout", "10",
+         "--no-control-socket", "embedsvc:app"]
+CONF = ["gunicorn", "-c", "deploy/gunicorn.conf.py", "-w", "2", "-b", "127.0.0.1:0",
+        "--timeout", "10", "embedsvc:app"]
+LAUNCHES = {"plain": PLAIN, "preload": [*PLAIN[:-1], "--preload", "embedsvc:app"],
+            "conf": CONF}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started under ``pid`` (the engine is in a session of its own, but a
+    child of the worker that started it)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        path = Path(f"/proc/{parent}/task/{parent}/children")
+        kids = [int(p) for p in path.read_text().split()] if path.exists() else []
+        found += kids
+        todo += kids
+    return found
+
+
+def maps_onnxruntime(pid: int) -> bool:
+    try:
+        return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def engine_ready(url: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        about = loopback.get(url + "/info", timeout=30).json()
+        if about.get("engine_pid") and about["engine_pid"] != about["pid"]:
+            return about
+        time.sleep(0.3)
+    raise AssertionError("no engine process")
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, served,
+                                                                        tmp_path):
+    env = {"EMBEDSVC_DEVICE": "cpu"}
+    with running(LAUNCHES[launch], tmp_path / "gunicorn.log", env=env,
+                 cwd=str(Path(__file__).parents[2])) as server:
+        about = engine_ready(server.url)
+        engine = about["engine_pid"]
+        want = loopback.post(served.url + "/embed", json={"inputs": TEXTS}, timeout=60).json()
+        for _ in range(8):  # new connections, spread over the workers
+            got = loopback.post(server.url + "/embed", json={"inputs": TEXTS}, timeout=60)
+            assert got.status_code == 200, got.text
+            np.testing.assert_allclose(got.json(), want, rtol=1e-5, atol=1e-6)
+        mapped = [pid for pid in [server.pid, *descendants(server.pid)] if maps_onnxruntime(pid)]
+        assert mapped == [engine], (mapped, engine)
+        os.kill(server.pid, signal.SIGKILL)  # the master
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and Path(f"/proc/{engine}").exists() \
+                and "Z" not in Path(f"/proc/{engine}/stat").read_text().split(")")[1][:3]:
+            time.sleep(0.1)
+        gone = not Path(f"/proc/{engine}").exists() or \
+            "Z" in Path(f"/proc/{engine}/stat").read_text().split(")")[1][:3]
+        assert gone, f"the engine (pid {engine}) outlived its master"
+        assert "is gone" in server.output()
+        with contextlib.suppress(ProcessLookupError):  # the workers notice in a few seconds
+            os.killpg(server.pid, signal.SIGKILL)
