@@ -293,9 +293,9 @@ def test_twelve_16_mb_decode_bodies_at_once_stay_bounded(embedding):
     embedding.memory.reset()
     answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
     # More ids than MAX_QUEUE_TOKENS (1,048,576) decode at once: refused before decoding.
-    # The bodies parse one at a time, each about 0.25 s, with the lane shut for three times
-    # that after each; five at most are in the lane (the rest get 429 unparsed), and one
-    # whose turn would come after its deadline gets 504 unparsed.
+    # The bodies parse one at a time, each about 0.25 s (a refused one shuts the lane for
+    # no longer); five at most are in the lane (the rest get 429 unparsed), and one whose
+    # turn would come after its deadline gets 504 unparsed.
     refused = [a for status, a, _ in answers if status == 413]
     unparsed = [a for status, a, _ in answers if status in (429, 504)]
     assert refused and len(refused) + len(unparsed) == 12, answers
