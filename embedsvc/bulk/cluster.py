@@ -144,7 +144,8 @@ def _embed_files(dataset: Dataset, pending: list[tuple[int, Any]], shards: Shard
     ds = files.map_batches(
         read_files, batch_size=1, num_cpus=_READ_CPUS,
         fn_kwargs={"filesystem": dataset.filesystem, "text_field": text_field,
-                   "id_field": id_field, "rows": chunk_size})
+                   "id_field": id_field, "rows": chunk_size,
+                   "max_chars": settings.max_input_chars})
     ds = ds.map_batches(EmbedActor, fn_constructor_kwargs={"settings": settings},
                         batch_size=chunk_size, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=actors), **resources)

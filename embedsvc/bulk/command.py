@@ -181,7 +181,8 @@ def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Su
     from .embedders import LocalEmbedder, RemoteEmbedder, local_identity
     from .progress import progress_bar
 
-    embedder: Any = RemoteEmbedder(options.url, settings.api_key) if options.url else None
+    embedder: Any = RemoteEmbedder(options.url, settings.api_key,
+                                   max_chars=settings.max_input_chars) if options.url else None
     try:
         if embedder is not None:  # its GET /info told the kind
             _check_kind(embedder.kind, options)

@@ -84,7 +84,8 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
     start = checkpoint.done
     started = time.monotonic()
     source = Path(options.input)
-    records = read_records(source, options.text_field, options.id_field, start)
+    records = read_records(source, options.text_field, options.id_field, start,
+                           max_chars=embedder.max_chars)
     job = _Job(checkpoint, progress)
     try:
         with stop.deferred():
