@@ -102,8 +102,10 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
                        "(default: %(default)s)")
     embed.add_argument("--part-seconds", type=_positive(float), default=default("part_seconds"),
                        help="...or this many seconds after it was opened, whichever comes "
-                       "first: a crash loses at most one part's work, an interrupt none "
-                       "that was computed (default: %(default)s)")
+                       "first (a run's first parts sooner: after 2 s, then after as long as "
+                       "the run has taken so far): a crash loses at most one part's work, "
+                       "half of what it computed at most, an interrupt none that was "
+                       "computed (default: %(default)s)")
     embed.add_argument("--restart", action="store_true",
                        help="discard an unfinished run of this output and start over")
     embed.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",

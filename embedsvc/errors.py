@@ -1,13 +1,21 @@
-"""One error hierarchy, one JSON shape: ``{"error": {message, type, param, code}}``.
+"""One error hierarchy, written in the error shape of the API family a route belongs to:
+OpenAI's ``{"error": {message, type, param, code}}`` (every family but Ollama's), or Ollama's
+``{"error": "message"}``, which its clients read.
 
 >>> err = InvalidRequest("'input' must not be empty", param="input", code="empty_input")
 >>> err.status, err.body()["error"]["type"]
 (400, 'invalid_request_error')
+>>> err.body(OLLAMA)
+{'error': "'input' must not be empty"}
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+ErrorShape = Literal["openai", "ollama"]
+OPENAI: ErrorShape = "openai"
+OLLAMA: ErrorShape = "ollama"
 
 
 class ApiError(Exception):
@@ -31,7 +39,10 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, shape: ErrorShape = OPENAI) -> dict[str, Any]:
+        """The JSON body of this error in ``shape``."""
+        if shape == OLLAMA:
+            return {"error": self.message}
         return {
             "error": {
                 "message": self.message,

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from ..batching.lane import LARGE_BODY_BYTES
 from ..errors import InvalidRequest
 from .schemas import Request
+from .shapes import check_lists, listed_fields
 
 if TYPE_CHECKING:
     from .web import Call
@@ -19,9 +20,10 @@ if TYPE_CHECKING:
 def parse(model: type[Request], call: Call) -> Any:
     """The validated request, or a 400 that names the field and what it must be.
 
-    Lists are checked against MAX_INPUTS_PER_REQUEST before their items (shapes.py), so that
-    validation costs what the body costs, whatever it holds; a large body waits for its turn
-    in the service's lane (batching/lane.py), since parsing it stops every other thread.
+    Every list of the body is checked by its field's shape before pydantic sees it, against
+    MAX_INPUTS_PER_REQUEST before its items (shapes.py), so that validation costs what the
+    body costs, whatever it holds and whichever route it came to; a large body waits for its
+    turn in the service's lane (batching/lane.py), since parsing it stops every other thread.
     """
     if len(call.body) >= LARGE_BODY_BYTES:
         return call.service.body_lane.run(lambda: _parse(model, call), call.deadline)
@@ -40,10 +42,11 @@ def _parse(model: type[Request], call: Call) -> Any:
         raise InvalidRequest(
             f"the body must be a JSON object, not {type(body).__name__}", code="invalid_json"
         )
+    settings = call.service.settings
+    max_inputs, max_ids = settings.max_inputs_per_request, settings.max_queue_tokens
+    check_lists(listed_fields(model), body, max_inputs, max_ids)
     try:
-        settings = call.service.settings
-        return model.model_validate(body, context={"max_inputs": settings.max_inputs_per_request,
-                                                   "max_ids": settings.max_queue_tokens})
+        return model.model_validate(body, context={"max_inputs": max_inputs, "max_ids": max_ids})
     except ValidationError as exc:
         raise _invalid(exc) from None
 

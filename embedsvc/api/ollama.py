@@ -1,8 +1,9 @@
 """Ollama's embedding API: ``/api/embed``, the legacy ``/api/embeddings``, and the model
 listing its clients check first (``/api/tags``, ``/api/show``, ``/api/version``).
 
-Errors on these routes come in Ollama's shape, ``{"error": "..."}``, which its clients read;
-Ollama's other routes (generate, chat, pull...) answer 501 saying this server embeds only::
+Errors on these routes come in Ollama's shape, ``{"error": "..."}``, which its clients read
+(their rows in routes.py say so; the pipeline writes every error); Ollama's other routes
+(generate, chat, pull...) answer 501 saying this server embeds only::
 
     POST /api/embed {"model": "any", "input": ["a", "b"]}
       ->  {"model": "<served>", "embeddings": [[...], [...]], "prompt_eval_count": 6, ...}
@@ -21,7 +22,7 @@ from ..errors import ApiError, InvalidRequest, NotFound
 from ..work import EMBED, ModelInfo
 from .bodies import as_list, parse
 from .schemas import OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaShowRequest
-from .web import Call, Handler, Reply, embedded_reply, json_reply
+from .web import Call, Reply, embedded_reply, json_reply
 
 _QUANTIZATION = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "Q8_0"}
 
@@ -32,21 +33,6 @@ class EmbedsOnly(ApiError):
     reason = "not_supported"
 
 
-def ollama_errors(handler: Handler) -> Handler:
-    """``handler`` with its errors in Ollama's shape, counted as the pipeline counts them."""
-
-    @functools.wraps(handler)
-    def answer(call: Call) -> Reply:
-        try:
-            return handler(call)
-        except ApiError as exc:
-            call.service.metrics.count_rejection(exc.reason)
-            return json_reply({"error": exc.message}, exc.status, list(exc.headers.items()))
-
-    return answer
-
-
-@ollama_errors
 def embed(call: Call) -> Reply:
     """POST /api/embed: L2-normalised vectors, as Ollama gives them."""
     req = parse(OllamaEmbedRequest, call)
@@ -69,7 +55,6 @@ def _embed_body(info: ModelInfo, vectors: Any, call: Call, tokens: int) -> dict[
     }
 
 
-@ollama_errors
 def embeddings(call: Call) -> Reply:
     """POST /api/embeddings (legacy): one prompt, the model's raw vector, as Ollama gives it."""
     req = parse(OllamaEmbeddingsRequest, call)
@@ -77,7 +62,6 @@ def embeddings(call: Call) -> Reply:
     return embedded_reply({"embedding": out.vectors[0]}, out, 1)
 
 
-@ollama_errors
 def tags(call: Call) -> Reply:
     """GET /api/tags: the served model, as ``ollama list`` shows models."""
     info = call.info
@@ -88,7 +72,6 @@ def tags(call: Call) -> Reply:
     }]})
 
 
-@ollama_errors
 def show(call: Call) -> Reply:
     """POST /api/show: the served model's details, by the name /api/tags lists."""
     req = parse(OllamaShowRequest, call)
@@ -111,13 +94,11 @@ def show(call: Call) -> Reply:
     })
 
 
-@ollama_errors
 def version(call: Call) -> Reply:
     """GET /api/version: embedsvc's version."""
     return json_reply({"version": __version__})
 
 
-@ollama_errors
 def embeds_only(call: Call) -> Reply:
     """Ollama's generation and model-management routes: a 501 in Ollama's shape."""
     raise EmbedsOnly("this server is embedsvc, which embeds only: it serves one embedding model "

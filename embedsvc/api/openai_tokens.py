@@ -19,10 +19,12 @@ files fill tiktoken's own cache for the clients on a machine without internet
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import importlib.resources
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -178,23 +180,56 @@ def tiktoken_cache_dir(env: Mapping[str, str]) -> Path:
     return Path(found) if found is not None else Path(tempfile.gettempdir(), "data-gym-cache")
 
 
+class UnsafeDirectory(RuntimeError):
+    """A cache directory that another user could change: its files are not written there."""
+
+
 def write_tiktoken_cache(directory: Path) -> list[Path]:
     """Fill ``directory`` as tiktoken lays out its cache, from the installed wheel.
 
     tiktoken keeps a downloaded ``<encoding>.tiktoken`` under the SHA-1 of its URL and uses a
     file already there when its SHA-256 is the pinned one, so clients that run tiktoken
-    (LangChain's ``OpenAIEmbeddings``) work without a network. Each file is written aside
-    and renamed into place, so a reader never sees half of one.
+    (LangChain's ``OpenAIEmbeddings``) work without a network. The directory must be this
+    user's alone to write (``own_directory``); each file is written aside under a name
+    ``mkstemp`` makes (``O_EXCL``: a link planted at a name it could guess is never
+    followed) and renamed into place, so a reader never sees half of one.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    own_directory(directory)
     written = []
     for name in _SHIPPED:
         target = directory / hashlib.sha1(_TIKTOKEN_URL.format(name).encode()).hexdigest()
-        aside = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        aside.write_bytes(shipped_file(name))
-        os.replace(aside, target)
+        fd, aside = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(shipped_file(name))
+            os.chmod(aside, 0o644)  # others' tiktoken reads it, as it would a download
+            os.replace(aside, target)
+        except BaseException:
+            Path(aside).unlink(missing_ok=True)
+            raise
         written.append(target)
     return written
+
+
+def own_directory(directory: Path) -> None:
+    """Make ``directory`` for this user (mode 755), or check that it is a real directory of
+    this user's that no one else may write to; ``UnsafeDirectory`` otherwise. tiktoken's
+    default is ``$TMPDIR/data-gym-cache``, under a directory where any user may make it
+    first, and then change the files that clients load."""
+    with contextlib.suppress(FileExistsError):  # checked below, as one made by someone else
+        directory.mkdir(mode=0o755, parents=True)
+    info = os.lstat(directory)
+    elsewhere = ("; remove it, or write the files to a directory of your own and point "
+                 "TIKTOKEN_CACHE_DIR at it")
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise UnsafeDirectory(f"{directory} is {kind}{elsewhere}")
+    if info.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"{directory} belongs to another user (uid {info.st_uid}), who "
+                              f"could change the files tiktoken loads from it{elsewhere}")
+    if info.st_mode & 0o022:
+        raise UnsafeDirectory(f"{directory} can be written by other users (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}): chmod go-w it{elsewhere}")
 
 
 def cache_command(directory: str | None, env: Mapping[str, str]) -> int:

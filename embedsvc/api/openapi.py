@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import __version__
-from .schemas import ERROR
+from ..errors import OLLAMA
+from .schemas import ERROR, OLLAMA_ERROR
 from .web import Route
 
 # Every route may answer these; POST routes also the ones about their body and the model.
@@ -32,9 +33,10 @@ def _operation(route: Route) -> dict[str, Any]:
               "content": {"application/json": {"schema": route.response}}}
     errors = _ANY_ERRORS + (_POST_ERRORS if route.method == "POST" else ("503",))
     responses = {"200": ok}
+    shape = _ref("OllamaError" if route.errors == OLLAMA else "Error")
     for status in sorted(set(errors)):
         responses[status] = {"description": "Error",
-                             "content": {"application/json": {"schema": _ref("Error")}}}
+                             "content": {"application/json": {"schema": shape}}}
     op: dict[str, Any] = {"summary": route.summary, "responses": responses}
     if route.request is not None:
         op["requestBody"] = {"required": True, "content": {
@@ -46,7 +48,7 @@ def _operation(route: Route) -> dict[str, Any]:
 
 def openapi_document(routes: Iterable[Route]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
-    schemas: dict[str, Any] = {"Error": ERROR}
+    schemas: dict[str, Any] = {"Error": ERROR, "OllamaError": OLLAMA_ERROR}
     for route in (r for r in routes if r.listed):
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route)
         if route.request is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import orjson
 
+from ..errors import OLLAMA
 from . import cohere, docs_page, ollama, openai, ops, schemas, tei
 from .openapi import openapi_document
 from .schemas import (
@@ -46,7 +47,8 @@ _COHERE_EMBED = ("Cohere's embed API: every type of embedding_types (float, int8
                  "binary, ubinary, base64) from one pass (an embedding model)")
 _OLLAMA_ONLY = "Ollama's; answers 501 in Ollama's error shape: this server embeds only"
 _OLLAMA_ROUTES = tuple(
-    Route(path, method, ollama.embeds_only, _OLLAMA_ONLY, response=schemas.OLLAMA_ERROR)
+    Route(path, method, ollama.embeds_only, _OLLAMA_ONLY, response=schemas.OLLAMA_ERROR,
+          errors=OLLAMA)
     for path, method in (("/api/generate", "POST"), ("/api/chat", "POST"),
                          ("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
                          ("/api/copy", "POST"), ("/api/delete", "DELETE"), ("/api/ps", "GET"))
@@ -78,16 +80,16 @@ ROUTES: tuple[Route, ...] = (
           schemas.COHERE_EMBED_V1_RESPONSE, kinds=_EMBEDDING),
     Route("/api/embed", "POST", ollama.embed, "Ollama's embeddings: normalised vectors, one "
           "per input", schemas.OllamaEmbedRequest, schemas.OLLAMA_EMBED_RESPONSE,
-          kinds=_EMBEDDING),
+          kinds=_EMBEDDING, errors=OLLAMA),
     Route("/api/embeddings", "POST", ollama.embeddings, "Ollama's legacy embeddings: one "
           "prompt, the model's raw vector", schemas.OllamaEmbeddingsRequest,
-          schemas.OLLAMA_EMBEDDING_RESPONSE, kinds=_EMBEDDING),
+          schemas.OLLAMA_EMBEDDING_RESPONSE, kinds=_EMBEDDING, errors=OLLAMA),
     Route("/api/tags", "GET", ollama.tags, "Ollama's model list: the served model, by the "
-          "name:tag its clients check", response=schemas.OLLAMA_TAGS),
+          "name:tag its clients check", response=schemas.OLLAMA_TAGS, errors=OLLAMA),
     Route("/api/show", "POST", ollama.show, "Ollama's model details, by the name /api/tags "
-          "lists", schemas.OllamaShowRequest, schemas.OLLAMA_SHOW),
+          "lists", schemas.OllamaShowRequest, schemas.OLLAMA_SHOW, errors=OLLAMA),
     Route("/api/version", "GET", ollama.version, "Ollama's version route: embedsvc's version",
-          response=schemas.OLLAMA_VERSION),
+          response=schemas.OLLAMA_VERSION, errors=OLLAMA),
     *_OLLAMA_ROUTES,
     Route("/v1/rerank", "POST", cohere.cohere_rerank, _COHERE,
           schemas.CohereRerankRequest, schemas.COHERE_RERANK_RESPONSE, kinds=_RERANKER),

@@ -15,12 +15,17 @@ from pydantic import (
     field_validator,
 )
 
-from .shapes import Shape
+from .shapes import Shape, listed_fields
 
 
 class Request(BaseModel):
     # strict: "1" is no integer and 1 is no string; unknown fields are ignored, as OpenAI does.
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        listed_fields(cls)  # a list field no Shape can check fails here, at import
 
 
 # The list fields: checked by a Shape (bounded by the body, see shapes.py), published in

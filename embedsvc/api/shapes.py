@@ -8,6 +8,14 @@ the type of every item, in C (``map(type, ...)``) a slice at a time, so that oth
 run between slices, stopping at the first wrong one and naming it by position, in a message
 that says what the route takes.
 
+Every list field of every request model is checked so, through the one request path
+(bodies.py's ``parse``): a field validated by a ``Shape`` of its own (the ones that take
+token ids, pairs or documents) is checked by it; any other field that may hold a list
+(``list[StrictStr]``, ``str | list[str]``, ``list[Literal[...]]``...) gets a ``Shape`` derived
+from its type (``listed_fields``), counted against MAX_INPUTS_PER_REQUEST like inputs, and
+checked before pydantic sees the body. A list field whose items this module cannot describe
+fails the model's definition (``schemas.Request``), so a new route cannot go unchecked.
+
 >>> shape = Shape("a string or a list of strings", text=True, items=(str,))
 >>> shape.check(["a", "b"], "inputs", 8)
 ['a', 'b']
@@ -20,12 +28,14 @@ that says what the route takes.
 
 from __future__ import annotations
 
-from functools import partial
+import types
+from dataclasses import dataclass
+from functools import cache, partial
 from itertools import compress, count
 from operator import is_not
-from typing import Any
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import ValidationInfo
+from pydantic import BaseModel, ValidationInfo
 
 from .. import rules
 from ..errors import InvalidRequest
@@ -38,9 +48,10 @@ _NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a s
 
 class Shape:
     """What one field may be: a lone string (``text``), or a list of items of one of the
-    types ``items`` (``inner``: the type inside lists that are items; ``mixed``: items of
-    several of those types in one list; ``counted``: item types that make each item an
-    input, so the list's length is a count of inputs)."""
+    types ``items`` (none: any JSON value, and only the list's length is checked; ``inner``:
+    the type inside lists that are items; ``mixed``: items of several of those types in one
+    list; ``counted``: item types that make each item an input, so the list's length is a
+    count of inputs)."""
 
     def __init__(self, what: str, *, text: bool = False, items: tuple[type, ...] = (),
                  inner: type | None = None, mixed: bool = False,
@@ -69,10 +80,12 @@ class Shape:
         if not value:
             return value
         first = type(value[0])
-        if first not in self.items:
+        if self.items and first not in self.items:
             raise self._refused(param, 0, value[0])
-        if max_inputs is not None and first in self.counted:
+        if max_inputs is not None and (first in self.counted or not self.items):
             rules.check_count(len(value), max_inputs, param=param.partition(".")[0])
+        if not self.items:
+            return value
         if self.mixed:
             return [self._item(param, i, item) for i, item in enumerate(value)]
         wrong = _first_not(value, first)
@@ -120,3 +133,99 @@ def _first_not(items: list[Any], kind: type) -> int | None:
     if set(map(type, items)) <= {kind}:
         return None
     return next(compress(count(), map(partial(is_not, kind), map(type, items))))
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A field that may hold a list pydantic would check item by item: its key in the body and
+    the ``shape`` that checks it first, or (a nested model) the ``fields`` of its own."""
+
+    key: str
+    shape: Shape | None = None
+    fields: tuple[Listed, ...] = ()
+
+
+def check_lists(fields: tuple[Listed, ...], body: dict[str, Any], max_inputs: int | None,
+                max_ids: int | None = None, prefix: str = "") -> None:
+    """Each list of ``body`` that ``fields`` name, by its shape (a 400 naming the first
+    wrong item); values that are no list are pydantic's to judge, at the cost of one error."""
+    for field in fields:
+        value = body.get(field.key)
+        if field.shape is not None and type(value) is list:
+            field.shape.check(value, prefix + field.key, max_inputs, max_ids)
+        elif field.fields and type(value) is dict:
+            check_lists(field.fields, value, max_inputs, max_ids, f"{prefix}{field.key}.")
+
+
+@cache
+def listed_fields(model: type[BaseModel]) -> tuple[Listed, ...]:
+    """The fields of ``model`` that hold lists no ``Shape`` of their own checks, each with one
+    derived from its type; a ``TypeError`` for a list whose items cannot be described."""
+    found = []
+    for name, field in model.model_fields.items():
+        if any(isinstance(getattr(m, "func", None), Shape) for m in field.metadata):
+            continue  # its own Shape runs as pydantic's validator
+        key = field.alias or name
+        members = _members(field.annotation)
+        nested = tuple(f for m in members if _is_model(m) for f in listed_fields(m))
+        if nested:
+            found.append(Listed(key, fields=nested))
+        lists = [m for m in members if get_origin(m) is list]
+        if lists:
+            found.append(Listed(key, _derived([get_args(m)[0] for m in lists],
+                                              f"{model.__name__}.{name}", str in members)))
+        for mapping in (m for m in members if get_origin(m) is dict):
+            if _bare(get_args(mapping)[1]) is not Any:  # Any values cannot be refused
+                raise TypeError(f"{model.__name__}.{name}: give it a Shape (api/shapes.py)")
+    return tuple(found)
+
+
+_PLURALS = {str: "strings", int: "integers", float: "numbers", bool: "true or false",
+            dict: "objects"}
+
+
+def _derived(items: list[Any], where: str, text: bool) -> Shape:
+    """The Shape of a list whose items are of the types ``items`` name (``text``: the field
+    takes a lone string too, which the message says)."""
+    kinds: list[type] = []
+    inner: type | None = None
+    names: list[str] = []
+    for item in map(_bare, items):
+        if item is Any:
+            return Shape("a list")
+        if get_origin(item) is Literal:
+            kinds += {type(v) for v in get_args(item)}
+            names += [repr(v) for v in get_args(item)]
+        elif get_origin(item) is list and _bare(get_args(item)[0]) in _PLURALS:
+            inner = _bare(get_args(item)[0])
+            kinds.append(list)
+            names.append(f"lists of {_PLURALS[inner]}")
+        elif _is_model(item) or item in _PLURALS:
+            kind = dict if _is_model(item) else item
+            kinds.append(kind)
+            names.append(_PLURALS[kind])
+        else:
+            raise TypeError(f"{where}: a list of {item} has no shape; give it a Shape "
+                            "(api/shapes.py)")
+    what = ("a string or " if text else "") + "a list of " + (
+        " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1])
+    return Shape(what, items=tuple(dict.fromkeys(kinds)), inner=inner, counted=tuple(kinds))
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types a field's annotation allows (a union's members), without their metadata."""
+    annotation = _bare(annotation)
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(map(_bare, get_args(annotation)))
+    return (annotation,)
+
+
+def _bare(annotation: Any) -> Any:
+    """``annotation`` without ``Annotated``'s metadata (``StrictStr`` is ``str``)."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import BaseModel
 
+from ..errors import OPENAI, ErrorShape
 from ..work import Embedded, ModelInfo, Work
 
 if TYPE_CHECKING:
@@ -87,7 +88,9 @@ class Route:
 
     ``open`` routes need no API key; ``kinds`` (when set) are the model kinds the route
     serves, and any other kind gets a 400 that names the kind being served. Unlisted routes
-    (the /docs page's script and style files) are left out of /openapi.json.
+    (the /docs page's script and style files) are left out of /openapi.json. ``errors`` is
+    the error shape of the route's API family (errors.py): the pipeline writes every error
+    of the route in it, whichever step refused the request.
     """
 
     path: str
@@ -99,6 +102,7 @@ class Route:
     open: bool = False
     kinds: frozenset[str] | None = None
     listed: bool = True
+    errors: ErrorShape = OPENAI
 
 
 def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:

@@ -4,7 +4,8 @@ Every embedsvc route (``routes.ROUTES``) goes through ``Pipeline`` in this order
 route and method (404, 405 with ``Allow``), body limit (413), the model-kind check, the
 handler, error mapping, metrics and the access log, the response. Paths the table does not
 hold go to Flask with the same key, body limit, metrics and log, so that users can add their
-own Flask routes; Flask's errors come back in the same JSON shape.
+own Flask routes. Every error, whichever step raised it, Flask's included, is written here
+once, in the error shape of the path's API family (``ErrorShapes``).
 
 Why not Flask for everything: on the hot path its request context, proxies and response
 objects cost more CPU per request than the rest of the server outside the model
@@ -34,7 +35,9 @@ from prometheus_client import CollectorRegistry
 from werkzeug.exceptions import HTTPException
 
 from ..errors import (
+    OPENAI,
     ApiError,
+    ErrorShape,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
@@ -58,6 +61,38 @@ _STATUS_LINES[499] = "499 Client Closed Request"
 OTHER_ROUTE = "other"  # the metrics label of paths outside the table (Flask's)
 
 
+class ErrorShapes:
+    """The error shape of any path: its routes' own; for a path the table lacks, the one that
+    every route under its first segment shares (``/api/...``: Ollama's), else OpenAI's.
+
+    >>> ERROR_SHAPES("/api/nothing"), ERROR_SHAPES("/v1/nothing"), ERROR_SHAPES("/embed")
+    ('ollama', 'openai', 'openai')
+    """
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        self.paths: dict[str, ErrorShape] = {}
+        under: dict[str, set[ErrorShape]] = {}
+        for route in routes:
+            self.paths[route.path] = route.errors
+            under.setdefault(_first_segment(route.path), set()).add(route.errors)
+        self.prefixes = {prefix: shapes.pop() for prefix, shapes in under.items()
+                         if len(shapes) == 1}
+
+    def __call__(self, path: str | None) -> ErrorShape:
+        if not path:  # the HTTP server could not read the request line
+            return OPENAI
+        return self.paths.get(path) or self.prefixes.get(_first_segment(path), OPENAI)
+
+
+def _first_segment(path: str) -> str:
+    """``/api/`` for ``/api/embed``; ``/`` for a path of one segment (``/embed``)."""
+    head, slash, _ = path[1:].partition("/")
+    return f"/{head}/" if slash else "/"
+
+
+ERROR_SHAPES = ErrorShapes(ROUTES)  # the served table's, for the HTTP server's own answers
+
+
 class Pipeline:
     """The one request pipeline, in front of ``fallback`` (Flask) for paths not in the table."""
 
@@ -66,8 +101,10 @@ class Pipeline:
         self.service = service
         self.fallback = fallback
         self.table: dict[str, dict[str, Route]] = {}
+        routes = tuple(routes)
         for route in routes:
             self.table.setdefault(route.path, {})[route.method] = route
+        self.error_shape = ErrorShapes(routes)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
                  ) -> Iterable[bytes]:
@@ -87,10 +124,10 @@ class Pipeline:
                 check_kind(route, call)
             reply = route.handler(call)
         except ApiError as exc:
-            reply = self.error(exc)
+            reply = self.error(exc, path)
         except Exception:
             log.exception("unexpected error on %s %s", method, path)
-            reply = self.error(internal_error())
+            reply = self.error(internal_error(), path)
         self.record(method, label, reply.status, started, reply.inputs, reply.tokens)
         return respond(start_response, reply, head=method == "HEAD")
 
@@ -124,9 +161,16 @@ class Pipeline:
                     status[0] if status else 500, started)
         return out
 
-    def error(self, exc: ApiError) -> Reply:
+    def error(self, exc: ApiError, path: str) -> Reply:
+        """The one mapping of an error to its answer: counted, in the path's error shape."""
         self.service.metrics.count_rejection(exc.reason)
-        return error_reply(exc)
+        return error_reply(exc, self.error_shape(path))
+
+    def flask_error(self, exc: Exception) -> Response:
+        """Flask's error handler: errors of the paths Flask serves (users' own routes)."""
+        reply = self.error(_flask_api_error(exc), request.path)
+        return Response(reply.body, status=reply.status, headers=reply.headers,
+                        content_type=reply.content_type)
 
     def record(self, method: str, route: str, status: int, started: float,
                inputs: int = 0, tokens: int = 0) -> None:
@@ -178,8 +222,8 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     return raw
 
 
-def error_reply(exc: ApiError) -> Reply:
-    return json_reply(exc.body(), exc.status, list(exc.headers.items()))
+def error_reply(exc: ApiError, shape: ErrorShape = OPENAI) -> Reply:
+    return json_reply(exc.body(shape), exc.status, list(exc.headers.items()))
 
 
 def respond(start_response: Callable[..., Any], reply: Reply, head: bool = False
@@ -193,8 +237,8 @@ def respond(start_response: Callable[..., Any], reply: Reply, head: bool = False
     return [] if head else [reply.body]
 
 
-def _flask_error(exc: Exception) -> Response:
-    """Errors of Flask-served (user-added) routes, in the same JSON shape."""
+def _flask_api_error(exc: Exception) -> ApiError:
+    """What a Flask error (or an exception of a user's route) tells the client."""
     if isinstance(exc, HTTPException) and exc.code == 404:
         err: ApiError = NotFound(f"no route {request.path}; see /openapi.json",
                                  code="not_found")
@@ -209,9 +253,7 @@ def _flask_error(exc: Exception) -> Response:
         if not isinstance(exc, HTTPException):
             log.exception("unexpected error in a Flask route", exc_info=exc)
         err = internal_error()
-    reply = error_reply(err)
-    return Response(reply.body, status=reply.status, headers=reply.headers,
-                    content_type=reply.content_type)
+    return err
 
 
 def _flow(environ: dict[str, Any]) -> tuple[str, str] | None:
@@ -241,6 +283,7 @@ def create_app(
         service = Service(settings, encoder=encoder, metrics=Metrics(registry))
     app = Flask("embedsvc")
     app.extensions["embedsvc"] = service
-    app.register_error_handler(Exception, _flask_error)
-    app.wsgi_app = Pipeline(service, app.wsgi_app)  # type: ignore[method-assign]
+    pipeline = Pipeline(service, app.wsgi_app)
+    app.register_error_handler(Exception, pipeline.flask_error)
+    app.wsgi_app = pipeline  # type: ignore[method-assign]
     return app

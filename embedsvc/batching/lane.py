@@ -6,9 +6,12 @@ parses, tokenizes, answers or hands rows back. A client sending such bodies back
 would stop every other client most of the time, whatever the device's turns say. A body
 of ``LARGE_BODY_BYTES`` or more is therefore parsed in the lane: one at a time, in the order
 they arrived (a client sending them back to back queues behind the others' bodies, never
-ahead of them), and after a
-parse of t seconds the lane stays shut for t x (1 / share - 1), so that large bodies hold
-the GIL for at most ``share`` of the time. Smaller bodies never wait for it. At most
+ahead of them), and after a parse of t seconds the lane stays shut for t x (1 / share - 1),
+so that large bodies hold the GIL for at most ``share`` of the time. A body that is refused
+(not JSON, a wrong item, too many inputs) costs the lane only its own parse: the next body
+goes at once, since shutting the lane after it would make the bodies behind it wait (or get
+504) for a request that is already answered, and its parse is bounded by its size
+(api/shapes.py). Smaller bodies never wait for the lane. At most
 ``LANE_WAITING`` bodies wait behind the one being parsed: each holds a request thread, and
 more would leave none for the small requests (16 threads by default); the next one gets 429
 with the time the queue needs in ``Retry-After``.
@@ -61,11 +64,14 @@ class BodyLane:
                 time.sleep(self._open_at - now)
             started = time.monotonic()
             try:
-                return parse()
-            finally:
-                ended = time.monotonic()
-                self._cycle = (ended - started) / self.share
+                parsed = parse()
+            except BaseException:  # refused: the next body goes at once
+                self._cycle = time.monotonic() - started
                 self._open_at = started + self._cycle
+                raise
+            self._cycle = (time.monotonic() - started) / self.share
+            self._open_at = started + self._cycle
+            return parsed
         finally:
             self._leave(ticket)
 

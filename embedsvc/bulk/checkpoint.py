@@ -22,6 +22,8 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,11 @@ from .records import Position, Record
 MANIFEST = "manifest.json"
 _VERSION = 1
 _HEAD_BYTES = 64 * 1024
+# A run's first part is committed after this long at most, and each later one after as long
+# as the run had taken when it opened (up to part_seconds): whenever a run is killed, its
+# committed parts hold at least half of what it computed, and a long run still commits a
+# part per part_seconds, not a file per second.
+FIRST_PART_S = 2.0
 
 
 def parts_dir(target: Path) -> Path:
@@ -80,7 +87,7 @@ class Checkpoint:
 
         checkpoint = Checkpoint.open(target, ".npy", identity, part_size=10_000,
                                      part_seconds=30)
-        checkpoint.write(records, rows, end=position)  # a part every 10,000 rows or 30 s
+        checkpoint.write(records, rows, end=position)  # parts of 10,000 rows or 30 s at most
         checkpoint.finish()  # joins the parts into target
     """
 
@@ -93,7 +100,9 @@ class Checkpoint:
         self._manifest = manifest
         self._part: PartWriter | None = None
         self._end = self.done
-        self._opened = 0.0  # when the open part got its first rows (monotonic)
+        self._began: float | None = None  # when this run wrote its first rows (monotonic)
+        self._opened = 0.0  # when the open part got its first rows
+        self._part_limit = FIRST_PART_S  # how long the open part may stay open
 
     @classmethod
     def open(cls, target: Path, kind: str, identity: dict[str, Any], *, part_size: int,
@@ -126,18 +135,23 @@ class Checkpoint:
 
     def write(self, records: list[Record], rows: Any, end: Position) -> None:
         """Add rows (dense or sparse: see parts.py) in input order; commit a part once it
-        holds ``part_size`` rows or has been open ``part_seconds``, whichever comes first."""
+        holds ``part_size`` rows or has been open ``part_seconds`` (a run's first parts
+        sooner: ``FIRST_PART_S``), whichever comes first."""
         if self._part is None:
             name = f"part-{len(self._manifest['parts']):06d}{PART_SUFFIX[self.kind]}"
             self._part = PartWriter(self.dir / name, self.kind)
             self._opened = time.monotonic()
+            if self._began is None:
+                self._began = self._opened
+            self._part_limit = min(self.part_seconds,
+                                   max(FIRST_PART_S, self._opened - self._began))
         self._part.write(records, rows)
         self._end = end
         if isinstance(rows, np.ndarray):  # sparse rows have no width; JSONL needs none
             self._manifest["dimension"] = int(rows.shape[1])
             self._manifest["row_type"] = row_type(rows)  # int8 codes with --output-dtype
         if (self._part.rows >= self.part_size
-                or time.monotonic() - self._opened >= self.part_seconds):
+                or time.monotonic() - self._opened >= self._part_limit):
             self.commit()
 
     def commit(self) -> None:
@@ -158,11 +172,17 @@ class Checkpoint:
             self._part.abort()
             self._part = None
 
-    def finish(self) -> int:
-        """Commit the last part, join all parts into the output, remove the directory."""
-        self.commit()
-        parts = [self.dir / p["file"] for p in self._manifest["parts"]]
-        rows = assemble(self.kind, parts, self.target, self._manifest["dimension"] or 0,
-                        self._manifest.get("row_type", "<f4"))
+    def finish(self, joining: Callable[[], AbstractContextManager[object]] = nullcontext
+               ) -> int:
+        """Commit the last part and join all parts aside the output (within ``joining``,
+        where a signal may cut the work short: the parts stay), then rename the output into
+        place and remove the directory: from the rename on, the job is done."""
+        aside = self.target.with_name(self.target.name + ".tmp")
+        with joining():
+            self.commit()
+            parts = [self.dir / p["file"] for p in self._manifest["parts"]]
+            rows = assemble(self.kind, parts, aside, self._manifest["dimension"] or 0,
+                            self._manifest.get("row_type", "<f4"))
+        os.replace(aside, self.target)
         shutil.rmtree(self.dir)
         return rows

@@ -26,7 +26,7 @@ from typing import Any
 from ..settings import Settings
 from .dataset import Dataset, list_dataset, read_files
 from .errors import BulkError, UsageError
-from .interrupt import Interrupted
+from .interrupt import Interrupted, StopSignals
 from .job import Summary
 from .kinds import SPARSE_ON_RAY
 from .options import BulkOptions
@@ -68,22 +68,45 @@ def _own_share(settings: Settings) -> Settings:
     return replace(settings, onnx_threads=max(1, int(cpus)))
 
 
-def embed_dataset(options: BulkOptions, settings: Settings | None = None) -> Summary:
+def embed_dataset(options: BulkOptions, settings: Settings | None = None,
+                  stop: StopSignals | None = None) -> Summary:
     """Embed the dataset ``options.input`` into a directory of Parquet shards on Ray
     (``options.output``); continue an unfinished run.
 
     Connects to ``options.ray`` (or ``RAY_ADDRESS``, or starts a local Ray) unless this
-    process is already connected. Interrupted, it keeps the shards finished (the file being
-    written is redone by the next run) and says so in ``Interrupted.saved``.
+    process is already connected. Interrupted (by a signal that ``stop`` caught), it keeps
+    the shards finished (the file being written is redone by the next run) and says so in
+    ``Interrupted.saved``; a signal once every shard is in only sets ``stop.signum``.
 
     Example::
 
         embed_dataset(BulkOptions("s3://bucket/docs/*.parquet", "s3://bucket/vectors",
                                   ray="", actors=4))
     """
+    settings, stop = settings or Settings(), stop or StopSignals()
+    with stop.interruptible():  # nothing is computed before the work starts on Ray
+        dataset, shards = _open(options, settings)
+    resumed = sum(s["rows"] for s in shards.manifest["shards"].values())
+    pending = [(n, i) for n, i in enumerate(dataset.files) if not shards.done(i.path)]
+    started, rows = time.monotonic(), 0
+    try:
+        with stop.interruptible():
+            if pending:
+                rows = _on_ray(options, lambda: _embed_files(dataset, pending, shards,
+                                                             settings, options))
+    except Interrupted as exc:
+        done = shards.manifest["shards"]
+        exc.saved = (f"{len(done)} of {len(dataset.files)} files ("
+                     f"{sum(s['rows'] for s in done.values())} inputs) saved in "
+                     f"{options.output}; a file's shard is kept once all its rows are in")
+        raise
+    return Summary(rows, None, time.monotonic() - started, resumed)
+
+
+def _open(options: BulkOptions, settings: Settings) -> tuple[Dataset, ShardDirectory]:
+    """The dataset's files, and its shard directory (checked against the job's identity)."""
     from .embedders import local_identity
 
-    settings = settings or Settings()
     dataset = list_dataset(options.input)
     identity = {
         "inputs": {i.path: f"{i.size} bytes, mtime_ns {i.mtime_ns}" for i in dataset.files},
@@ -94,21 +117,7 @@ def embed_dataset(options: BulkOptions, settings: Settings | None = None) -> Sum
         first = dataset.files[0].path
         table_id_column(PurePosixPath(first), options.text_field, options.id_field,
                         lambda: dataset.filesystem.open_input_file(first))
-    shards = ShardDirectory(options.output, identity, options.restart)
-    resumed = sum(s["rows"] for s in shards.manifest["shards"].values())
-    pending = [(n, i) for n, i in enumerate(dataset.files) if not shards.done(i.path)]
-    started, rows = time.monotonic(), 0
-    try:
-        if pending:
-            rows = _on_ray(options, lambda: _embed_files(dataset, pending, shards, settings,
-                                                         options))
-    except Interrupted as exc:
-        done = shards.manifest["shards"]
-        exc.saved = (f"{len(done)} of {len(dataset.files)} files ("
-                     f"{sum(s['rows'] for s in done.values())} inputs) saved in "
-                     f"{options.output}; a file's shard is kept once all its rows are in")
-        raise
-    return Summary(rows, None, time.monotonic() - started, resumed)
+    return dataset, ShardDirectory(options.output, identity, options.restart)
 
 
 def _on_ray(options: BulkOptions, work: Callable[[], int]) -> int:
@@ -144,7 +153,8 @@ def _embed_files(dataset: Dataset, pending: list[tuple[int, Any]], shards: Shard
     ds = files.map_batches(
         read_files, batch_size=1, num_cpus=_READ_CPUS,
         fn_kwargs={"filesystem": dataset.filesystem, "text_field": text_field,
-                   "id_field": id_field, "rows": chunk_size})
+                   "id_field": id_field, "rows": chunk_size,
+                   "max_chars": settings.max_input_chars})
     ds = ds.map_batches(EmbedActor, fn_constructor_kwargs={"settings": settings},
                         batch_size=chunk_size, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=actors), **resources)
@@ -184,10 +194,10 @@ def _cause(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[-1]
 
 
-def run_on_ray(options: BulkOptions, settings: Settings) -> Summary:
+def run_on_ray(options: BulkOptions, settings: Settings, stop: StopSignals) -> Summary:
     """``embedsvc embed ... --ray [ADDRESS]``."""
     try:
         import ray.data  # noqa: F401 - only to say how to install it
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'embedsvc[ray]'") from None
-    return embed_dataset(options, settings)
+    return embed_dataset(options, settings, stop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import stat
 import sys
 import tempfile
@@ -33,16 +34,18 @@ _RAY_OPTIONS = ("actors", "actor_cpus")
 
 def run(options: BulkOptions, settings: Settings) -> int:
     """Run ``embedsvc embed``; the exit code. After SIGINT or SIGTERM it ends the process
-    itself, once what was computed is saved (see ``_interrupted``)."""
+    itself, once what was computed is saved (see ``_interrupted``); a signal that comes once
+    the output is in place ends nothing, and the last line says so."""
     with StopSignals() as stop:
         try:
-            check_options(options, settings)
-            if settings.log_level != "debug":
-                quiet_model_libraries()  # no weight-loading bars and warnings between our lines
+            with stop.interruptible():
+                check_options(options, settings)
+                if settings.log_level != "debug":
+                    quiet_model_libraries()  # no weight-loading bars and warnings between lines
             if options.on_ray:
                 from .cluster import run_on_ray
 
-                summary = run_on_ray(options, settings)
+                summary = run_on_ray(options, settings, stop)
             else:
                 summary = _run_file(options, settings, stop)
         except UsageError as exc:
@@ -53,7 +56,10 @@ def run(options: BulkOptions, settings: Settings) -> int:
             _interrupted(exc, options)
         except KeyboardInterrupt:  # where no handler could be installed (not the main thread)
             return _fail("interrupted: rerun the same command to continue where it stopped", 130)
-    print(f"embedsvc: {summary} -> {options.output}", file=sys.stderr)
+        late = "" if stop.signum is None else (
+            f" ({signal.Signals(stop.signum).name} came as the job finished: the output is "
+            "complete)")
+        print(f"embedsvc: {summary} -> {options.output}{late}", file=sys.stderr)
     return 0
 
 
@@ -178,29 +184,36 @@ def _check_output(target: Path) -> None:
 
 
 def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Summary:
+    """The job in this process or through ``options.url``: the checks, loading the model and
+    counting the input are stopped at once by a signal; the job itself (embed_file) keeps
+    the rows computed."""
     from .embedders import LocalEmbedder, RemoteEmbedder, local_identity
     from .progress import progress_bar
 
-    embedder: Any = RemoteEmbedder(options.url, settings.api_key) if options.url else None
+    embedder: Any = None
     try:
-        if embedder is not None:  # its GET /info told the kind
-            _check_kind(embedder.kind, options)
-        # an unfinished job is checked before the model loads
-        identity = embedder.identity if embedder else local_identity(settings)
-        checkpoint = open_checkpoint(options, identity)
+        with stop.interruptible():
+            if options.url:  # its GET /info tells the kind
+                embedder = RemoteEmbedder(options.url, settings.api_key,
+                                          max_chars=settings.max_input_chars)
+                _check_kind(embedder.kind, options)
+            # an unfinished job is checked before the model loads
+            identity = embedder.identity if embedder else local_identity(settings)
+            checkpoint = open_checkpoint(options, identity)
         total: int | None = None
         try:
-            if embedder is None:
-                embedder = LocalEmbedder(settings)
-                _check_kind(embedder.kind, options)  # the config files may not have told it
-            total = count_records(Path(options.input))
+            with stop.interruptible():
+                if embedder is None:
+                    embedder = LocalEmbedder(settings)
+                    _check_kind(embedder.kind, options)  # the config files may not have told
+                total = count_records(Path(options.input))
             with progress_bar(total=total, initial=checkpoint.done.records) as bar:
                 return embed_file(options, embedder, progress=bar.update,
-                                  checkpoint=checkpoint, stop=stop)
+                                  checkpoint=checkpoint, stop=stop, total=total)
         except Interrupted as exc:  # rows of earlier runs count too, whenever it came
             of = "" if total is None else f" of {total}"
             exc.saved = f"{checkpoint.saved}{of} inputs saved in {checkpoint.dir}"
             raise
     finally:
-        if embedder is not None and stop.signum is None:  # interrupted: the process ends
+        if embedder is not None and not stop.raised:  # interrupted: the process ends
             embedder.close()

@@ -88,7 +88,7 @@ class _Stream(io.RawIOBase):
 
 
 def read_files(batch: dict[str, Any], filesystem: Any, text_field: str, id_field: str | None,
-               rows: int) -> Iterator[Any]:
+               rows: int, max_chars: int) -> Iterator[Any]:
     """A Ray task: the files named in ``batch`` as tables of ``path``, ``id``, ``text``.
 
     The same reader as in-process, so ids, skipped blank lines and errors are the same.
@@ -101,7 +101,8 @@ def read_files(batch: dict[str, Any], filesystem: Any, text_field: str, id_field
             return native if input_kind_of(path) == PARQUET else io.BufferedReader(
                 _Stream(native), 1 << 20)
 
-        records = read_records(PurePosixPath(path), text_field, id_field, opener=opener)
+        records = read_records(PurePosixPath(path), text_field, id_field, opener=opener,
+                               max_chars=max_chars)
         while chunk := [record for record, _ in itertools.islice(records, rows)]:
             ids = pa.array([r.id for r in chunk])
             yield pa.table({"path": pa.array([path] * len(chunk), pa.string()), "id": ids,

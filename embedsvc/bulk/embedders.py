@@ -23,6 +23,7 @@ from ..settings import Settings
 from ..work import elements
 from .errors import BulkError, UsageError
 from .kinds import dtype_problem, expected_kind, kind_problem, served_kind
+from .records import DEFAULT_MAX_CHARS
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
 
@@ -32,6 +33,7 @@ _RETRIES = 8
 
 class Embedder(Protocol):
     identity: dict[str, Any]
+    max_chars: int  # the longest input it takes (MAX_INPUT_CHARS): the reader refuses more
 
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
         """Rows (dense: normalised float32; sparse: elements) and the tokens computed."""
@@ -54,6 +56,7 @@ class LocalEmbedder:
             raise BulkError(str(exc)) from None
         self.engine = self.service.ready()
         self.kind = self.engine.info.kind
+        self.max_chars = settings.max_input_chars
         problem = kind_problem(self.kind, None)
         if problem:
             self.close()
@@ -89,6 +92,7 @@ class Quantized:
         if problem:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
+        self.max_chars = embedder.max_chars
         self.ranges = None
         if dtype in (quantize.INT8, quantize.UINT8):
             try:
@@ -108,10 +112,12 @@ class RemoteEmbedder:
     model's chunks go to /embed_sparse, others to /v1/embeddings.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300,
+                 max_chars: int = DEFAULT_MAX_CHARS) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        self.max_chars = max_chars  # the server's own is not told; the setting's, as here
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
         self.kind = served_kind(self._send("GET", "/info"))

@@ -1,12 +1,16 @@
 """Ctrl-C and SIGTERM during ``embedsvc embed``: keep the rows computed, and go at once.
 
-The first SIGINT or SIGTERM stops the job. While rows are being written (inside
-``deferred``) the signal is only noted and the job stops at its next safe point (it polls
-every ``POLL_S``), so that it can commit the rows computed without a half-written chunk in
-the part; elsewhere (checks, loading the model, joining the parts) ``Interrupted`` is raised
-at once. After the first signal both signals are back to the system's default, so a second
-one ends the process at once, whatever it is doing: nothing is corrupted, since parts and
-manifest are only ever replaced whole (written aside, then renamed).
+The first SIGINT or SIGTERM stops the job. Inside ``interruptible`` (the checks, loading the
+model, counting the input, joining the parts: work that keeps nothing when cut short)
+``Interrupted`` is raised at once. While rows are computed and written the signal is noted,
+and the job stops at its next safe point (``check``; it polls every ``POLL_S``), so that it
+can commit the rows computed without a half-written chunk in the part. Anywhere else, as
+from the moment the joined output is renamed into place, it is only noted: the job ends as
+it would have, its output whole, and its last line says the signal came (``signum``), never
+that nothing was kept. After the first signal both signals are back to the system's
+default, so a second one ends the process at once, whatever it is doing: nothing is
+corrupted, since parts, manifest and output are only ever replaced whole (written aside,
+then renamed).
 """
 
 from __future__ import annotations
@@ -39,13 +43,18 @@ class StopSignals:
     """SIGINT and SIGTERM for one job, as a context manager (main thread only; elsewhere,
     where signals cannot be caught, it does nothing)::
 
-        with StopSignals() as stop, stop.deferred():
+        with StopSignals() as stop:
+            with stop.interruptible():
+                ...  # load, count: stopped at once
             ...  # write rows; stop.check() at each safe point
+            if stop.signum is not None:
+                ...  # it came once nothing could be stopped any more
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._deferred = False
+        self.raised = False  # an ``Interrupted`` was raised: the job did not finish
+        self._interruptible = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -63,19 +72,20 @@ class StopSignals:
         self.signum = signum
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_DFL)
-        if not self._deferred:
-            raise Interrupted(signum)
+        if self._interruptible:
+            self.check()
 
     @contextmanager
-    def deferred(self) -> Iterator[StopSignals]:
-        """Within: a signal is noted, and raised by the next ``check``."""
-        self._deferred = True
+    def interruptible(self) -> Iterator[StopSignals]:
+        """Within: a signal raises ``Interrupted`` at once (one noted before, on entry)."""
+        self._interruptible = True
         try:
             self.check()
             yield self
         finally:
-            self._deferred = False
+            self._interruptible = False
 
     def check(self) -> None:
         if self.signum is not None:
+            self.raised = True
             raise Interrupted(self.signum)

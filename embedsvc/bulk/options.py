@@ -33,7 +33,7 @@ class BulkOptions:
     chunk_size: int = 256  # inputs per call to the model or server
     concurrency: int = 4  # chunks in flight
     part_size: int = 10_000  # a part is committed after this many rows...
-    part_seconds: float = 30.0  # ...or this long after it was opened, whichever comes first
+    part_seconds: float = 30.0  # ...or this long after it opened (the first ones sooner)
     restart: bool = False  # discard an unfinished run of this output
     ray: str | None = None  # None: not on Ray; "": a local Ray or RAY_ADDRESS; else its address
     actors: int | None = None  # with ray: model replicas (None: one per GPU, else 1)

@@ -136,19 +136,15 @@ def row_type(rows: np.ndarray) -> str:
     return rows.dtype.str if rows.dtype in (np.int8, np.uint8) else "<f4"
 
 
-def assemble(kind: str, parts: list[Path], target: Path, dimension: int,
+def assemble(kind: str, parts: list[Path], out: Path, dimension: int,
              dtype: str = "<f4") -> int:
-    """Join ``parts`` in order into ``target`` (written aside, then renamed); the row count.
-    ``dtype`` is what the parts hold (``row_type``)."""
-    tmp = target.with_name(target.name + ".tmp")
+    """Join ``parts`` in order into ``out`` (a file aside the output, which the caller renames
+    into place); the row count. ``dtype`` is what the parts hold (``row_type``)."""
     if kind == NPY:
-        rows = _assemble_npy(parts, tmp, dimension, dtype)
-    elif kind == JSONL:
-        rows = _assemble_jsonl(parts, tmp)
-    else:
-        rows = _assemble_parquet(parts, tmp, dimension, dtype)
-    os.replace(tmp, target)
-    return rows
+        return _assemble_npy(parts, out, dimension, dtype)
+    if kind == JSONL:
+        return _assemble_jsonl(parts, out)
+    return _assemble_parquet(parts, out, dimension, dtype)
 
 
 def _assemble_npy(parts: list[Path], tmp: Path, dimension: int, dtype: str) -> int:

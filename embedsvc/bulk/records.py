@@ -8,6 +8,14 @@ text in a JSONL row or a table is an error that names the row.
 
 A ``Position`` is where to start again: the inputs before it, and for line files the line
 number and byte offset, so that a resumed job seeks instead of rereading.
+
+Memory follows the chunk size, not the longest row: an input longer than ``max_chars``
+(MAX_INPUT_CHARS, which the engine refuses anyway) is refused before it is held whole. A
+line is read at most ``_line_limit`` bytes at a time (a UTF-8 character is at most 4 bytes;
+a JSONL row holds its text in JSON's longest escapes and up to 1 MiB of other fields); a
+table is decoded a few rows at a time (``_BATCH_BYTES``, measured on each row group's first
+rows, since a dictionary-encoded page of 2 KB can hold 2 MB cells) and a cell longer than
+the limit is refused before it becomes a Python string.
 """
 
 from __future__ import annotations
@@ -20,14 +28,23 @@ from typing import IO, Any
 
 import orjson
 
+from ..rules import too_long
+from ..settings import Settings
 from .errors import BulkError, UsageError
 
 TEXT, JSONL, PARQUET, ARROW = "text", "jsonl", "parquet", "arrow"
 _KINDS = {".jsonl": JSONL, ".ndjson": JSONL, ".parquet": PARQUET, ".arrow": ARROW,
           ".feather": ARROW}
 TABLES = {PARQUET, ARROW}
-_BATCH_ROWS = 1024  # rows decoded at once from a table: memory stays flat
+_BATCH_ROWS = 1024  # rows decoded at once from a table, at most...
+_BATCH_BYTES = 64 << 20  # ...and about this much of them
+_PROBE_ROWS = 8  # a row group's first rows, decoded to measure its rows
 DEFAULT_ID_FIELD = "id"
+DEFAULT_MAX_CHARS = Settings.max_input_chars
+_UTF8_BYTES = 4  # the most bytes a character takes in UTF-8...
+_JSON_BYTES = 12  # ...and in JSON (an astral character as two \uXXXX escapes)
+_JSONL_OTHER_BYTES = 1 << 20  # what a JSONL row may hold beside its text
+_COUNT_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,33 +68,53 @@ def input_kind(path: PurePath) -> str:
 
 
 def read_records(path: PurePath, text_field: str = "text", id_field: str | None = None,
-                 start: Position = Position(), opener: Opener | None = None
-                 ) -> Iterator[tuple[Record, Position]]:
+                 start: Position = Position(), opener: Opener | None = None,
+                 max_chars: int = DEFAULT_MAX_CHARS) -> Iterator[tuple[Record, Position]]:
     """The inputs of ``path`` from ``start`` on, in order, each with the position after it.
 
     ``id_field=None`` means ``"id"`` where the row has one, else the line or row number.
-    ``opener`` opens the file where it is not a local path (Parquet and line files).
+    ``opener`` opens the file where it is not a local path (Parquet and line files). An input
+    certainly longer than ``max_chars`` characters is a ``BulkError`` before it is held.
     """
     kind = input_kind(path)
     opener = opener or (lambda: open(path, "rb"))  # noqa: SIM115 - the caller closes it
     if kind in TABLES:
-        return _table_records(path, kind, text_field, id_field, start, opener)
-    return _line_records(path, kind == JSONL, text_field, id_field, start, opener)
+        return _table_records(path, kind, text_field, id_field, start, opener, max_chars)
+    return _line_records(path, kind == JSONL, text_field, id_field, start, opener, max_chars)
 
 
 def _line_records(path: PurePath, jsonl: bool, text_field: str, id_field: str | None,
-                  start: Position, opener: Opener) -> Iterator[tuple[Record, Position]]:
+                  start: Position, opener: Opener, max_chars: int
+                  ) -> Iterator[tuple[Record, Position]]:
     records, line, offset = start.records, start.line, start.offset
+    limit = _line_limit(jsonl, max_chars)
     with opener() as f:
         if offset:
             f.seek(offset)
-        for raw in f:
+        while raw := f.readline(limit + 1):  # a line and its end, or a line too long
             line, offset = line + 1, offset + len(raw)
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                raise _line_too_long(path, line, jsonl, limit, max_chars)
             if not raw.strip():
                 continue
             records += 1
             yield _parse_line(path, line, raw, jsonl, text_field, id_field), Position(
                 records, line, offset)
+
+
+def _line_limit(jsonl: bool, max_chars: int) -> int:
+    """The most bytes of a line that can hold an input of ``max_chars`` characters."""
+    return _JSON_BYTES * max_chars + _JSONL_OTHER_BYTES if jsonl else _UTF8_BYTES * max_chars
+
+
+def _line_too_long(path: PurePath, line: int, jsonl: bool, limit: int, max_chars: int
+                   ) -> BulkError:
+    if not jsonl:
+        return BulkError(f"{path}: record {line}: the input {too_long(0, None, max_chars).detail}")
+    return BulkError(f"{path}:{line}: the row is longer than {limit} bytes, more than its text "
+                     f"(at most MAX_INPUT_CHARS, {max_chars} characters) and 1 MiB of other "
+                     "fields need: leave out the fields the job does not read (for example "
+                     "with jq -c '{id, text}')")
 
 
 def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: str,
@@ -103,11 +140,13 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
 
 
 def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | None,
-                   start: Position, opener: Opener) -> Iterator[tuple[Record, Position]]:
+                   start: Position, opener: Opener, max_chars: int
+                   ) -> Iterator[tuple[Record, Position]]:
     id_column = table_id_column(path, text_field, id_field, opener)
     row = start.records
     columns = [text_field, *filter(None, [id_column])]
     for first, batch in _batches(path, kind, columns, row, opener):
+        _refuse_long_cells(path, batch.column(text_field), first, text_field, max_chars)
         texts = batch.column(text_field).to_pylist()
         ids = batch.column(id_column).to_pylist() if id_column else None
         for i in range(row - first, len(texts)):
@@ -133,7 +172,7 @@ def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: O
                 before += rows  # whole row groups already done are never decoded
                 continue
             groups.append(g)
-        batches = source.iter_batches(_BATCH_ROWS, row_groups=groups, columns=columns)
+        batches = (b for g in groups for b in _row_group_batches(source, g, columns))
         while True:
             try:
                 batch = next(batches, None)
@@ -149,9 +188,57 @@ def _batches(path: PurePath, kind: str, columns: list[str], skip: int, opener: O
     before = 0
     for b in range(reader.num_record_batches):
         batch = reader.get_batch(b)  # memory-mapped: skipping a batch costs nothing
-        if before + batch.num_rows > skip:
-            yield before, batch.select(columns)
+        for start in range(0, batch.num_rows, _BATCH_ROWS):
+            if before + start + _BATCH_ROWS > skip:
+                yield before + start, batch.slice(start, _BATCH_ROWS).select(columns)
         before += batch.num_rows
+
+
+def _row_group_batches(source: Any, group: int, columns: list[str]) -> Iterator[Any]:
+    """Row group ``group`` a few rows at a time: its first ``_PROBE_ROWS`` tell how large
+    its rows are decoded, and the rest come in batches of about ``_BATCH_BYTES``."""
+    probe = next(source.iter_batches(_PROBE_ROWS, row_groups=[group], columns=columns), None)
+    if probe is None:
+        return
+    yield probe
+    if probe.num_rows < _PROBE_ROWS:
+        return
+    per_row = max(1, _decoded_bytes(probe) // probe.num_rows)
+    size = max(1, min(_BATCH_ROWS, _BATCH_BYTES // per_row))
+    done = probe.num_rows  # decoded again below, then dropped
+    for batch in source.iter_batches(size, row_groups=[group], columns=columns):
+        if done < batch.num_rows:
+            yield batch.slice(done)
+        done = max(0, done - batch.num_rows)
+
+
+def _decoded_bytes(batch: Any) -> int:
+    """The bytes of ``batch`` with its dictionary columns decoded, as the rows are read."""
+    import pyarrow as pa
+
+    return sum(c.cast(c.type.value_type).nbytes if pa.types.is_dictionary(c.type) else c.nbytes
+               for c in batch.columns)
+
+
+def _refuse_long_cells(path: PurePath, column: Any, first: int, text_field: str,
+                       max_chars: int) -> None:
+    """A ``BulkError`` for the first cell whose bytes cannot be ``max_chars`` characters or
+    fewer, before the column becomes Python strings."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = column.type
+    if pa.types.is_dictionary(kind):
+        lengths = pc.take(pc.binary_length(column.dictionary), column.indices)
+    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        lengths = pc.binary_length(column)
+    else:
+        return  # not text: the row's own check names it
+    too_many = pc.greater(lengths, _UTF8_BYTES * max_chars)
+    if pc.any(too_many).as_py():
+        row = first + pc.index(too_many, True).as_py() + 1
+        raise BulkError(f"{path}: row {row}: {text_field!r} "
+                        f"{too_long(0, None, max_chars).detail}")
 
 
 def _open_arrow(path: PurePath) -> Any:
@@ -222,5 +309,23 @@ def count_records(path: PurePath) -> int:
     if kind == ARROW:
         reader = _open_arrow(path)
         return sum(reader.get_batch(b).num_rows for b in range(reader.num_record_batches))
+    return _count_lines(path)
+
+
+def _count_lines(path: PurePath) -> int:
+    """The lines of ``path`` that are not blank, read a block at a time (a line can be
+    longer than memory)."""
+    count, content = 0, False  # content: the line read so far has a non-blank byte
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        while block := f.read(_COUNT_BLOCK):
+            *ended, rest = block.split(b"\n")
+            for part in ended:
+                count += content or _filled(part)
+                content = False
+            content = content or _filled(rest)
+    return count + content
+
+
+def _filled(part: bytes) -> bool:
+    """``part`` holds more than whitespace (as ``part.strip()`` would, without a copy)."""
+    return bool(part) and not part.isspace()

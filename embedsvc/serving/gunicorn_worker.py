@@ -311,7 +311,7 @@ class ThreadWorker(gthread.ThreadWorker):
             req.body = io.BytesIO(self._read_body(req, conn.sock))
         except _Refused as refused:
             status = refused.error.status
-            util.write(conn.sock, http_errors.http_response(refused.error,
+            util.write(conn.sock, http_errors.http_response(refused.error, path=req.path,
                                                             head=req.method == "HEAD"))
             self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path, status)
             service = self._service()

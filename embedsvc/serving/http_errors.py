@@ -4,7 +4,8 @@ waitress adapter and the gunicorn worker, so both say the same thing for the sam
 A malformed request line or header, a head or body too large, a body that came too late or a
 request that arrives while the server shuts down never reach the app's pipeline; the server
 library answers them. Each library names the fault with an HTTP status, a reason phrase and
-a detail of its own; ``server_error`` turns those into the error a client of the app would get.
+a detail of its own; ``server_error`` turns those into the error a client of the app would get,
+in the error shape of the path's API family when the request line was read (``error_json``).
 
 >>> server_error(413, "Request Entity Too Large", "exceeds 101", max_body_bytes=100).code
 'body_too_large'
@@ -18,6 +19,7 @@ from http import HTTPStatus
 
 import orjson
 
+from ..api.wsgi import ERROR_SHAPES
 from ..errors import (
     ApiError,
     InvalidRequest,
@@ -54,10 +56,15 @@ def status_line(status: int) -> str:
         return f"{status} Error"
 
 
-def http_response(exc: ApiError, *, head: bool = False) -> bytes:
-    """A complete HTTP/1.1 response for ``exc`` that closes the connection; a HEAD request's
-    carries the Content-Length of the body without the body (RFC 9110, 9.3.2)."""
-    body = orjson.dumps(exc.body())
+def error_json(exc: ApiError, path: str | None) -> bytes:
+    """The body of ``exc`` in the error shape of ``path`` (None: no request line was read)."""
+    return orjson.dumps(exc.body(ERROR_SHAPES(path)))
+
+
+def http_response(exc: ApiError, *, head: bool = False, path: str | None = None) -> bytes:
+    """A complete HTTP/1.1 response for ``exc`` on ``path`` that closes the connection; a HEAD
+    request's carries the Content-Length of the body without the body (RFC 9110, 9.3.2)."""
+    body = error_json(exc, path)
     lines = [f"HTTP/1.1 {status_line(exc.status)}", "Connection: close",
              "Content-Type: application/json", f"Content-Length: {len(body)}"]
     lines += [f"{name}: {value}" for name, value in exc.headers.items()]

@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
@@ -95,10 +94,10 @@ class RequestTimeout(Error):
     reason = "Request Timeout"
 
 
-def error_body(err: Error, max_body_bytes: int) -> bytes:
-    """The JSON error for an answer waitress writes itself."""
+def error_body(err: Error, max_body_bytes: int, path: str | None = None) -> bytes:
+    """The JSON error for an answer waitress writes itself, on ``path`` when it was read."""
     error = http_errors.server_error(err.code, err.reason, err.body, max_body_bytes=max_body_bytes)
-    return orjson.dumps(error.body())
+    return http_errors.error_json(error, path)
 
 
 class JsonErrorTask(ErrorTask):
@@ -106,7 +105,8 @@ class JsonErrorTask(ErrorTask):
 
     def execute(self) -> None:
         err = self.request.error
-        body = error_body(err, self.channel.server.bounds.max_body_bytes)
+        body = error_body(err, self.channel.server.bounds.max_body_bytes,
+                          getattr(self.request, "path", None))
         self.status = f"{err.code} {err.reason}"
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()

@@ -92,8 +92,9 @@ def live(request, shared) -> Iterator[Server]:
 
 
 def kind_server(shared: Shared, kind_dirs: dict[str, Path], kind: str) -> Server:
-    """The run's `embedsvc serve` of the tiny model of ``kind``."""
-    return shared.get(kind, [*SERVE, "--model", str(kind_dirs[kind])])
+    """The run's `embedsvc serve` of the tiny model of ``kind``, with a probe port."""
+    return shared.get(kind, [*SERVE, "--model", str(kind_dirs[kind])],
+                      env={"EMBEDSVC_HEALTH_PORT": "0"})
 
 
 def cosine(a, b) -> np.ndarray:

@@ -6,7 +6,9 @@ Everything is the real command (parser, checks, job, checkpoint, signals) except
 encoder, a ``FakeEncoder`` that spends ``FAKE_EMBED_DELAY_S`` per batch and appends the size
 of each batch it computed to the file ``FAKE_EMBED_COUNT`` (when set), so that a test knows
 how far the job got and how much a rerun computed. ``FAKE_EMBED_SLOW_COMMIT_S`` makes each
-part's commit wait that long first: a window in which to send a second signal.
+part's commit wait that long first: a window in which to send a second signal;
+``FAKE_EMBED_SLOW_CLOSE_S`` makes closing the engine, after the output is in place, wait that
+long: a window in which a signal lands as the job finishes.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class CountingEncoder(FakeEncoder):
         return rows
 
 
-def slow(commit, seconds):
-    @functools.wraps(commit)
+def slow(method, seconds):
+    @functools.wraps(method)
     def wrapper(self):
         time.sleep(seconds)
-        commit(self)
+        method(self)
 
     return wrapper
 
@@ -46,4 +48,7 @@ if __name__ == "__main__":
     if os.environ.get("FAKE_EMBED_SLOW_COMMIT_S"):
         checkpoint.Checkpoint.commit = slow(checkpoint.Checkpoint.commit,
                                             float(os.environ["FAKE_EMBED_SLOW_COMMIT_S"]))
+    if os.environ.get("FAKE_EMBED_SLOW_CLOSE_S"):
+        embedders.LocalEmbedder.close = slow(embedders.LocalEmbedder.close,
+                                             float(os.environ["FAKE_EMBED_SLOW_CLOSE_S"]))
     sys.exit(main())

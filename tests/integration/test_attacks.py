@@ -17,8 +17,18 @@ import httpx
 import orjson
 import pytest
 
+from embedsvc.api.routes import ROUTES
+from embedsvc.api.schemas import (
+    CohereRerankRequest,
+    EmbedRequest,
+    EmbedSparseRequest,
+    PredictRequest,
+    RerankRequest,
+)
+
 from .. import loopback
 from ..fakes import GatedEncoder
+from ..lists import invalid_lists, list_fields
 from .conftest import SERVE, kind_server
 from .fake_server import fake_server, healthy_answer
 from .servers import Server
@@ -173,6 +183,86 @@ def test_an_attacker_sending_invalid_lists_for_30s_fails_no_health_probe(embeddi
     assert len(sent) > 10 and set(sent) == {400}
 
 
+@pytest.fixture
+def every_kind(embedding, kind_dirs, shared) -> Iterator[dict[str, Server]]:
+    """The run's server of each kind, with probe ports, no other test's traffic meanwhile."""
+    started = {kind: kind_server(shared, kind_dirs, kind)
+               for kind in ("reranker", "classifier", "sparse")}
+    with shared.use(*started, exclusive=True):
+        for server in started.values():
+            server.memory = PeakMemory(server.pid)  # type: ignore[attr-defined]
+        yield {"embedding": embedding, **started}
+
+
+MAIN_ROUTE = {"embedding": EmbedRequest, "reranker": RerankRequest,
+              "classifier": PredictRequest, "sparse": EmbedSparseRequest}
+
+
+def parsed_by(kind: str) -> list[tuple[str, type, tuple[str, ...]]]:
+    """(route, request model, list field) for every list field a server of ``kind`` parses:
+    its routes' models (routes of every kind on the embedding server), its main route's,
+    and Cohere's shape that /rerank also reads."""
+    routes = [(r.path, r.request) for r in ROUTES if r.request is not None and (
+        kind in r.kinds if r.kinds else kind == "embedding")]
+    routes.append(("/", MAIN_ROUTE[kind]))
+    routes += {"embedding": [("/invocations", EmbedRequest)],
+               "reranker": [("/rerank", CohereRerankRequest)]}.get(kind, [])
+    return [(path, model, field) for path, model in routes for field in list_fields(model)]
+
+
+class Prober:
+    """GETs /health on each probe port in turn, as a kubelet does (timeoutSeconds: 1)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls, self.sent, self.missed = urls, 0, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for url in self.urls:
+                try:
+                    if loopback.get(url, timeout=1).status_code != 200:
+                        self.missed.append((url, "status"))
+                except httpx.TimeoutException:
+                    self.missed.append((url, "timeout"))
+                self.sent += 1
+            time.sleep(0.1)
+
+    def __enter__(self) -> Prober:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_2_mb_invalid_lists_on_every_list_field_of_every_family_cost_little(every_kind):
+    """Issue 41: 1-2 MB invalid lists in Cohere's texts and embedding_types and Ollama's input
+    held the GIL 1.6-4.7 CPU-s and added 0.5-0.9 GiB, and readiness probes failed. Every list
+    field of every route, each server of its kind: 400 (/decode: 413 past the ids it decodes
+    at once), under 0.5 CPU-s of the server and 100 MiB of its memory each, and no probe
+    misses meanwhile."""
+    wrong = []
+    probes = [server.probe_url() + "/health" for server in every_kind.values()]
+    with Prober(probes) as prober:
+        for kind, server in every_kind.items():
+            for route, model, field in parsed_by(kind):
+                for label, body in invalid_lists(model, field):
+                    server.memory.reset()
+                    spent = cpu_seconds(server.pid)
+                    status, answer, _ = post(server, route, body)
+                    spent = cpu_seconds(server.pid) - spent
+                    grew = server.memory.growth()
+                    refused = status == 400 or answer["error"]["code"] == "too_many_ids"
+                    if not refused or spent >= 0.5 or grew >= 100 * MB:
+                        wrong.append(f"{kind} {route} {'.'.join(field)} ({label}): {status}, "
+                                     f"{spent:.2f} CPU-s, {grew / MB:.0f} MiB: {answer}")
+    assert not wrong, "\n".join(wrong)
+    assert prober.sent > 10 and not prober.missed, (prober.sent, prober.missed)
+
+
 def test_a_big_query_rerank_is_windowed(kinds):
     server = kinds["reranker"]
     server.memory.reset()
@@ -203,9 +293,9 @@ def test_twelve_16_mb_decode_bodies_at_once_stay_bounded(embedding):
     embedding.memory.reset()
     answers = all_at_once(lambda i: post(embedding, "/decode", body), 12)
     # More ids than MAX_QUEUE_TOKENS (1,048,576) decode at once: refused before decoding.
-    # The bodies parse one at a time, each about 0.25 s, with the lane shut for three times
-    # that after each; five at most are in the lane (the rest get 429 unparsed), and one
-    # whose turn would come after its deadline gets 504 unparsed.
+    # The bodies parse one at a time, each about 0.25 s (a refused one shuts the lane for
+    # no longer); five at most are in the lane (the rest get 429 unparsed), and one whose
+    # turn would come after its deadline gets 504 unparsed.
     refused = [a for status, a, _ in answers if status == 413]
     unparsed = [a for status, a, _ in answers if status in (429, 504)]
     assert refused and len(refused) + len(unparsed) == 12, answers

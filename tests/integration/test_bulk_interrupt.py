@@ -118,11 +118,11 @@ def test_an_interrupt_keeps_the_rows_computed_and_the_rerun_does_the_rest(
         tmp_path, n, suffix, output, chunk, sig, code):
     source = write_input(tmp_path, n, suffix)
     target = tmp_path / f"out{output}"
-    # The defaults cut parts of 10,000 rows or 30 s: nothing would be committed by now.
+    # The default cadence commits a part after 2 s, then as the run grows; the signal
+    # commits the part open at that moment too.
     argv = [str(source), "-o", str(target), "--chunk-size", str(chunk), "--concurrency", "2"]
     job = Job(argv, tmp_path, "first", FAKE_EMBED_DELAY_S=str(0.1 * chunk / 100 * 2))
     job.wait_until(lambda: job.computed >= n // 2)
-    assert done_rows(target) == 0  # no part committed before the signal
     computed = job.computed
     seconds = job.signal_and_wait(sig)
     assert seconds < EXIT_S and job.proc.returncode == code, (seconds, job.output)
@@ -187,3 +187,45 @@ def test_the_real_model_interrupted_resumes_to_the_uninterrupted_output(tmp_path
                                capture_output=True, text=True, timeout=600)
     assert whole_run.returncode == 0, whole_run.stderr
     assert_same_output(target, whole)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_a_job_stopped_at_half_keeps_half_of_what_it_computed(tmp_path, sig):
+    """Issue 41: with the defaults (chunks of 256, four in flight, parts of 10,000 rows or
+    30 s), a 2,000-line job stopped at half kept nothing: half of it was in flight, and chunks
+    sent together come back together. A small job's chunks now hold at most an eighth of it
+    in flight, so Ctrl-C keeps at least half of what was computed; and a run's first part is
+    committed after 2 s and each later one after as long as the run had taken, so a kill (a
+    crash, a second Ctrl-C) keeps half of it too, but for a chunk being written."""
+    n = 2000
+    source = write_input(tmp_path, n, ".txt")
+    target = tmp_path / "out.npy"
+    argv = [str(source), "-o", str(target)]  # the defaults
+    job = Job(argv, tmp_path, "first", FAKE_EMBED_DELAY_S="1")  # a device batch a second
+    job.wait_until(lambda: job.computed >= n // 2)
+    computed = job.computed
+    job.proc.send_signal(sig)
+    job.proc.wait(30)
+    kept = done_rows(target)
+    assert kept >= computed // 2 - (256 if sig == signal.SIGKILL else 0), (kept, computed)
+    rerun = fake_run(argv, tmp_path, "rerun")
+    assert rerun.computed == n - kept  # only the rest
+    whole = tmp_path / "whole.npy"
+    fake_run([str(source), "-o", str(whole)], tmp_path, "whole")
+    assert_equal_outputs(target, whole)
+
+
+def test_a_signal_as_the_job_finishes_says_the_output_is_complete(tmp_path):
+    """Issue 41: a Ctrl-C that landed once the output was in place (here while the engine
+    drains) said "nothing was computed yet". The job ends as it would have, and says so."""
+    n = 200
+    source = write_input(tmp_path, n, ".txt")
+    target = tmp_path / "out.npy"
+    job = Job([str(source), "-o", str(target), "--chunk-size", "10"], tmp_path, "first",
+              FAKE_EMBED_SLOW_CLOSE_S="3")
+    job.wait_until(lambda: target.exists() and not parts_dir(target).exists())
+    job.proc.send_signal(signal.SIGINT)
+    assert job.proc.wait(30) == 0, job.output
+    assert job.last_line().endswith(f"-> {target} (SIGINT came as the job finished: the output "
+                                    "is complete)"), job.output
+    assert f"embedsvc: {n} inputs" in job.last_line() and np.load(target).shape[0] == n

@@ -65,7 +65,7 @@ def test_an_unfinished_float_job_is_not_resumed_as_int8(job, tmp_path, capsys):
 
     class Crashing:  # a float run that committed one part, then died
         identity = local_identity(Settings(device="cpu"))
-        kind, calls = "embedding", 0
+        kind, calls, max_chars = "embedding", 0, 200_000
 
         def __call__(self, texts):
             self.calls += 1

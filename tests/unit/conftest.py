@@ -101,6 +101,18 @@ def assert_error(resp, status: int, type_: str, param=None) -> dict:
     return err
 
 
+def assert_route_error(resp, status: int, type_: str, path: str) -> str:
+    """An error in the shape of ``path``'s API family: Ollama's routes (/api/) answer
+    ``{"error": "..."}``, every other route OpenAI's shape (``assert_error``); its message."""
+    if not path.startswith("/api/"):
+        return assert_error(resp, status, type_)["message"]
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    assert resp.content_type == "application/json"
+    body = resp.get_json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+    return body["error"]
+
+
 def assert_still_serving(client, fake) -> None:
     resp = client.post("/v1/embeddings", json={"input": "still here"})
     assert resp.status_code == 200

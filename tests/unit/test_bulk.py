@@ -23,6 +23,7 @@ class HashEmbedder:
     """Deterministic unit vectors from the text; fails on call ``fail_at`` (a crash mid-job)."""
 
     identity = {"model": "hash"}
+    max_chars = 200_000
 
     def __init__(self, fail_at=None):
         self.calls, self.fail_at = 0, fail_at
@@ -369,7 +370,7 @@ def test_a_ray_read_task_reads_like_the_in_process_reader(tmp_path):
     for kind in ("jsonl", "parquet"):
         dataset = list_dataset(str(inputs[kind]))
         tables = list(read_files({"path": [dataset.files[0].path]}, dataset.filesystem,
-                                 "text", None, rows=6))
+                                 "text", None, rows=6, max_chars=200_000))
         assert [t.num_rows for t in tables] == [6, 6, 6, 2]
         ids = [i for t in tables for i in t.column("id").to_pylist()]
         assert ids == [r.id for r, _ in read_records(inputs[kind])]
@@ -508,3 +509,59 @@ def test_integer_rows_keep_their_type_across_parts(tmp_path, suffix, dtype):
     else:
         back = np.stack(pq.read_table(target).column("embedding").to_numpy(zero_copy_only=False))
     assert back.dtype == dtype and np.array_equal(back, rows)
+
+
+def test_lines_are_counted_a_block_at_a_time_as_they_are_read(tmp_path, monkeypatch):
+    from embedsvc.bulk import records
+
+    monkeypatch.setattr(records, "_COUNT_BLOCK", 7)  # lines and blanks across blocks
+    data = b"one\n\n  \t\ntwo words here\r\n   x\nlong line without blanks\n \n\nlast"
+    source = tmp_path / "in.txt"
+    source.write_bytes(data)
+    assert records.count_records(source) == sum(1 for line in data.splitlines() if line.strip())
+    assert records.count_records(source) == len(list(read_records(source)))
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".parquet", ".arrow"])
+def test_an_input_past_max_chars_is_refused_as_it_is_read(tmp_path, suffix):
+    """A UTF-8 character is at most 4 bytes: 40 bytes may be 10 characters, 41 cannot."""
+    texts = ["short", "é" * 20, "x" * 41, "never read"]  # 40 bytes, then 41
+    source = tmp_path / f"in{suffix}"
+    if suffix == ".txt":
+        source.write_text("\n".join(texts) + "\n")
+    elif suffix == ".parquet":
+        pq.write_table(pa.table({"text": texts}), source)
+    else:
+        with pa.ipc.new_file(source, pa.schema([("text", pa.string())])) as writer:
+            writer.write_table(pa.table({"text": texts}))
+    where = "record 3: the input" if suffix == ".txt" else "row 3: 'text'"
+    with pytest.raises(BulkError, match=f"{where} has more characters than MAX_INPUT_CHARS "
+                                        r"\(10\)"):
+        list(read_records(source, max_chars=10))
+    # 40 bytes pass: whether they are 10 characters or more is the engine's to judge
+    assert [r.text for r, _ in read_records(source, max_chars=11)][:2] == texts[:2]
+
+
+def test_a_jsonl_row_longer_than_its_text_and_other_fields_need_is_refused(tmp_path):
+    source = tmp_path / "in.jsonl"
+    row = orjson.dumps({"text": "short", "unused": [1] * (1 << 19 | 100)})  # over 1 MiB
+    source.write_bytes(b'{"text": "first"}\n' + row + b"\n")
+    read = read_records(source, max_chars=10)
+    assert next(read)[0].text == "first"
+    with pytest.raises(BulkError, match=r"in.jsonl:2: the row is longer than 1048696 bytes"):
+        next(read)
+
+
+def test_a_large_row_group_is_read_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    from embedsvc.bulk import records
+
+    monkeypatch.setattr(records, "_BATCH_BYTES", 4000)  # rows of about 1000 bytes: 4 a batch
+    texts = [f"{i:04d}" + "x" * 996 for i in range(50)]
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": texts}), source)  # one row group
+    with open(source, "rb") as f:
+        batches = records._batches(source, records.PARQUET, ["text"], 0, lambda: f)
+        sizes = [batch.num_rows for _, batch in batches]
+    assert sizes[0] == records._PROBE_ROWS and max(sizes[1:]) <= 4 and sum(sizes) == 50
+    assert [r.text for r, _ in read_records(source)] == texts
+    assert [r.text for r, _ in read_records(source, start=Position(13))] == texts[13:]

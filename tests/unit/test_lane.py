@@ -101,18 +101,29 @@ def test_past_its_waiting_room_a_body_gets_429_with_the_time_the_queue_needs():
     assert done == [1, 1, 1] and not lane._queue
 
 
-def test_a_failed_parse_counts_and_the_lane_goes_on():
-    lane, spans = BodyLane(share=0.5), []
+def test_a_refused_body_costs_the_lane_only_its_own_parse():
+    """Issue 41: a large body that failed to parse shut the lane for four times its parse; a
+    legitimate body behind it waited, and those whose deadline fell in that time got 504."""
+    lane, spans, ended = BodyLane(share=0.25), [], []
+    bad_started = threading.Event()
 
-    def broken():
-        time.sleep(0.02)
-        raise ValueError("not JSON")
+    def refused():
+        bad_started.set()
+        time.sleep(0.3)  # a large body's parse, then its 400
+        ended.append(time.monotonic())
+        raise ValueError("item 999999 is a number (1.5)")
 
-    with pytest.raises(ValueError):
-        lane.run(broken, time.monotonic() + 10)
-    started = time.monotonic()
-    lane.run(timed(spans, 0.0), time.monotonic() + 10)
-    assert spans[0][0] - started >= 0.015  # the failed parse's time was spent all the same
+    def bad():
+        with pytest.raises(ValueError):
+            lane.run(refused, time.monotonic() + 10)
+
+    first = threading.Thread(target=bad)
+    first.start()
+    assert bad_started.wait(5)
+    # behind it: a legitimate body whose deadline falls within the old shut time (0.9 s)
+    assert lane.run(timed(spans, 0.0), time.monotonic() + 0.8) == "done"
+    first.join(5)
+    assert spans[0][0] - ended[0] < 0.2  # its turn came when the refused parse ended
 
 
 def test_a_turn_after_the_deadline_is_504_at_once():
@@ -142,3 +153,18 @@ def test_only_large_bodies_wait_for_the_lane(fake, registry):
     assert "parsed one at a time" in err["message"]
     service.body_lane._open_at = 0.0
     assert_still_serving(client, fake)
+
+
+def test_after_a_refused_large_body_the_next_is_parsed_at_once(fake, registry):
+    """Through the pipeline: a 2 MB invalid list (refused in its parse) leaves the lane open,
+    and a legitimate 1 MB /embed behind it is answered (issue 41: it waited 16.8 s)."""
+    app = make_app(fake, registry)
+    lane = app.extensions["embedsvc"].body_lane
+    client = app.test_client()
+    bad = orjson.dumps({"texts": [1] * 999_999 + [1.5]})
+    assert client.post("/v2/embed", data=bad, content_type="application/json").status_code == 400
+    assert lane._open_at <= time.monotonic()  # the refused parse shut it for nothing
+    good = orjson.dumps({"inputs": ["many words " * 92] * (LARGE_BODY_BYTES // 1000)})
+    assert len(good) >= LARGE_BODY_BYTES
+    resp = client.post("/embed", data=good, content_type="application/json")
+    assert resp.status_code == 200 and len(resp.get_json()) == LARGE_BODY_BYTES // 1000

