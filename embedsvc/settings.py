@@ -216,7 +216,9 @@ class Settings:
         serve_only=True,
     )
     max_connections: int = _setting(
-        1000, _positive(int), "open client connections before the server stops accepting",
+        1000, _positive(int),
+        "open client connections, at most what the open-files limit holds (the startup line "
+        "says how many); past them a new connection gets 503 and is closed",
         serve_only=True,
     )
     health_port: int | None = _setting(

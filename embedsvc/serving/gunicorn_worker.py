@@ -15,6 +15,9 @@ workers), changes these things and reads its bounds from the EMBEDSVC_* settings
   reset (gthread would block a thread on it for ever);
 - gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape
   (serving/http_errors.py), without a body for a HEAD request;
+- connections are bounded by what the open-files limit holds (``worker_connections`` at
+  most); a connection past the bound gets a JSON 503 and is closed at once, where gthread
+  would leave it in the listen backlog;
 - on SIGTERM the listener closes at once, so new connections are refused instead of queued
   and reset at the exit, and the service drains as under `embedsvc serve` (serving/drain.py);
   the probe listener stops with the worker.
@@ -66,6 +69,7 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     util: ("write_error", "write_nonblock"),
 }
 _CHUNK = 64 * 1024
+_PAUSE_ACCEPTING_S = 1.0  # out of descriptors anyway (the app opened files): retry after
 
 
 def check_internals() -> list[str]:
@@ -178,7 +182,12 @@ class ThreadWorker(gthread.ThreadWorker):
             raise RuntimeError("this gunicorn lacks what embedsvc's worker uses: "
                                + ", ".join(missing) + "; install gunicorn>=27,<28")
         self.settings = Settings.from_env(os.environ)
-        ensure_open_files(self.cfg.worker_connections)
+        # a connection holds its socket only: bodies are read into memory, answers written
+        open_files = ensure_open_files(self.cfg.worker_connections)
+        self.worker_connections = open_files.connections
+        self._paused_until = 0.0
+        self._full = False
+        self.log.info("worker %d: %s", os.getpid(), open_files)
         util.write_error = partial(write_json_error, self.settings.max_body_bytes)
         super().init_process()
 
@@ -240,6 +249,13 @@ class ThreadWorker(gthread.ThreadWorker):
         log.info("%s", drain.summary(time.monotonic() - started,
                                      drain.inputs_computed(service) - computed_before, report))
 
+    def set_accept_enabled(self, enabled: bool) -> None:
+        # Past worker_connections the listener stays on, for accept to turn connections away
+        # at once; it is off while the worker stops, and for a moment out of descriptors.
+        if self.alive:
+            enabled = time.monotonic() >= self._paused_until
+        super().set_accept_enabled(enabled)
+
     def accept(self, listener: Any) -> None:
         # The poller may report a listener readable in the same round in which the deferred
         # _stop_listening closed it; accepting on it then would kill the worker mid-drain.
@@ -251,9 +267,16 @@ class ThreadWorker(gthread.ThreadWorker):
         try:
             client, addr = listener.accept()
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._pause_accepting(e)
+                return False
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return e.errno == errno.ECONNABORTED  # that one is gone; more may wait
+        if self.nr_conns >= self.worker_connections:
+            self._turn_away(client)
+            return True
+        self._full = False
         self.nr_conns += 1
         sock = DeadlineSocket(client, send_timeout=self.settings.send_timeout_s)
         conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
@@ -263,6 +286,21 @@ class ThreadWorker(gthread.ThreadWorker):
         self.poller.register(sock, selectors.EVENT_READ,
                              partial(self.on_pending_socket_readable, conn))
         return True
+
+    def _turn_away(self, client: socket.socket) -> None:
+        if not self._full:
+            log.warning("%d connections open, the bound (MAX_CONNECTIONS and the open-files "
+                        "limit): new connections get 503 until some close", self.nr_conns)
+            self._full = True
+        http_errors.turn_away(client, http_errors.too_many_connections(self.worker_connections))
+        self._count_closed("too_many_connections")
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        log.warning("out of descriptors (%s) with %d connections open: not accepting for "
+                    "%.0fs; lower MAX_CONNECTIONS or raise the open-files limit",
+                    exc, self.nr_conns, _PAUSE_ACCEPTING_S)
+        self._paused_until = time.monotonic() + _PAUSE_ACCEPTING_S
+        self.set_accept_enabled(False)
 
     def murder_pending(self) -> None:
         waiting = len(self.pending_conns)

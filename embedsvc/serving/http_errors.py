@@ -14,6 +14,8 @@ b'HTTP/1.1 408 Request Timeout'
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from http import HTTPStatus
 
 import orjson
@@ -21,6 +23,7 @@ import orjson
 from ..errors import (
     ApiError,
     InvalidRequest,
+    Unavailable,
     body_too_large,
     internal_error,
     shutting_down,
@@ -63,3 +66,18 @@ def http_response(exc: ApiError, *, head: bool = False) -> bytes:
     lines += [f"{name}: {value}" for name, value in exc.headers.items()]
     head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     return head_bytes if head else head_bytes + body
+
+
+def too_many_connections(limit: int) -> Unavailable:
+    """The 503 of a connection past the server's bound."""
+    return Unavailable(f"the server holds as many connections as it serves at once ({limit}); "
+                       "retry shortly, or raise MAX_CONNECTIONS and the open-files limit",
+                       code="too_many_connections", headers={"Retry-After": "1"})
+
+
+def turn_away(sock: socket.socket, error: ApiError) -> None:
+    """Answer ``error`` on a connection just accepted and close it, never waiting on it."""
+    with contextlib.suppress(OSError):  # the client may be gone, or its window shut
+        sock.setblocking(False)
+        sock.send(http_response(error))
+    sock.close()

@@ -457,8 +457,13 @@ def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_pa
             stalled_at = time.monotonic()  # every thread's answer written, none taken
             if launcher == "serve":  # waitress holds the answers in temporary files
                 assert len(fds_to_deleted_files(pid)) > held_before
-            resp = loopback.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
-                                 timeout=30)
+            # every connection is held: the legitimate client is turned away with a 503 and
+            # its Retry-After until the stalled ones are closed
+            while (resp := loopback.post(f"http://127.0.0.1:{port}/embed",
+                                         json={"inputs": "legit"}, timeout=30)).status_code == 503:
+                assert resp.json()["error"]["code"] == "too_many_connections"
+                time.sleep(int(resp.headers["Retry-After"]))
+                assert time.monotonic() - stalled_at < 15
             assert resp.status_code == 200 and len(resp.json()[0]) == 384
             assert time.monotonic() - stalled_at < 15
             while (probe_metric(probes, "embedsvc_connections_closed_total", closed) < 20
