@@ -121,6 +121,18 @@ class DeadlineSocket:
         finally:
             self._sock.settimeout(None)
 
+    def peek(self, size: int) -> bytes:
+        """Up to ``size`` of the bytes that arrived, left for the parser (empty past the
+        deadline)."""
+        remaining = 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        self._sock.settimeout(remaining)
+        try:
+            return bytes(self._sock.recv(size, socket.MSG_PEEK))
+        except OSError:
+            return b""
+        finally:
+            self._sock.settimeout(None)
+
     def fileno(self) -> int:
         return self._sock.fileno()
 
@@ -321,6 +333,10 @@ class ThreadWorker(gthread.ThreadWorker):
         sock = conn.sock
         if getattr(conn, "served", False):  # kept alive: the head's clock starts now
             sock.deadline = time.monotonic() + self.settings.header_timeout_s
+        elif hint := http_errors.not_http(sock.peek(64)):  # else gunicorn waits for a line end
+            self._answer(sock, http_errors.server_error(
+                400, "Bad Request", hint, max_body_bytes=self.settings.max_body_bytes), "-", "-")
+            return False
         conn.served = True
         token = object()
         with self._handling_lock:
@@ -348,13 +364,7 @@ class ThreadWorker(gthread.ThreadWorker):
         try:
             req.body = io.BytesIO(self._read_body(req, conn.sock))
         except _Refused as refused:
-            status = refused.error.status
-            util.write(conn.sock, http_errors.http_response(refused.error,
-                                                            head=req.method == "HEAD"))
-            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path, status)
-            service = self._service()
-            if service is not None:
-                service.metrics.count_request("unmatched", status, 0.0)
+            self._answer(conn.sock, refused.error, req.method, req.path)
             return False
         try:
             return super().handle_request(req, conn)
@@ -365,6 +375,14 @@ class ThreadWorker(gthread.ThreadWorker):
             self._count_closed("send_timeout")
             abort(conn.sock)
             return False
+
+    def _answer(self, sock: Any, error: ApiError, method: str, path: str) -> None:
+        """Write the HTTP server's own answer ``error`` (the connection then closes)."""
+        util.write(sock, http_errors.http_response(error, head=method == "HEAD"))
+        self.log.info("%s %s %d (answered by the HTTP server)", method, path, error.status)
+        service = self._service()
+        if service is not None:
+            service.metrics.count_request("unmatched", error.status, 0.0)
 
     def _read_body(self, req: Any, sock: DeadlineSocket) -> bytes:
         """The whole body, within BODY_TIMEOUT_S and MAX_BODY_BYTES, before the app runs."""

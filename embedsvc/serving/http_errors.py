@@ -68,6 +68,27 @@ def http_response(exc: ApiError, *, head: bool = False) -> bytes:
     return head_bytes if head else head_bytes + body
 
 
+# What may begin a request: a method is a token (RFC 9110, 5.6.2); empty lines before it are
+# allowed (RFC 9112, 2.2)
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TLS_RECORD = 0x16
+
+
+def not_http(start: bytes) -> str | None:
+    """Why a connection whose first bytes are ``start`` carries no HTTP request, or None.
+
+    Said at once, where the server would otherwise wait for a line end until the head's
+    deadline: a TLS client on the plain port sends none.
+    """
+    first = start.lstrip(b"\r\n")[:1]
+    if not first or first[0] in _TOKEN:
+        return None
+    if first[0] == _TLS_RECORD:
+        return ("this port speaks plain HTTP, not TLS: use http://, or put a proxy that "
+                "terminates TLS in front")
+    return "a request must begin with its method, such as GET or POST"
+
+
 def too_many_connections(limit: int) -> Unavailable:
     """The 503 of a connection past the server's bound."""
     return Unavailable(f"the server holds as many connections as it serves at once ({limit}); "

@@ -52,7 +52,7 @@ from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
-from waitress.utilities import Error
+from waitress.utilities import BadRequest, Error
 from waitress.wasyncore import close_all, dispatcher
 
 from . import http_errors
@@ -155,6 +155,7 @@ class Channel(HTTPChannel):
         self.sent_at = 0.0  # when bytes last left for the client
         self.aborting = False
         self.parked = False  # a request waits for the answers before it to leave
+        self.refused = False  # answered 400 at once: what else the client sends is dropped
         self.writing = False  # a request thread is in write_soon
         super().__init__(server, sock, addr, adj, map=map)
 
@@ -185,8 +186,13 @@ class Channel(HTTPChannel):
     def received(self, data: bytes) -> bool:
         now = time.monotonic()
         before = self.request
+        if self.refused:
+            return False
         if before is None and self.head_since is None:
             self.head_since = now  # a later request: its clock starts with its first byte
+        if before is None and (hint := http_errors.not_http(data)):
+            self._refuse(BadRequest(hint))
+            return False
         result = super().received(data)
         after = self.request
         if after is None:
@@ -293,11 +299,18 @@ class Channel(HTTPChannel):
 
     def time_out_body(self) -> None:
         """Answer the request whose body is late with 408 and close (in the loop thread)."""
+        if self.request is not None:  # else answered meanwhile
+            self._answer_error(self.request, RequestTimeout(http_errors.BODY_LATE))
+
+    def _refuse(self, error: Error) -> None:
+        """Answer ``error`` to bytes that begin no request, and read no more (loop thread)."""
+        self.refused = True
+        self._answer_error(self.parser_class(self.adj), error)
+
+    def _answer_error(self, request: HTTPRequestParser, error: Error) -> None:
+        """Queue ``request`` to be answered ``error`` (JsonErrorTask), the connection closing."""
         with self.requests_lock:
-            request = self.request
-            if request is None:  # answered meanwhile
-                return
-            request.error = RequestTimeout(http_errors.BODY_LATE)
+            request.error = error
             request.completed = True
             self.request = None
             self.requests.append(request)
