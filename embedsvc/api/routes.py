@@ -121,5 +121,6 @@ ROUTES: tuple[Route, ...] = (
     Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
     Route("/docs", "GET", docs_page.page, "This document as a page (Swagger UI, served "
           "locally)", open=True),
+    Route("/docs/", "GET", docs_page.to_page, "Redirects to /docs", open=True, listed=False),
     *_DOCS_ASSETS,
 )
