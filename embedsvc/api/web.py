@@ -47,6 +47,7 @@ class Call:
     arrived: float
     disconnected: Callable[[], bool] | None = None
     flow: Hashable | None = None  # the client's connection: its turn among others' (batcher)
+    params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
     _engine: Engine | None = None
 
     @property
@@ -74,7 +75,9 @@ class Route:
 
     ``open`` routes need no API key; ``kinds`` (when set) are the model kinds the route
     serves, and any other kind gets a 400 that names the kind being served. Unlisted routes
-    (the /docs page's script and style files) are left out of /openapi.json.
+    (the /docs page's script and style files) are left out of /openapi.json. A path may end
+    in one parameter, ``/v1/models/{model}``: it takes the rest of the path, slashes too (a
+    model id such as ``org/name``), and the handler finds it in ``Call.params``.
     """
 
     path: str
@@ -86,6 +89,12 @@ class Route:
     open: bool = False
     kinds: frozenset[str] | None = None
     listed: bool = True
+
+    @property
+    def parameter(self) -> str | None:
+        """The name of the parameter the path ends in, if it does."""
+        stem, brace, name = self.path.rpartition("/{")
+        return name.removesuffix("}") if brace and name.endswith("}") else None
 
 
 def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:

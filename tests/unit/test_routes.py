@@ -213,3 +213,18 @@ def test_the_docs_page_with_a_slash_redirects_to_it(client):
     for prefix in ("", "/behind/a/proxy"):  # a relative reference, as the page's links
         target = urljoin(f"http://host{prefix}/docs/", resp.headers["Location"])
         assert target == f"http://host{prefix}/docs"
+
+
+def test_a_path_parameter_takes_the_rest_of_the_path_and_is_counted_by_its_route(client):
+    assert client.get("/v1/models/fake").get_json()["id"] == "fake"
+    for other in ("/v1/models/org/fake", "/v1/models/fake/"):
+        assert assert_error(client.get(other), 404, "invalid_request_error",
+                            "model")["code"] == "model_not_found"
+    assert client.post("/v1/models/fake").status_code == 405
+    assert client.get("/v1/models/").status_code == 404  # no id: no such route
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'route="/v1/models/{model}",status="404"} 2.0' in metrics
+    doc = client.get("/openapi.json").get_json()
+    [param] = doc["paths"]["/v1/models/{model}"]["get"]["parameters"]
+    assert param == {"name": "model", "in": "path", "required": True,
+                     "schema": {"type": "string"}}
