@@ -95,7 +95,13 @@ class OpenFiles:
                 f"{self.held} open + {self.spare} spare + {self.per_connection} a connection")
 
 
-def ensure_open_files(connections: int, per_connection: int = 1, spare: int = 256) -> OpenFiles:
+# What a serving process opens after its start besides connections: the probe port's listener
+# and its 32 connections, a cache file written or read, a log file reopened
+SPARE_DESCRIPTORS = 128
+
+
+def ensure_open_files(connections: int, per_connection: int = 1,
+                      spare: int = SPARE_DESCRIPTORS) -> OpenFiles:
     """Raise the soft open-files limit to fit ``connections`` of ``per_connection``
     descriptors each (a socket and the temporary files it may hold), the descriptors open now
     and ``spare``, where the hard limit allows; how many connections fit under it then.
