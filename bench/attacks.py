@@ -64,6 +64,11 @@ EMBEDDING = [
 RERANK = [
     ("200 KB query x 192 texts", "/rerank",
      orjson.dumps({"query": "!" * 199_990, "texts": ["a"] * 192}), 1),
+    ("one pair, two 20,000-'!' sides", "/rerank",
+     orjson.dumps({"query": "!" * 20_000, "texts": ["!" * 19_999]}), 1),
+    ("2048 pairs of 600 tokens, a 100,000-'!' query", "/v2/rerank",
+     orjson.dumps({"query": "!" * 100_000,
+                   "documents": ["berlin museums ! " * 200] * 2048}), 1),
     ("16 MB of documents, 3 at once", "/v1/rerank",
      orjson.dumps({"query": "which document?",
                    "documents": ["many words in a long document " * 266] * 2048}), 3),

@@ -29,12 +29,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Written into a temporary directory put first on PYTHONPATH; EMBEDSVC_SUITE_LEDGER names
+# Written into a temporary directory put first on PYTHONPATH; SUITE_LEDGER_OF_EMBEDSVC names
 # the file its lines go to.
 SITECUSTOMIZE = '''
 import atexit, json, os, sys
 def _ledger():
-    path = os.environ.get("EMBEDSVC_SUITE_LEDGER")
+    path = os.environ.get("SUITE_LEDGER_OF_EMBEDSVC")
     if not path:
         return
     t = os.times()
@@ -54,7 +54,7 @@ def run(command: list[str]) -> tuple[float, float, int, str, list[dict]]:
     with tempfile.TemporaryDirectory(prefix="embedsvc-suite-") as tmp:
         (Path(tmp) / "sitecustomize.py").write_text(SITECUSTOMIZE)
         ledger = Path(tmp) / "ledger.jsonl"
-        env = {**os.environ, "EMBEDSVC_SUITE_LEDGER": str(ledger),
+        env = {**os.environ, "SUITE_LEDGER_OF_EMBEDSVC": str(ledger),
                "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()

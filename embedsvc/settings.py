@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger(__name__)
 ENV_PREFIX = "EMBEDSVC_"
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -63,24 +66,34 @@ def _number(kind: type, text: str) -> Any:
     return value
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
+def _positive(kind: type, most: float) -> Callable[[str], Any]:
+    """A number above 0 and at most ``most``: every size and duration has a bound, so that no
+    value passes the start and fails later (a wait past ``threading.TIMEOUT_MAX`` raises in
+    the thread that waits; a drain of 1e10 s never ends)."""
     def parse(text: str) -> Any:
         value = _number(kind, text)
         if value <= 0:
             raise ValueError("must be greater than 0")
-        return value
+        return _at_most(value, most)
 
     return parse
 
 
-def _non_negative(kind: type) -> Callable[[str], Any]:
+def _non_negative(kind: type, most: float) -> Callable[[str], Any]:
+    """As ``_positive``, 0 allowed."""
     def parse(text: str) -> Any:
         value = _number(kind, text)
         if value < 0:
             raise ValueError("must be 0 or more")
-        return value
+        return _at_most(value, most)
 
     return parse
+
+
+def _at_most(value: Any, most: float) -> Any:
+    if value > most:
+        raise ValueError(f"must be at most {int(most) if most == int(most) else most}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -101,7 +114,12 @@ def _text(text: str) -> str:
     return text
 
 
-def _optional_text(text: str) -> str | None:
+def _api_key(text: str) -> str | None:
+    """A key clients can send in an ``Authorization`` header: printable ASCII, no spaces."""
+    if text and not all("!" <= c <= "~" for c in text):
+        raise ValueError("must be printable ASCII without spaces or line ends, as clients send "
+                         "it in the Authorization header (a key read from a file may end in a "
+                         "newline)")
     return text or None
 
 
@@ -112,23 +130,26 @@ def _optional_port(text: str) -> int | None:
     return _port(value)
 
 
+_HOUR = 3600.0  # the longest timeout any setting takes
 COMMANDS = ("serve", "embed", "export")
 _ENGINE = ("serve", "embed")  # the default: the engine, in a server or in a bulk job
 _EXPORT = ("serve", "embed", "export")  # also shapes the ONNX graphs that export builds
 
 
 def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: bool = False,
-             commands: tuple[str, ...] | None = None, help_for: Mapping[str, str] | None = None
-             ) -> Any:
+             commands: tuple[str, ...] | None = None, help_for: Mapping[str, str] | None = None,
+             secret: bool = False) -> Any:
     """One row of the table. ``commands``: the subcommands that offer it as a flag (by
     default the engine's, ``serve`` and ``embed``; ``serve_only``: the HTTP server's alone).
-    ``help_for``: a subcommand's own wording where ``help`` (the server's) does not fit."""
+    ``help_for``: a subcommand's own wording where ``help`` (the server's) does not fit.
+    ``secret``: a refused value is not repeated in the message (it goes to logs)."""
     if commands is None:
         commands = ("serve",) if serve_only else _ENGINE
     return field(default=default, metadata={"parse": parse, "help": help,
                                             "serve_only": commands == ("serve",),
                                             "commands": commands,
-                                            "help_for": dict(help_for or {})})
+                                            "help_for": dict(help_for or {}),
+                                            "secret": secret})
 
 
 
@@ -146,13 +167,15 @@ class Settings:
         _choice("auto", "float32", "float16", "bfloat16"),
         "auto (float16 on CUDA, float32 elsewhere), float32, float16, bfloat16",
     )
-    max_batch_tokens: int = _setting(16384, _positive(int), "padded tokens in one device batch")
-    max_batch_size: int = _setting(256, _positive(int), "inputs in one device batch")
+    max_batch_tokens: int = _setting(16384, _positive(int, 1 << 22),
+                                     "padded tokens in one device batch")
+    max_batch_size: int = _setting(256, _positive(int, 1 << 16), "inputs in one device batch")
     max_wait_ms: float = _setting(
-        0.0, _non_negative(float), "how long a partial batch may wait for more while idle"
+        0.0, _non_negative(float, 60_000),
+        "how long a partial batch may wait for more while idle (below REQUEST_TIMEOUT_S)"
     )
     max_queue: int | None = _setting(
-        None, _positive(int),
+        None, _positive(int, 1 << 24),
         "inputs admitted (tokenizing, queued, in flight) at once; more wait in FIFO order; "
         "unset: what the device starts within REQUEST_TIMEOUT_S at its measured rate, at "
         "least MAX_INPUTS_PER_REQUEST and at most 16 times it",
@@ -160,34 +183,39 @@ class Settings:
                   "it wait their turn (unset: sized from the device's measured rate)"},
     )
     request_timeout_s: float = _setting(
-        30.0, _positive(float), "deadline from arrival to reaching the model, else 504",
+        30.0, _positive(float, _HOUR), "deadline from arrival to reaching the model, else 504",
         serve_only=True,
     )
     max_inputs_per_request: int = _setting(
-        None, _positive(int), "inputs in one request; unset: 2048, or MAX_QUEUE if set lower",
+        None, _positive(int, 1 << 24),
+        "inputs in one request; unset: 2048, or MAX_QUEUE if set lower",
         help_for={"embed": "inputs in one call to the in-process engine, so the largest "
                   "--chunk-size; unset: 2048, or MAX_QUEUE if set lower"},
     )
-    max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int), "largest request body",
-                                   serve_only=True)
+    max_body_bytes: int = _setting(16 * 1024 * 1024, _positive(int, 1 << 30),
+                                   "largest request body", serve_only=True)
     max_input_chars: int = _setting(
-        200_000, _positive(int), "characters in one input string, checked before tokenizing"
+        200_000, _positive(int, 1 << 30),
+        "characters in one input string, checked before tokenizing"
     )
     auto_truncate: bool = _setting(
         True, _bool, "truncate over-long inputs instead of a 400",
         help_for={"embed": "truncate over-long inputs instead of failing the job at the first"},
     )
     api_key: str | None = _setting(
-        None, _optional_text, "when set, 'Authorization: Bearer <key>' is required",
+        None, _api_key,
+        "when set, 'Authorization: Bearer <key>' is required; printable ASCII, no spaces",
         help_for={"embed": "with --url: the server's key, sent as 'Authorization: Bearer <key>'"},
+        secret=True,
     )
     host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'", serve_only=True)
     port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)",
                          serve_only=True)
-    threads: int = _setting(16, _positive(int), "request threads for 'embedsvc serve'",
+    threads: int = _setting(16, _positive(int, 4096), "request threads for 'embedsvc serve'",
                             serve_only=True)
     drain_timeout_s: float = _setting(
-        30.0, _non_negative(float), "on SIGTERM, how long admitted requests may take to finish",
+        30.0, _non_negative(float, _HOUR),
+        "on SIGTERM, how long admitted requests may take to finish",
         serve_only=True,
     )
     log_level: str = _setting("info", _choice("debug", "info", "warning", "error"), "log level",
@@ -195,28 +223,31 @@ class Settings:
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON",
                                commands=COMMANDS)
     header_timeout_s: float = _setting(
-        10.0, _positive(float),
+        10.0, _positive(float, _HOUR),
         "a connection's request head must arrive in full within this long (from accept, or "
         "from its first byte on a kept-alive connection), else the connection is closed",
         serve_only=True,
     )
     body_timeout_s: float = _setting(
-        60.0, _positive(float),
+        60.0, _positive(float, _HOUR),
         "a request body must arrive in full within this long after its head, else 408",
         serve_only=True,
     )
     idle_timeout_s: float = _setting(
-        30.0, _positive(float), "a kept-alive connection with no request is closed after this",
+        30.0, _positive(float, _HOUR),
+        "a kept-alive connection with no request is closed after this",
         serve_only=True,
     )
     send_timeout_s: float = _setting(
-        60.0, _positive(float),
+        60.0, _positive(float, _HOUR),
         "a connection whose client takes none of its answer for this long is closed and its "
         "buffers freed (as nginx's send_timeout)",
         serve_only=True,
     )
     max_connections: int = _setting(
-        1000, _positive(int), "open client connections before the server stops accepting",
+        1000, _positive(int, 1 << 20),
+        "open client connections, at most what the open-files limit holds (the startup line "
+        "says how many); past them a new connection gets 503 and is closed",
         serve_only=True,
     )
     health_port: int | None = _setting(
@@ -248,11 +279,12 @@ class Settings:
         "(~/.cache/embedsvc)", commands=_EXPORT,
     )
     onnx_threads: int = _setting(
-        0, _non_negative(int), "ONNX Runtime intra-op threads; 0: the CPUs this process may use",
+        0, _non_negative(int, 4096),
+        "ONNX Runtime intra-op threads; 0: the CPUs this process may use",
         commands=_EXPORT,
     )
     max_queue_tokens: int = _setting(
-        1 << 20, _positive(int),
+        1 << 20, _positive(int, 1 << 34),
         "tokens admitted at once (the memory budget of work in progress); a larger request "
         "runs alone",
         help_for={"embed": "tokens admitted to the in-process engine at once (the memory "
@@ -264,7 +296,7 @@ class Settings:
         "the model's kind; auto: read from its config files (see docs/api.md, model kinds)",
     )
     workers: int = _setting(
-        1, _positive(int),
+        1, _positive(int, 256),
         "HTTP processes for 'embedsvc serve', sharing its port; with more than one, the model "
         "is in one engine process of its own that every one of them feeds (one model copy, "
         "one batcher)",
@@ -303,10 +335,22 @@ class Settings:
                 "admitted: lower EMBEDSVC_MAX_INPUTS_PER_REQUEST / --max-inputs-per-request "
                 "or raise EMBEDSVC_MAX_QUEUE / --max-queue"
             )
+        if self.max_wait_ms >= self.request_timeout_s * 1000:
+            raise SettingsError(
+                f"MAX_WAIT_MS ({self.max_wait_ms:g}) is not below REQUEST_TIMEOUT_S "
+                f"({self.request_timeout_s:g} s), so a request that waits for a batch to fill "
+                "would pass its deadline: lower EMBEDSVC_MAX_WAIT_MS / --max-wait-ms (a few "
+                "milliseconds is typical)"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides: Any) -> Settings:
-        """Read ``EMBEDSVC_<NAME>`` from ``env``; keyword ``overrides`` win."""
+        """Read ``EMBEDSVC_<NAME>`` from ``env``; keyword ``overrides`` win. A variable of
+        that prefix that names no setting gets a warning, once per process."""
+        for line in unknown_variables(env):
+            if line not in _WARNED:
+                _WARNED.add(line)
+                log.warning("%s", line)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = env.get(ENV_PREFIX + f.name.upper())
@@ -353,6 +397,23 @@ class Settings:
             )
 
 
+_WARNED: set[str] = set()  # the lines of unknown variables this process has said
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each ``EMBEDSVC_*`` variable of ``env`` that names no setting, with the
+    closest name that does: a misspelt setting is otherwise ignored without a word."""
+    names = [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)]
+    lines = []
+    for name in sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in names):
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX),
+                                          [n.removeprefix(ENV_PREFIX) for n in names], n=1)
+        hint = (f"did you mean {ENV_PREFIX}{close[0]}?" if close
+                else f"the settings are in {SETTINGS_PAGE}")
+        lines.append(f"{name} is not a setting, so it is ignored; {hint}")
+    return lines
+
+
 def setting_help(f: dataclasses.Field, command: str = "serve") -> str:
     """What setting ``f`` does under ``embedsvc <command>``."""
     return f.metadata["help_for"].get(command, f.metadata["help"])
@@ -360,9 +421,10 @@ def setting_help(f: dataclasses.Field, command: str = "serve") -> str:
 
 def _describe(f: dataclasses.Field, value: Any, exc: Exception) -> str:
     name = f.name.upper()
+    given = "the value given" if f.metadata["secret"] else repr(value)
     return (
         f"setting {name} (env {ENV_PREFIX}{name}, flag --{f.name.replace('_', '-')}) "
-        f"cannot be {value!r}: {exc}"
+        f"cannot be {given}: {exc}"
     )
 
 
@@ -416,7 +478,9 @@ def settings_page() -> str:
         "Each setting has one name, used three ways: a keyword of "
         "`embedsvc.settings.Settings`, an environment variable `EMBEDSVC_<NAME>`, and a flag "
         "`--<name>` (the flag wins over the variable). A bad value stops the command at "
-        "startup with one line naming the setting, its variable and its flag. *Commands* "
+        "startup with one line naming the setting, its variable and its flag; every number "
+        "has an upper bound (a timeout at most an hour), and a variable `EMBEDSVC_*` that "
+        "names no setting gets a warning naming the closest one. *Commands* "
         "are the subcommands that offer the flag; the others ignore the setting (its "
         "variable is still checked). What the one-line meanings leave out: "
         "[operations.md](operations.md#settings-in-practice).",

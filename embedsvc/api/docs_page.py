@@ -51,6 +51,12 @@ def page(call: Call) -> Reply:
     return Reply(200, PAGE, content_type="text/html; charset=utf-8")
 
 
+def to_page(call: Call) -> Reply:
+    """GET /docs/: the page's links are relative to /docs, so it is not served here but
+    redirected there, by a relative reference that holds behind a proxy's prefix too."""
+    return Reply(308, b"", [("Location", "../docs")], content_type="text/html; charset=utf-8")
+
+
 def asset(name: str) -> Handler:
     """The handler of ``GET /docs/<name>``: the file, from the installed package."""
 

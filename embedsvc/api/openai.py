@@ -1,22 +1,26 @@
-"""The OpenAI embeddings route: ``POST /v1/embeddings`` (and ``/embeddings``), with the fields
-Voyage's and Jina's clients add: an input role (``input_type``, ``task``), an output width
+"""The OpenAI routes: ``POST /v1/embeddings`` (and ``/embeddings``), with the fields Voyage's
+and Jina's clients add: an input role (``input_type``, ``task``), an output width
 (``output_dimension``) and type (``output_dtype``, ``embedding_type``). Each is honoured or
 refused: a client that asked for int8 and read float32 bytes as codes would compute garbage.
+And ``GET /v1/models`` and ``/v1/models/{model}``, which many OpenAI-compatible tools call
+first: the served model, in OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from ..errors import InvalidRequest
-from ..work import EMBED
+from ..errors import InvalidRequest, NotFound
+from ..work import EMBED, ModelInfo
 from . import typed
 from .bodies import as_list, parse
 from .openai_tokens import decode_ids
 from .schemas import TypedEmbeddingsRequest
-from .web import Call, Reply, embedded_reply
+from .web import Call, Reply, embedded_reply, json_reply
 
 _VOYAGE_ROLES = {"query": "query", "document": "document"}
 _JINA_ROLES = {"retrieval.query": "query", "retrieval.passage": "document",
@@ -52,6 +56,30 @@ def embeddings(call: Call) -> Reply:
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
     return embedded_reply(body, out, len(inputs))
+
+
+def models(call: Call) -> Reply:
+    """GET /v1/models: the served model, as OpenAI lists its models."""
+    return json_reply({"object": "list", "data": [_model(call.engine().info)]})
+
+
+def model(call: Call) -> Reply:
+    """GET /v1/models/{model}: the served model by its name; any other is OpenAI's 404."""
+    info, asked = call.engine().info, call.params.get("model", "")
+    if asked != info.name:
+        raise NotFound(f"The model '{asked}' does not exist; this server serves '{info.name}' "
+                       "(see GET /v1/models)", param="model", code="model_not_found")
+    return json_reply(_model(info))
+
+
+def _model(info: ModelInfo) -> dict[str, Any]:
+    return {"id": info.name, "object": "model", "created": _listed_at(), "owned_by": "embedsvc"}
+
+
+@functools.cache
+def _listed_at() -> int:
+    """When this process first listed the model (OpenAI's ``created`` is when it was made)."""
+    return int(time.time())
 
 
 def _agreed(req: TypedEmbeddingsRequest, name: str, alias: str) -> Any:

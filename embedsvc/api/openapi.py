@@ -41,6 +41,9 @@ def _operation(route: Route) -> dict[str, Any]:
     if route.request is not None:
         op["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": _ref(route.request.__name__)}}}
+    if route.parameter is not None:
+        op["parameters"] = [{"name": route.parameter, "in": "path", "required": True,
+                             "schema": {"type": "string"}}]
     if route.open:
         op["security"] = []
     return op

@@ -63,6 +63,10 @@ ROUTES: tuple[Route, ...] = (
     _EMBEDDINGS,
     Route("/embeddings", "POST", openai.embeddings, _EMBEDDINGS.summary, TypedEmbeddingsRequest,
           schemas.EMBEDDINGS_RESPONSE, kinds=_EMBEDDING),
+    Route("/v1/models", "GET", openai.models, "OpenAI's model list: the served model",
+          response=schemas.OPENAI_MODELS),
+    Route("/v1/models/{model}", "GET", openai.model, "OpenAI's model by its id: the served "
+          "model, or 404 model_not_found", response=schemas.OPENAI_MODEL),
     Route("/embed", "POST", tei.embed, "TEI-compatible embeddings, one vector per input",
           EmbedRequest, schemas.VECTORS, kinds=_EMBEDDING),
     Route("/similarity", "POST", tei.similarity, "TEI's sentence similarity: the "
@@ -123,5 +127,6 @@ ROUTES: tuple[Route, ...] = (
     Route("/openapi.json", "GET", openapi, "This document", response=schemas.OBJECT),
     Route("/docs", "GET", docs_page.page, "This document as a page (Swagger UI, served "
           "locally)", open=True),
+    Route("/docs/", "GET", docs_page.to_page, "Redirects to /docs", open=True, listed=False),
     *_DOCS_ASSETS,
 )

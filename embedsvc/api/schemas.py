@@ -347,6 +347,20 @@ EMBEDDINGS_RESPONSE: dict[str, Any] = {
         },
     },
 }
+OPENAI_MODEL: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "description": "The served model's name."},
+        "object": {"const": "model"},
+        "created": {"type": "integer", "description": "Unix time this process first listed it."},
+        "owned_by": {"const": "embedsvc"},
+    },
+}
+OPENAI_MODELS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"object": {"const": "list"},
+                   "data": {"type": "array", "items": OPENAI_MODEL}},
+}
 PIECE: dict[str, Any] = {
     "type": "object",
     "properties": {

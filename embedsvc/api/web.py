@@ -50,6 +50,7 @@ class Call:
     arrived: float
     disconnected: Callable[[], bool] | None = None
     flow: Hashable | None = None  # the client's connection: its turn among others' (batcher)
+    params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
     _engine: Engine | None = None
 
     @property
@@ -90,7 +91,9 @@ class Route:
     serves, and any other kind gets a 400 that names the kind being served. Unlisted routes
     (the /docs page's script and style files) are left out of /openapi.json. ``errors`` is
     the error shape of the route's API family (errors.py): the pipeline writes every error
-    of the route in it, whichever step refused the request.
+    of the route in it, whichever step refused the request. A path may end in one
+    parameter, ``/v1/models/{model}``: it takes the rest of the path, slashes too (a model
+    id such as ``org/name``), and the handler finds it in ``Call.params``.
     """
 
     path: str
@@ -103,6 +106,12 @@ class Route:
     kinds: frozenset[str] | None = None
     listed: bool = True
     errors: ErrorShape = OPENAI
+
+    @property
+    def parameter(self) -> str | None:
+        """The name of the parameter the path ends in, if it does."""
+        stem, brace, name = self.path.rpartition("/{")
+        return name.removesuffix("}") if brace and name.endswith("}") else None
 
 
 def embedded_reply(body: Any, out: Embedded, inputs: int) -> Reply:

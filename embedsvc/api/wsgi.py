@@ -102,16 +102,29 @@ class Pipeline:
         self.fallback = fallback
         self.table: dict[str, dict[str, Route]] = {}
         routes = tuple(routes)
+        # the path before a route's parameter -> its path in the table and the name
+        self.ending: dict[str, tuple[str, str]] = {}
         for route in routes:
             self.table.setdefault(route.path, {})[route.method] = route
+            if route.parameter is not None:
+                self.ending[route.path[:route.path.rindex("{")]] = (route.path, route.parameter)
         self.error_shape = ErrorShapes(routes)
+
+    def _match(self, path: str) -> tuple[str, dict[str, str]]:
+        """The table's path for ``path``, and the value of its parameter if it ends in one."""
+        if path not in self.table:
+            for stem, (pattern, name) in self.ending.items():
+                if path.startswith(stem) and len(path) > len(stem):
+                    return pattern, {name: path[len(stem):]}
+        return path, {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
                  ) -> Iterable[bytes]:
         started = time.monotonic()
         path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "")
-        methods = self.table.get(path)
-        label = path if methods is not None else OTHER_ROUTE
+        pattern, params = self._match(path)
+        methods = self.table.get(pattern)
+        label = pattern if methods is not None else OTHER_ROUTE
         try:
             route = self._route(environ, path, method, methods)
             body = read_body(environ, self.service.settings.max_body_bytes)
@@ -119,7 +132,7 @@ class Pipeline:
                 environ["wsgi.input"] = io.BytesIO(body)
                 return self._to_flask(environ, start_response, started)
             call = Call(self.service, body, started, environ.get("waitress.client_disconnected"),
-                        _flow(environ))
+                        _flow(environ), params)
             if route.kinds is not None:
                 check_kind(route, call)
             reply = route.handler(call)

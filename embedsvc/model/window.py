@@ -11,12 +11,16 @@ touch it. So the tokens of the last two words of a prefix (the first two of a su
 dropped, and so are those within ``margin`` characters of the cut, which covers an added
 token (``[MASK]``) that the cut splits into ordinary words. The property tests in
 tests/unit/test_window.py check this against full tokenization on the real tokenizer.
+
+A pair of texts keeps what the tokenizer's truncation would keep of each (``pair_shares``),
+from their windows; where that depends on which text is longer, ``TokenCounts`` counts both
+in pieces cut the same way, only as far as the comparison needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 Offsets = list[tuple[int, int]]
 _CHARS_PER_TOKEN = 4  # the first window: enough for typical text in one round
@@ -41,43 +45,126 @@ def token_window(tokenizer: Any, texts: Sequence[str], limit: int | None,
     return out  # type: ignore[return-value]
 
 
-def text_window(tokenizer: Any, texts: Sequence[str], limit: int, direction: str = "right",
-                margin: int = 0) -> list[str]:
-    """Each text, or the prefix (``right``) or suffix (``left``) of it whose tokens begin (or
-    end) with the text's own first (last) ``limit`` tokens: what a tokenizer that truncates
-    to ``limit`` needs to see of it, at a cost that follows ``limit`` (pairs, scorer.py)."""
-    return [window for window, _ in text_windows(tokenizer, texts, limit, direction, margin)]
+class Read(NamedTuple):
+    """A text as ``window_tokens`` read it: ``ids`` without special tokens, all of them when
+    it was read whole, else its first (``right``) or last (``left``) ``limit`` (``cut``: it
+    has more); ``known``: how many tokens it is known to have (all, when read whole)."""
+
+    ids: list[int]
+    known: int
+    cut: bool
 
 
-def text_windows(tokenizer: Any, texts: Sequence[str], limit: int, direction: str = "right",
-                 margin: int = 0) -> list[tuple[str, int]]:
-    """``text_window`` of each text, with how many of the text's own tokens the window is
-    known to hold (all of them, for a text kept whole): a lower bound of its length."""
-    out = [(text, 0) for text in texts]
-    for i, part, kept in _windows(tokenizer, texts, limit, direction, margin, offsets=False):
-        out[i] = (part, len(kept[0]))
+def window_tokens(tokenizer: Any, texts: Sequence[str], limit: int, direction: str = "right",
+                  margin: int = 0) -> list[Read]:
+    """Each text read only as far as its window of ``limit`` tokens (see ``Read``)."""
+    out = [Read([], 0, False)] * len(texts)
+    for i, part, (ids, _) in _windows(tokenizer, texts, limit, direction, margin, False):
+        cut = len(part) != len(texts[i])
+        out[i] = Read(ids[:limit] if direction == "right" else ids[max(0, len(ids) - limit):],
+                      len(ids), True) if cut else Read(ids, len(ids), False)
     return out
 
 
-def pair_windows(tokenizer: Any, texts: tuple[str, str], windows: Sequence[tuple[str, int]],
-                 limit: int, direction: str = "right", margin: int = 0) -> tuple[str, str]:
-    """The ``text_windows`` of a pair, widened until the windows' token counts compare as the
-    whole texts' do. Truncating a pair ``longest_first`` gives the longer side (the second,
-    on a tie) what the limit leaves, so that order, not the lengths, decides which tokens
-    stay; a window that stops early, or cuts a word into more tokens than it makes whole,
-    can reverse it. A cut window is trusted only when the tokens it is known to hold already
-    settle the order against the other side's whole text."""
-    (a, b), ((wa, ka), (wb, kb)) = texts, windows
+def pair_shares(a: tuple[int, bool], b: tuple[int, bool], budget: int,
+                a_longer: Callable[[], bool]) -> tuple[int, int]:
+    """How many tokens of each text of a pair the tokenizer's own truncation keeps:
+    ``longest_first`` to ``budget`` tokens of text (its length less the pair's special tokens).
+
+    A side is (the tokens it is known to have, cut), from ``window_tokens`` at a limit of at
+    least ``budget``: a cut text has more. The truncation gives the longer
+    text (the second, on a tie) what the shorter one leaves, or, both being over half the
+    budget, half of it each and the odd token to the longer one; so which text is longer can
+    decide, and ``a_longer()`` (whether the first has more tokens) is asked where the tokens
+    read do not tell. A cut text's length then stands in as any that compares the same.
+    Reading both texts whole instead costs their length, and the tokenizer's truncation of
+    two long texts builds overflow pieces that grow with the product of their lengths
+    (gigabytes for two 20,000-character sides).
+    """
+    (na, cut_a), (nb, cut_b) = a, b
+    if cut_a and cut_b:
+        na, nb = budget + 1 + (budget % 2 == 1 and a_longer()), budget + 1
+    elif cut_a:  # a has more than na tokens: longer than b unless b has as many
+        na = max(nb, budget) + 1 if nb < na or a_longer() else nb
+    elif cut_b:
+        nb = max(na, budget + 1) if na < nb or not a_longer() else na - 1
+    return _longest_first(na, nb, budget)
+
+
+def _longest_first(na: int, nb: int, budget: int) -> tuple[int, int]:
+    """The tokenizers library's ``longest_first`` for a pair of ``na`` and ``nb`` tokens."""
+    if na + nb <= budget:
+        return na, nb
+    n1, n2 = (nb, na) if na > nb else (na, nb)  # n1 the shorter; the first on a tie
+    n2 = n1 if n1 > budget else max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1, n2 = budget // 2, budget // 2 + budget % 2
+    return (n2, n1) if na > nb else (n1, n2)
+
+
+class TokenCounts:
+    """The token counts of texts, each read piece by piece only as far as a comparison needs,
+    and once: a query compared with many long documents is counted once for all of them.
+
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> TokenCounts(tok, limit=1).longer("a " * 500, "b " * 499)
+    True
+    """
+
+    def __init__(self, tokenizer: Any, limit: int, margin: int = 0) -> None:
+        self._tokenizer, self._limit, self._margin = tokenizer, limit, margin
+        self._pieces: dict[str, Iterator[tuple[int, bool]]] = {}
+        self._seen: dict[str, tuple[int, bool]] = {}
+
+    def longer(self, a: str, b: str) -> bool:
+        """Whether ``a`` has more tokens than ``b``: the one behind is read on until one has
+        ended behind the other's count so far."""
+        while True:
+            (na, a_ended), (nb, b_ended) = self._so_far(a), self._so_far(b)
+            if a_ended and (b_ended or nb > na):
+                return na > nb
+            if b_ended and na > nb:
+                return True
+            self._read_on(b if a_ended or (not b_ended and nb < na) else a)
+
+    def _so_far(self, text: str) -> tuple[int, bool]:
+        if text not in self._seen:
+            self._pieces[text] = _counts(self._tokenizer, text, self._limit, self._margin)
+            self._read_on(text)
+        return self._seen[text]
+
+    def _read_on(self, text: str) -> None:
+        self._seen[text] = next(self._pieces[text])
+
+
+def _counts(tokenizer: Any, text: str, limit: int, margin: int) -> Iterator[tuple[int, bool]]:
+    """The tokens of ``text`` counted so far, and whether that is all of them, a piece at a
+    time; a piece ends after the last whole word its end cannot have changed, where the next
+    one starts, so the count is that of the whole text's tokenization."""
+    span, start, counted = _CHARS_PER_TOKEN * _GROWTH * (limit + 16), 0, 0
     while True:
-        cut_a, cut_b = wa != a, wb != b
-        if not cut_a and not cut_b:
-            return wa, wb
-        if cut_a and not cut_b and ka > kb:
-            return wa, wb  # a is longer than b in the text, and so in the window
-        if cut_b and not cut_a and kb >= ka:
-            return wa, wb  # b is at least as long as a, in the text and in the window
-        limit = max(2 * limit, min(ka, kb) + 1)
-        (wa, ka), (wb, kb) = text_windows(tokenizer, [a, b], limit, direction, margin)
+        part = text[start:start + span]
+        enc = tokenizer.encode(part, add_special_tokens=False)
+        if start + len(part) == len(text):
+            yield counted + len(enc.ids), True
+            return
+        n = _whole_words(enc, len(_kept(enc, len(part), "right", margin)[0]))
+        if n == 0:  # a word longer than the piece
+            span *= _GROWTH
+            continue
+        counted += n
+        start += enc.offsets[n - 1][1]
+        yield counted, False
+
+
+def _whole_words(enc: Any, n: int) -> int:
+    """``n`` less the tokens of a word that goes on past the first ``n`` tokens."""
+    words = enc.word_ids
+    while 0 < n < len(words) and words[n] is not None and words[n] == words[n - 1]:
+        n -= 1
+    return n
 
 
 def _windows(tokenizer: Any, texts: Sequence[str], limit: int | None, direction: str,

@@ -15,6 +15,9 @@ workers), changes these things and reads its bounds from the EMBEDSVC_* settings
   reset (gthread would block a thread on it for ever);
 - gunicorn's own error answers (400, 414, 431, 501...) are written in the JSON error shape
   (serving/http_errors.py), without a body for a HEAD request;
+- connections are bounded by what the open-files limit holds (``worker_connections`` at
+  most); a connection past the bound gets a JSON 503 and is closed at once, where gthread
+  would leave it in the listen backlog;
 - on SIGTERM the listener closes at once, so new connections are refused instead of queued
   and reset at the exit, and the service drains as under `embedsvc serve` (serving/drain.py);
   the probe listener stops with the worker.
@@ -66,6 +69,7 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     util: ("write_error", "write_nonblock"),
 }
 _CHUNK = 64 * 1024
+_PAUSE_ACCEPTING_S = 1.0  # out of descriptors anyway (the app opened files): retry after
 
 
 def check_internals() -> list[str]:
@@ -114,6 +118,18 @@ class DeadlineSocket:
         except (TimeoutError, BlockingIOError):
             self.expired = True
             raise DeadlinePassed() from None
+        finally:
+            self._sock.settimeout(None)
+
+    def peek(self, size: int) -> bytes:
+        """Up to ``size`` of the bytes that arrived, left for the parser (empty past the
+        deadline)."""
+        remaining = 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        self._sock.settimeout(remaining)
+        try:
+            return bytes(self._sock.recv(size, socket.MSG_PEEK))
+        except OSError:
+            return b""
         finally:
             self._sock.settimeout(None)
 
@@ -178,7 +194,12 @@ class ThreadWorker(gthread.ThreadWorker):
             raise RuntimeError("this gunicorn lacks what embedsvc's worker uses: "
                                + ", ".join(missing) + "; install gunicorn>=27,<28")
         self.settings = Settings.from_env(os.environ)
-        ensure_open_files(self.cfg.worker_connections)
+        # a connection holds its socket only: bodies are read into memory, answers written
+        open_files = ensure_open_files(self.cfg.worker_connections)
+        self.worker_connections = open_files.connections
+        self._paused_until = 0.0
+        self._full = False
+        self.log.info("worker %d: %s", os.getpid(), open_files)
         util.write_error = partial(write_json_error, self.settings.max_body_bytes)
         super().init_process()
 
@@ -240,6 +261,13 @@ class ThreadWorker(gthread.ThreadWorker):
         log.info("%s", drain.summary(time.monotonic() - started,
                                      drain.inputs_computed(service) - computed_before, report))
 
+    def set_accept_enabled(self, enabled: bool) -> None:
+        # Past worker_connections the listener stays on, for accept to turn connections away
+        # at once; it is off while the worker stops, and for a moment out of descriptors.
+        if self.alive:
+            enabled = time.monotonic() >= self._paused_until
+        super().set_accept_enabled(enabled)
+
     def accept(self, listener: Any) -> None:
         # The poller may report a listener readable in the same round in which the deferred
         # _stop_listening closed it; accepting on it then would kill the worker mid-drain.
@@ -251,9 +279,16 @@ class ThreadWorker(gthread.ThreadWorker):
         try:
             client, addr = listener.accept()
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._pause_accepting(e)
+                return False
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return e.errno == errno.ECONNABORTED  # that one is gone; more may wait
+        if self.nr_conns >= self.worker_connections:
+            self._turn_away(client)
+            return True
+        self._full = False
         self.nr_conns += 1
         sock = DeadlineSocket(client, send_timeout=self.settings.send_timeout_s)
         conn = gthread.TConn(self.cfg, sock, addr, listener.getsockname())
@@ -263,6 +298,21 @@ class ThreadWorker(gthread.ThreadWorker):
         self.poller.register(sock, selectors.EVENT_READ,
                              partial(self.on_pending_socket_readable, conn))
         return True
+
+    def _turn_away(self, client: socket.socket) -> None:
+        if not self._full:
+            log.warning("%d connections open, the bound (MAX_CONNECTIONS and the open-files "
+                        "limit): new connections get 503 until some close", self.nr_conns)
+            self._full = True
+        http_errors.turn_away(client, http_errors.too_many_connections(self.worker_connections))
+        self._count_closed("too_many_connections")
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        log.warning("out of descriptors (%s) with %d connections open: not accepting for "
+                    "%.0fs; lower MAX_CONNECTIONS or raise the open-files limit",
+                    exc, self.nr_conns, _PAUSE_ACCEPTING_S)
+        self._paused_until = time.monotonic() + _PAUSE_ACCEPTING_S
+        self.set_accept_enabled(False)
 
     def murder_pending(self) -> None:
         waiting = len(self.pending_conns)
@@ -283,6 +333,10 @@ class ThreadWorker(gthread.ThreadWorker):
         sock = conn.sock
         if getattr(conn, "served", False):  # kept alive: the head's clock starts now
             sock.deadline = time.monotonic() + self.settings.header_timeout_s
+        elif hint := http_errors.not_http(sock.peek(64)):  # else gunicorn waits for a line end
+            self._answer(sock, http_errors.server_error(
+                400, "Bad Request", hint, max_body_bytes=self.settings.max_body_bytes), "-", "-")
+            return False
         conn.served = True
         token = object()
         with self._handling_lock:
@@ -310,13 +364,7 @@ class ThreadWorker(gthread.ThreadWorker):
         try:
             req.body = io.BytesIO(self._read_body(req, conn.sock))
         except _Refused as refused:
-            status = refused.error.status
-            util.write(conn.sock, http_errors.http_response(refused.error, path=req.path,
-                                                            head=req.method == "HEAD"))
-            self.log.info("%s %s %d (answered by the HTTP server)", req.method, req.path, status)
-            service = self._service()
-            if service is not None:
-                service.metrics.count_request("unmatched", status, 0.0)
+            self._answer(conn.sock, refused.error, req.method, req.path)
             return False
         try:
             return super().handle_request(req, conn)
@@ -327,6 +375,14 @@ class ThreadWorker(gthread.ThreadWorker):
             self._count_closed("send_timeout")
             abort(conn.sock)
             return False
+
+    def _answer(self, sock: Any, error: ApiError, method: str, path: str) -> None:
+        """Write the HTTP server's own answer ``error`` (the connection then closes)."""
+        util.write(sock, http_errors.http_response(error, path=path, head=method == "HEAD"))
+        self.log.info("%s %s %d (answered by the HTTP server)", method, path, error.status)
+        service = self._service()
+        if service is not None:
+            service.metrics.count_request("unmatched", error.status, 0.0)
 
     def _read_body(self, req: Any, sock: DeadlineSocket) -> bytes:
         """The whole body, within BODY_TIMEOUT_S and MAX_BODY_BYTES, before the app runs."""

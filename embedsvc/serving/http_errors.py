@@ -15,6 +15,8 @@ b'HTTP/1.1 408 Request Timeout'
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from http import HTTPStatus
 
 import orjson
@@ -23,6 +25,7 @@ from ..api.wsgi import ERROR_SHAPES
 from ..errors import (
     ApiError,
     InvalidRequest,
+    Unavailable,
     body_too_large,
     internal_error,
     shutting_down,
@@ -70,3 +73,39 @@ def http_response(exc: ApiError, *, head: bool = False, path: str | None = None)
     lines += [f"{name}: {value}" for name, value in exc.headers.items()]
     head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     return head_bytes if head else head_bytes + body
+
+
+# What may begin a request: a method is a token (RFC 9110, 5.6.2); empty lines before it are
+# allowed (RFC 9112, 2.2)
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TLS_RECORD = 0x16
+
+
+def not_http(start: bytes) -> str | None:
+    """Why a connection whose first bytes are ``start`` carries no HTTP request, or None.
+
+    Said at once, where the server would otherwise wait for a line end until the head's
+    deadline: a TLS client on the plain port sends none.
+    """
+    first = start.lstrip(b"\r\n")[:1]
+    if not first or first[0] in _TOKEN:
+        return None
+    if first[0] == _TLS_RECORD:
+        return ("this port speaks plain HTTP, not TLS: use http://, or put a proxy that "
+                "terminates TLS in front")
+    return "a request must begin with its method, such as GET or POST"
+
+
+def too_many_connections(limit: int) -> Unavailable:
+    """The 503 of a connection past the server's bound."""
+    return Unavailable(f"the server holds as many connections as it serves at once ({limit}); "
+                       "retry shortly, or raise MAX_CONNECTIONS and the open-files limit",
+                       code="too_many_connections", headers={"Retry-After": "1"})
+
+
+def turn_away(sock: socket.socket, error: ApiError) -> None:
+    """Answer ``error`` on a connection just accepted and close it, never waiting on it."""
+    with contextlib.suppress(OSError):  # the client may be gone, or its window shut
+        sock.setblocking(False)
+        sock.send(http_response(error))
+    sock.close()

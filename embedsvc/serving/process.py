@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -76,21 +77,64 @@ def check_fork(settings: Settings) -> None:
         raise RuntimeError(BAD_FORK_MESSAGE)
 
 
-def ensure_open_files(connections: int, spare: int = 256) -> int:
-    """Raise the soft open-files limit to fit ``connections`` plus ``spare`` if the hard limit
-    allows; the soft limit now. A server out of descriptors fails every accept."""
+@dataclass(frozen=True)
+class OpenFiles:
+    """What the open-files limit leaves a server: ``connections`` of ``per_connection``
+    descriptors each, beside the ``held`` open at start and ``spare`` for what opens later."""
+
+    limit: int | None  # the soft limit; None when unlimited
+    held: int
+    spare: int
+    per_connection: int
+    connections: int
+
+    def __str__(self) -> str:
+        if self.limit is None:
+            return f"up to {self.connections} connections (no open-files limit)"
+        return (f"up to {self.connections} connections: open-files limit {self.limit} = "
+                f"{self.held} open + {self.spare} spare + {self.per_connection} a connection")
+
+
+# What a serving process opens after its start besides connections: the probe port's listener
+# and its 32 connections, a cache file written or read, a log file reopened
+SPARE_DESCRIPTORS = 128
+
+
+def ensure_open_files(connections: int, per_connection: int = 1,
+                      spare: int = SPARE_DESCRIPTORS) -> OpenFiles:
+    """Raise the soft open-files limit to fit ``connections`` of ``per_connection``
+    descriptors each (a socket and the temporary files it may hold), the descriptors open now
+    and ``spare``, where the hard limit allows; how many connections fit under it then.
+
+    A server past its limit fails every accept and every temporary file, its probe port's
+    included, so the connections are bounded by what fits rather than by what was asked.
+    """
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = connections + spare
+    held = _open_descriptors()
+    want = held + spare + connections * per_connection
     if soft != resource.RLIM_INFINITY and soft < want:
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        soft = new
-    if soft != resource.RLIM_INFINITY and soft < want:
-        log.warning("the open-files limit (%d) is below MAX_CONNECTIONS + %d; lower "
-                    "MAX_CONNECTIONS or raise the limit (ulimit -n, LimitNOFILE=)", soft, spare)
-    return soft
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft == resource.RLIM_INFINITY:
+        return OpenFiles(None, held, spare, per_connection, connections)
+    fits = max(1, min(connections, (soft - held - spare) // per_connection))
+    if fits < connections:
+        log.warning("the open-files limit (%d, hard %s) holds %d of MAX_CONNECTIONS=%d "
+                    "connections (%d descriptors each, %d open, %d spare); raise the limit "
+                    "(ulimit -n, LimitNOFILE=) or lower MAX_CONNECTIONS", soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, fits,
+                    connections, per_connection, held, spare)
+    return OpenFiles(soft, held, spare, per_connection, fits)
+
+
+def _open_descriptors() -> int:
+    """Descriptors this process holds now (Linux and macOS list them in /dev/fd)."""
+    try:
+        return len(os.listdir("/dev/fd")) - 1  # less the one listdir held
+    except OSError:
+        return 0
 
 
 def sibling_workers(pid: int | None = None, read: Callable[[str], str] | None = None) -> int:

@@ -60,10 +60,12 @@ class Server:
         self.service = service
         self.app = create_app(settings, service=service)
         metrics = service.metrics
+        self.open_files = ensure_open_files(settings.max_connections,
+                                            waitress_adapter.DESCRIPTORS_PER_CONNECTION)
         bounds = waitress_adapter.Bounds(
             header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
             idle_timeout_s=settings.idle_timeout_s, send_timeout_s=settings.send_timeout_s,
-            max_connections=settings.max_connections,
+            max_connections=self.open_files.connections,
             max_body_bytes=settings.max_body_bytes,
         )
         self.waitress: Any = waitress_adapter.create(
@@ -90,9 +92,8 @@ class Server:
                 signal.signal(signum, self._on_signal)
         if self.probes is not None:
             self.probes.start()
-        log.info("serving on http://%s:%d (pid %d, %d threads, up to %d connections)",
-                 self.settings.host, self.port, os.getpid(), self.settings.threads,
-                 self.settings.max_connections)
+        log.info("serving on http://%s:%d (pid %d, %d threads, %s)", self.settings.host,
+                 self.port, os.getpid(), self.settings.threads, self.open_files)
         try:
             self.waitress.run()  # returns when the drain has closed every channel
         finally:
@@ -164,7 +165,6 @@ def serve(settings: Settings) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
-    ensure_open_files(settings.max_connections)
     server = Server(settings, service)
     server.run()
     if server.drain_report is not None and not server.drain_report.clean:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from ..remote.place import fresh_dir
 from ..settings import Settings
 from .children import ENGINE_BOOT_ERROR, child_command
-from .process import ensure_open_files
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,6 @@ class Supervisor:
     def run(self) -> int:
         for signum in _SIGNALS:
             signal.signal(signum, self._on_signal)
-        ensure_open_files(self.settings.max_connections)
         try:
             self.engine = self._start("engine")
             self.fronts = [self._start("front") for _ in range(self.settings.workers)]

@@ -18,32 +18,40 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   written before the connection closes, so the access log never records an answer that was
   not written to the socket;
 - the JSON error shape for the answers waitress writes itself (400, 408, 413, 431, 501, 500);
+- descriptors bounded: the loop polls (``select()`` fails on a descriptor above 1023, and
+  the process with it); a connection holds at most ``DESCRIPTORS_PER_CONNECTION`` (its
+  socket, two bodies and two answers in temporary files), so ``max_connections`` of them fit
+  under the open-files limit (serving/process.py ``ensure_open_files``); a connection past
+  the bound gets a JSON 503 and is closed at once;
 - what the graceful drain needs: connections closing after their answer, and which requests
   are in progress.
 
 It reaches into waitress's ``HTTPChannel``, ``ErrorTask``, ``TcpWSGIServer.maintenance`` and
-the server's socket map, so waitress is bounded below 3.1 in pyproject.toml and
-``check_internals()`` (run when a server is built, and by the test suite) names anything
-that moved.
+``handle_accept``, the request parser's body buffer and the server's socket map, so waitress
+is bounded below 3.1 in pyproject.toml and ``check_internals()`` (run when a server is built,
+and by the test suite) names anything that moved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from waitress.adjustments import Adjustments
+from waitress.buffers import OverflowableBuffer
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
-from waitress.utilities import Error
+from waitress.utilities import BadRequest, Error
 from waitress.wasyncore import close_all, dispatcher
 
 from . import http_errors
@@ -54,17 +62,34 @@ log = logging.getLogger(__name__)
 SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproject.toml
 # name -> attributes this module reads or overrides; check_internals() verifies each
 INTERNALS: dict[Any, tuple[str, ...]] = {
-    HTTPChannel: ("handle_read", "received", "service", "readable", "check_client_disconnected",
-                  "handle_close", "error_task_class", "total_outbufs_len", "will_close",
-                  "close_when_flushed", "request", "last_activity", "_flush_some"),
-    HTTPRequestParser: ("headers_finished", "completed", "error", "received"),
+    HTTPChannel: ("handle_read", "received", "service", "readable", "writable", "handle_write",
+                  "check_client_disconnected", "handle_close", "error_task_class",
+                  "total_outbufs_len", "will_close", "close_when_flushed", "request",
+                  "last_activity", "_flush_some", "write_soon",
+                  "_flush_outbufs_below_high_watermark"),
+    HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv"),
+    OverflowableBuffer: ("overflowed",),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
-    TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting"),
+    TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
+                    "handle_accept", "accept", "readable", "set_socket_options", "fix_addr"),
     ThreadedTaskDispatcher: ("active_count", "shutdown"),
     Error: ("code", "reason"),
 }
 # set in __init__, so checked on a live server (server_internals_missing)
 SERVER_INSTANCE = ("_map", "active_channels", "task_dispatcher", "trigger", "effective_port")
+# What a connection may hold in memory before the rest goes to a temporary file: of a body
+# (waitress's default), and of its answers. A read (RECV_BYTES) is smaller than a body's
+# share, so a read spills at most one body to a file.
+BODY_IN_MEMORY = 512 * 1024
+ANSWER_IN_MEMORY = 1 << 20
+RECV_BYTES = 64 * 1024
+# A connection's descriptors: its socket; the body being served and the next one read ahead
+# (Channel.readable stops reading at two in files); the answer leaving and the next one
+# (Channel.service parks a request while more than ANSWER_IN_MEMORY of answers wait, so at
+# most one of them is in a file when the next answer is written).
+BODY_FILES = 2
+DESCRIPTORS_PER_CONNECTION = 1 + BODY_FILES + 2
+_PAUSE_ACCEPTING_S = 1.0  # out of descriptors anyway (the app opened files): retry after
 
 
 def check_internals() -> list[str]:
@@ -111,7 +136,7 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.content_length = len(body)
-        if self.request.command != "HEAD":
+        if getattr(self.request, "command", None) != "HEAD":  # unset on waitress's 500
             self.write(body)
         self.channel.server.on_error(self.request, err.code)
 
@@ -129,6 +154,9 @@ class Channel(HTTPChannel):
         self.output_since: float | None = None  # output waiting since (seen by the sweep)
         self.sent_at = 0.0  # when bytes last left for the client
         self.aborting = False
+        self.parked = False  # a request waits for the answers before it to leave
+        self.refused = False  # answered 400 at once: what else the client sends is dropped
+        self.writing = False  # a request thread is in write_soon
         super().__init__(server, sock, addr, adj, map=map)
 
     def _flush_some(self, do_close: bool = True) -> bool:
@@ -158,8 +186,13 @@ class Channel(HTTPChannel):
     def received(self, data: bytes) -> bool:
         now = time.monotonic()
         before = self.request
+        if self.refused:
+            return False
         if before is None and self.head_since is None:
             self.head_since = now  # a later request: its clock starts with its first byte
+        if before is None and (hint := http_errors.not_http(data)):
+            self._refuse(BadRequest(hint))
+            return False
         result = super().received(data)
         after = self.request
         if after is None:
@@ -195,12 +228,53 @@ class Channel(HTTPChannel):
                     self.will_close = True
 
     def readable(self) -> bool:
-        return not self.peer_closed and super().readable()
+        return (not self.peer_closed and self.body_files() < BODY_FILES
+                and super().readable())
+
+    def body_files(self) -> int:
+        """Bodies of this connection's requests held in temporary files."""
+        held = [*self.requests, self.request]
+        return sum(1 for request in held if request is not None
+                   and request.body_rcv is not None and request.body_rcv.getbuf().overflowed)
+
+    def writable(self) -> bool:
+        return self.parked or bool(super().writable())
+
+    def handle_write(self) -> None:
+        super().handle_write()
+        if self.parked and self.connected and not self._answers_waiting():
+            self.parked = False
+            self.server.add_task(self)
+
+    def _answers_waiting(self) -> bool:
+        return self.total_outbufs_len > self.adj.outbuf_high_watermark
+
+    def write_soon(self, data: bytes) -> int:
+        self.writing = True
+        try:
+            return int(super().write_soon(data))
+        finally:
+            self.writing = False
+
+    def _flush_outbufs_below_high_watermark(self) -> None:
+        # An answer written in parts waits here for its client, as in waitress. waitress also
+        # waits here between pipelined requests, holding the thread while the client reads
+        # nothing; there service() parks the next request instead.
+        if self.writing:
+            super()._flush_outbufs_below_high_watermark()
 
     def check_client_disconnected(self) -> bool:
         return self.peer_closed or not self.connected
 
     def service(self) -> None:
+        # A pipelined request waits, holding no thread, while the answers before it still
+        # fill more than a buffer: then at most one of them is in a temporary file when its
+        # own answer is written. handle_write runs it once they have left.
+        with self.outbuf_lock:
+            self.parked = self.connected and self._answers_waiting()
+        if self.parked:
+            self.server.pull_trigger()
+            return
         if self.server.draining and self.requests:
             # answer with "Connection: close", so the client sends its next request elsewhere
             # instead of onto a connection that is about to close
@@ -225,11 +299,18 @@ class Channel(HTTPChannel):
 
     def time_out_body(self) -> None:
         """Answer the request whose body is late with 408 and close (in the loop thread)."""
+        if self.request is not None:  # else answered meanwhile
+            self._answer_error(self.request, RequestTimeout(http_errors.BODY_LATE))
+
+    def _refuse(self, error: Error) -> None:
+        """Answer ``error`` to bytes that begin no request, and read no more (loop thread)."""
+        self.refused = True
+        self._answer_error(self.parser_class(self.adj), error)
+
+    def _answer_error(self, request: HTTPRequestParser, error: Error) -> None:
+        """Queue ``request`` to be answered ``error`` (JsonErrorTask), the connection closing."""
         with self.requests_lock:
-            request = self.request
-            if request is None:  # answered meanwhile
-                return
-            request.error = RequestTimeout(http_errors.BODY_LATE)
+            request.error = error
             request.completed = True
             self.request = None
             self.requests.append(request)
@@ -242,10 +323,13 @@ class Channel(HTTPChannel):
 
 
 class Server(TcpWSGIServer):
-    """A waitress TCP server whose maintenance sweep enforces ``Bounds``."""
+    """A waitress TCP server whose maintenance sweep enforces ``Bounds``, and whose accept
+    turns away the connections past ``max_connections``."""
 
     channel_class = Channel
     draining = False
+    full = False  # connections past the bound are being turned away
+    paused_until = 0.0  # out of descriptors: no accept before this (monotonic)
 
     def __init__(self, app: Any, adj: Adjustments, bounds: Bounds,
                  on_close: Callable[[str], None], on_error: Callable[[Any, int], None],
@@ -277,6 +361,49 @@ class Server(TcpWSGIServer):
             if reason:
                 self.on_close(reason)
 
+    def readable(self) -> bool:
+        ready = super().readable()  # runs the maintenance sweep
+        return ready and time.monotonic() >= self.paused_until
+
+    def handle_accept(self) -> None:
+        try:
+            accepted = self.accept()
+        except OSError as exc:  # out of descriptors all the same
+            self._pause_accepting(exc)
+            return
+        if accepted is None:
+            return
+        sock, addr = accepted
+        if len(self.active_channels) >= self.bounds.max_connections:
+            self._turn_away(sock)
+            return
+        self.full = False
+        try:
+            self.set_socket_options(sock)
+        except OSError:  # the client left before its socket was set up
+            sock.close()
+            return
+        self.channel_class(self, sock, self.fix_addr(addr), self.adj, map=self._map)
+
+    def _turn_away(self, sock: socket.socket) -> None:
+        if not self.full:
+            log.warning("%d connections open, the bound (MAX_CONNECTIONS and the open-files "
+                        "limit): new connections get 503 until some close",
+                        self.bounds.max_connections)
+            self.full = True
+        http_errors.turn_away(sock, http_errors.too_many_connections(
+            self.bounds.max_connections))
+        self.on_close("too_many_connections")
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            log.warning("accept() failed: %s", exc)
+            return
+        log.warning("out of descriptors (%s) with %d connections open: not accepting for "
+                    "%.0fs; lower MAX_CONNECTIONS or raise the open-files limit",
+                    exc, len(self.active_channels), _PAUSE_ACCEPTING_S)
+        self.paused_until = time.monotonic() + _PAUSE_ACCEPTING_S
+
     def channels(self) -> list[Channel]:
         return [ch for ch in list(self._map.values()) if isinstance(ch, Channel)]
 
@@ -298,12 +425,18 @@ def create(app: Any, *, host: str, port: int, threads: int, bounds: Bounds, iden
         # (waitress.client_disconnected) and its queued inputs are dropped
         channel_request_lookahead=4,
         channel_timeout=max(1, round(bounds.idle_timeout_s)),
-        # waitress counts its listening socket and its trigger among the connections
-        connection_limit=bounds.max_connections + 2,
+        # poll(), not select(): select() raises on a descriptor above 1023
+        asyncore_use_poll=True,
+        # Server.handle_accept turns away the connections past the bound; waitress's own
+        # limit would leave them waiting in the listen backlog instead
+        connection_limit=sys.maxsize,
         # waitress refuses a body of exactly its limit; MAX_BODY_BYTES itself is allowed
         max_request_body_size=bounds.max_body_bytes + 1,
         cleanup_interval=1,  # how often the sweep runs (seconds; waitress takes an int)
-        recv_bytes=65536,
+        recv_bytes=RECV_BYTES,
+        inbuf_overflow=BODY_IN_MEMORY,
+        outbuf_overflow=ANSWER_IN_MEMORY,
+        outbuf_high_watermark=ANSWER_IN_MEMORY,
     )
     return Server(app, adj, bounds, on_close, on_error, sock)
 

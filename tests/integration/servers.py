@@ -147,7 +147,9 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-SHARED_DIR = "EMBEDSVC_TESTS_SHARED"  # set by tests/conftest.py in the controlling process
+# set by tests/conftest.py in the controlling process; not EMBEDSVC_*, the settings, of which
+# a server warns when it knows no such one
+SHARED_DIR = "TESTS_EMBEDSVC_SHARED"
 
 
 class Shared:

@@ -40,6 +40,13 @@ CASES = [
      "setting AUTO_TRUNCATE (env EMBEDSVC_AUTO_TRUNCATE, flag --auto-truncate) cannot be"),
     ("bad-env-port", ["serve"], {"EMBEDSVC_PORT": "80 80"}, USAGE,
      "setting PORT (env EMBEDSVC_PORT, flag --port) cannot be '80 80': expected a whole number"),
+    ("wait-past-any-deadline", ["serve"], {"EMBEDSVC_MAX_WAIT_MS": "1e13"}, USAGE,
+     "setting MAX_WAIT_MS (env EMBEDSVC_MAX_WAIT_MS, flag --max-wait-ms) cannot be '1e13': "
+     "must be at most 60000"),
+    ("drain-without-end", ["serve", "--drain-timeout-s", "1e10"], {}, USAGE,
+     "argument --drain-timeout-s: must be at most 3600"),
+    ("api-key-with-a-newline", ["serve"], {"EMBEDSVC_API_KEY": "s3cret\n"}, USAGE,
+     "cannot be the value given: must be printable ASCII without spaces"),
     ("request-larger-than-queue-flags",
      ["serve", "--max-queue", "10", "--max-inputs-per-request", "100"], {}, USAGE,
      "MAX_INPUTS_PER_REQUEST (100) is larger than MAX_QUEUE (10)"),
@@ -110,3 +117,15 @@ def test_a_user_error_is_one_line_and_an_exit_code(name, code, message, results)
 
 def test_there_are_enough_cases():
     assert len({c[0] for c in CASES}) == len(CASES) >= 12
+
+
+def test_a_misspelt_variable_is_named_once_with_its_setting(tmp_path):
+    result = run_embedsvc(["serve"], {"EMBEDSVC_MAX_CONECTIONS": "5",
+                                      "EMBEDSVC_LOG_LEVEL": "loud"}, tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "EMBEDSVC_MAX_CONECTIONS is not a setting, so it is ignored; did you mean "
+        "EMBEDSVC_MAX_CONNECTIONS?",
+        "embedsvc: setting LOG_LEVEL (env EMBEDSVC_LOG_LEVEL, flag --log-level) cannot be "
+        "'loud': expected one of debug, info, warning, error",
+    ], result.stderr

@@ -240,7 +240,14 @@ def test_a_late_body_gets_408(bounded):
     assert assert_json_error(status, headers, body, 408)["code"] == "request_timeout"
 
 
+# A TLS 1.2 ClientHello (record 0x16 0x03 0x01), as a browser or client sends to https://:
+# no line end in it, so a server that waits for one answers nothing until its deadline.
+CLIENT_HELLO = bytes.fromhex("160301002d01000029" "0303" + "11" * 32 + "00" "0002c02f" "0100")
 MALFORMED = {
+    "garbage request line": (b"GARBAGE\r\n\r\n", 400),
+    "bare method": (b"GET\r\n\r\n", 400),
+    "request line with an extra word": (b"GET / HTTP/1.1 extra\r\nHost: x\r\n\r\n", 400),
+    "TLS hello on the plain port": (CLIENT_HELLO, 400),
     "bad content-length": (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n", 400),
     "huge header": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000
                     + b"\r\n\r\n", 431),
@@ -254,8 +261,10 @@ def test_the_http_servers_own_answers_are_json(bounded, case):
     data, want = MALFORMED[case]
     if bounded.launcher == "gunicorn-conf" and case == "unknown transfer coding":
         want = 400  # gunicorn refuses the header itself
-    status, headers, body = raw_exchange(bounded.port, data)
-    assert_json_error(status, headers, body, want)
+    status, headers, body = raw_exchange(bounded.port, data, timeout=5)  # at once
+    err = assert_json_error(status, headers, body, want)
+    if case == "TLS hello on the plain port":
+        assert "not TLS: use http://" in err["message"]
 
 
 def settled_output(server: Server, quiet: float = 0.5) -> str:
@@ -457,8 +466,13 @@ def test_clients_that_never_read_are_closed_at_the_send_timeout(launcher, tmp_pa
             stalled_at = time.monotonic()  # every thread's answer written, none taken
             if launcher == "serve":  # waitress holds the answers in temporary files
                 assert len(fds_to_deleted_files(pid)) > held_before
-            resp = loopback.post(f"http://127.0.0.1:{port}/embed", json={"inputs": "legit"},
-                                 timeout=30)
+            # every connection is held: the legitimate client is turned away with a 503 and
+            # its Retry-After until the stalled ones are closed
+            while (resp := loopback.post(f"http://127.0.0.1:{port}/embed",
+                                         json={"inputs": "legit"}, timeout=30)).status_code == 503:
+                assert resp.json()["error"]["code"] == "too_many_connections"
+                time.sleep(int(resp.headers["Retry-After"]))
+                assert time.monotonic() - stalled_at < 15
             assert resp.status_code == 200 and len(resp.json()[0]) == 384
             assert time.monotonic() - stalled_at < 15
             while (probe_metric(probes, "embedsvc_connections_closed_total", closed) < 20

@@ -1,7 +1,7 @@
 """GET /docs in real headless Chromium: every route of /openapi.json listed, nothing fetched
 from another host, and "Try it out" embedding a text through the live server.
 
-Set EMBEDSVC_DOCS_SCREENSHOT to a path to keep the screenshot (docs/img/api-page.png is one).
+Set API_PAGE_SCREENSHOT to a path to keep the screenshot (docs/img/api-page.png is one).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def test_docs_page_lists_every_route_fetches_locally_and_tries_one_out(served, t
         status, body = try_embed(page)
         requested = list(page.requested)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("EMBEDSVC_DOCS_SCREENSHOT"):
-        shutil.copyfile(shot, os.environ["EMBEDSVC_DOCS_SCREENSHOT"])
+    if os.environ.get("API_PAGE_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["API_PAGE_SCREENSHOT"])
     assert status == "200", body
     assert cosine(np.array(json.loads(body)[0]), want_vector)[0] > 0.9999
     hosts = {urlsplit(u).netloc for u in requested if not u.startswith("data:")}

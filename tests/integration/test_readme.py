@@ -255,7 +255,7 @@ def test_the_launcher_lines_use_the_recommended_flags():
             assert "-k embedsvc.gunicorn_worker.ThreadWorker" in line, line
         if line.startswith("waitress-serve"):
             for flag in ("--channel-timeout=", "--connection-limit=",
-                         "--max-request-body-size="):
+                         "--max-request-body-size=", "--asyncore-use-poll"):
                 assert flag in line, (flag, line)
 
 

@@ -8,7 +8,7 @@ from waitress.utilities import BadRequest, RequestEntityTooLarge, RequestHeaderF
 from embedsvc.api.wsgi import read_body
 from embedsvc.errors import PayloadTooLarge
 from embedsvc.serving.gunicorn_worker import json_error
-from embedsvc.serving.http_errors import http_response, server_error
+from embedsvc.serving.http_errors import http_response, not_http, server_error
 from embedsvc.serving.waitress_adapter import RequestTimeout, error_body
 
 
@@ -53,3 +53,17 @@ def test_a_head_answer_states_the_length_and_sends_no_body():
     full, head = http_response(error), http_response(error, head=True)
     assert full.startswith(head) and head.endswith(b"\r\n\r\n")
     assert b"Content-Length: %d\r\n" % (len(full) - len(head)) in head
+
+
+@pytest.mark.parametrize("start, why", [
+    (b"\x16\x03\x01\x00\xa5\x01", "not TLS: use http://"),
+    (b"\x80\x2e\x01", "must begin with its method"),
+    (b"\r\n\x00GET", "must begin with its method"),
+])
+def test_bytes_that_begin_no_request_say_why(start, why):
+    assert why in not_http(start)
+
+
+@pytest.mark.parametrize("start", [b"GET / HTTP/1.1", b"\r\nPOST", b"get", b"GARBAGE", b""])
+def test_a_method_or_what_may_be_one_is_left_to_the_parser(start):
+    assert not_http(start) is None

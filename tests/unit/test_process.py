@@ -135,8 +135,24 @@ def test_the_open_files_limit_is_raised_to_fit_the_connections():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-        want = 600 if hard == resource.RLIM_INFINITY else min(600, hard)
-        assert ensure_open_files(500, spare=100) == want
-        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
+        opened = ensure_open_files(500, per_connection=2, spare=100)
+        want = opened.held + 100 + 500 * 2
+        assert opened.limit == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if hard == resource.RLIM_INFINITY or hard >= want:
+            assert (opened.limit, opened.connections) == (want, 500)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_connections_are_bounded_by_what_a_low_hard_limit_holds(monkeypatch, caplog):
+    import resource
+
+    from embedsvc.serving.process import ensure_open_files
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (300, 400))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: None)
+    opened = ensure_open_files(1000, per_connection=5, spare=100)
+    assert opened.limit == 400
+    assert opened.connections == (400 - opened.held - 100) // 5
+    assert f"up to {opened.connections} connections: open-files limit 400" in str(opened)
+    assert "raise the limit (ulimit -n, LimitNOFILE=) or lower MAX_CONNECTIONS" in caplog.text

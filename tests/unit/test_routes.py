@@ -1,6 +1,7 @@
 """routes.py: each handler's request and response shapes, on the fake encoder."""
 
 import base64
+from urllib.parse import urljoin
 
 import numpy as np
 import orjson
@@ -189,9 +190,10 @@ def test_openapi_describes_every_route_of_the_table(client):
     described = {(path, method.upper()) for path, ops in doc["paths"].items() for method in ops}
     listed = [r for r in ROUTES if r.listed]
     assert described == {(r.path, r.method) for r in listed}
-    # only the /docs page's own files are left out
+    # only the /docs page's own files, and its address with a slash, are left out
     assert {r.path for r in ROUTES if not r.listed} == {
-        "/docs/swagger-ui.css", "/docs/swagger-ui-bundle.js", "/docs/favicon-32x32.png"}
+        "/docs/swagger-ui.css", "/docs/swagger-ui-bundle.js", "/docs/favicon-32x32.png",
+        "/docs/"}
     for route in listed:
         op = doc["paths"][route.path][route.method.lower()]
         assert op["summary"] == route.summary and "200" in op["responses"]
@@ -202,3 +204,27 @@ def test_openapi_describes_every_route_of_the_table(client):
                            "input_type", "task", "output_dimension", "output_dtype",
                            "embedding_type", "truncation", "normalized"}
     assert orjson.loads(orjson.dumps(doc)) == doc
+
+
+def test_the_docs_page_with_a_slash_redirects_to_it(client):
+    for method in (client.get, client.head):
+        resp = method("/docs/")
+        assert resp.status_code == 308 and resp.headers["Location"] == "../docs"
+    for prefix in ("", "/behind/a/proxy"):  # a relative reference, as the page's links
+        target = urljoin(f"http://host{prefix}/docs/", resp.headers["Location"])
+        assert target == f"http://host{prefix}/docs"
+
+
+def test_a_path_parameter_takes_the_rest_of_the_path_and_is_counted_by_its_route(client):
+    assert client.get("/v1/models/fake").get_json()["id"] == "fake"
+    for other in ("/v1/models/org/fake", "/v1/models/fake/"):
+        assert assert_error(client.get(other), 404, "invalid_request_error",
+                            "model")["code"] == "model_not_found"
+    assert client.post("/v1/models/fake").status_code == 405
+    assert client.get("/v1/models/").status_code == 404  # no id: no such route
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'route="/v1/models/{model}",status="404"} 2.0' in metrics
+    doc = client.get("/openapi.json").get_json()
+    [param] = doc["paths"]["/v1/models/{model}"]["get"]["parameters"]
+    assert param == {"name": "model", "in": "path", "required": True,
+                     "schema": {"type": "string"}}

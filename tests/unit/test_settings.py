@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -81,3 +82,45 @@ def test_the_request_limit_follows_a_lowered_queue_unless_both_are_set():
 def test_numbers_are_refused_in_words_not_python_errors(env, says):
     with pytest.raises(SettingsError, match=re.escape(says)):
         Settings.from_env(env)
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_is_close_to(caplog):
+    env = {"EMBEDSVC_MAX_CONECTIONS": "5", "EMBEDSVC_NOTHING_LIKE_IT": "1"}
+    Settings.from_env(env)
+    Settings.from_env(env)  # said once per process
+    assert caplog.messages == [
+        "EMBEDSVC_MAX_CONECTIONS is not a setting, so it is ignored; did you mean "
+        "EMBEDSVC_MAX_CONNECTIONS?",
+        "EMBEDSVC_NOTHING_LIKE_IT is not a setting, so it is ignored; the settings are in "
+        "docs/settings.md",
+    ]
+
+
+NUMBERS = [f for f in dataclasses.fields(Settings)
+           if f.type in ("int", "float", "int | None", "float | None")]
+
+
+@pytest.mark.parametrize("field", NUMBERS, ids=[f.name for f in NUMBERS])
+def test_every_number_has_an_upper_bound_checked_at_start(field):
+    """A duration of 1e10 s or a size of 1e13 passes no setting (MAX_WAIT_MS=1e13 killed the
+    batcher thread, DRAIN_TIMEOUT_S=1e10 never ended a drain)."""
+    with pytest.raises(SettingsError, match="cannot be '10000000000000': must be"):
+        Settings.from_env({f"EMBEDSVC_{field.name.upper()}": "10000000000000"})
+
+
+def test_a_wait_for_a_fuller_batch_stays_below_the_request_deadline():
+    assert Settings(max_wait_ms=20, request_timeout_s=1).max_wait_ms == 20
+    with pytest.raises(SettingsError, match="lower EMBEDSVC_MAX_WAIT_MS"):
+        Settings(max_wait_ms=1000, request_timeout_s=1)
+
+
+@pytest.mark.parametrize("key", ["s3cret\n", "s3 cret", " ", "sécret", "s3cret\t"])
+def test_an_api_key_clients_cannot_send_is_refused_without_repeating_it(key):
+    with pytest.raises(SettingsError, match="printable ASCII without spaces") as info:
+        Settings.from_env({"EMBEDSVC_API_KEY": key})
+    assert repr(key) not in str(info.value) and "the value given" in str(info.value)
+
+
+def test_an_api_key_of_printable_ascii_is_taken():
+    assert Settings(api_key="sk-A1_b2.C3~!").api_key == "sk-A1_b2.C3~!"
+    assert Settings.from_env({"EMBEDSVC_API_KEY": ""}).api_key is None

@@ -1,9 +1,11 @@
 """The waitress adapter: the internals it relies on are where it expects them."""
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
@@ -25,7 +27,9 @@ def test_a_built_server_has_the_instance_state_the_drain_reads():
     try:
         missing = [n for n in waitress_adapter.SERVER_INSTANCE if not hasattr(server, n)]
         assert missing == []
-        assert server.adj.connection_limit == BOUNDS.max_connections + 2
+        assert server.adj.asyncore_use_poll  # select() fails on a descriptor above 1023
+        assert server.adj.outbuf_high_watermark == waitress_adapter.ANSWER_IN_MEMORY
+        assert server.adj.recv_bytes < server.adj.inbuf_overflow  # a read spills one body
         assert server.adj.max_request_body_size == BOUNDS.max_body_bytes + 1
         deadline = time.monotonic() + 5  # its threads count as active until they first wait
         while waitress_adapter.any_busy(server) and time.monotonic() < deadline:
@@ -87,3 +91,118 @@ def test_waitress_errors_become_the_json_error_shape(err, code):
 def test_a_server_side_error_says_nothing_of_its_details():
     body = json.loads(error_body(Error("Traceback: /secret/path"), 100))["error"]
     assert "secret" not in body["message"] and body["code"] == "internal_error"
+
+
+@contextlib.contextmanager
+def serving(app, threads: int = 1, bounds: Bounds = BOUNDS) -> Iterator[waitress_adapter.Server]:
+    """An adapter server for ``app`` with its loop in a thread; closed on exit."""
+    server = waitress_adapter.create(app, host="127.0.0.1", port=0, threads=threads,
+                                     bounds=bounds, ident="test")
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    try:
+        yield server
+    finally:
+        waitress_adapter.close_soon(server)
+        loop.join(5)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
+def answering(body: bytes):
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def wait_for(condition, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.effective_port), timeout=5)
+
+
+def test_a_connection_past_the_bound_gets_503_and_is_closed():
+    with serving(answering(b"ok")) as server:
+        held = [connect(server) for _ in range(BOUNDS.max_connections)]
+        wait_for(lambda: waitress_adapter.open_connections(server) == BOUNDS.max_connections)
+        with connect(server) as extra:
+            answer = b""
+            while chunk := extra.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        held.pop().close()  # one leaves: the next is served
+        wait_for(lambda: waitress_adapter.open_connections(server) < BOUNDS.max_connections)
+        with connect(server) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        for sock in held:
+            sock.close()
+
+
+def answer_files(server) -> list[int]:
+    return [sum(1 for b in ch.outbufs if b.overflowed) for ch in server.channels()]
+
+
+def test_pipelined_answers_never_read_hold_at_most_two_temporary_files_and_no_thread():
+    """Eight 4 MB answers asked at once and not read (more than the kernel's buffers take):
+    the requests after the second wait for the answers before them to leave, in the loop,
+    not in a request thread."""
+    big = b"x" * (4 << 20)
+    with serving(answering(big)) as server:  # one request thread
+        greedy = connect(server)
+        greedy.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
+        wait_for(lambda: any(ch.parked for ch in server.channels()))
+        assert answer_files(server) in ([1], [2])  # as many as the kernel left waiting
+        with connect(server) as other:  # the one thread is free for another client
+            other.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while len(got) < len(big):
+                got += other.recv(1 << 20)
+        taken = 0
+        while taken < 8 * len(big):  # reading on, the greedy client gets all eight
+            chunk = greedy.recv(1 << 20)
+            assert chunk, "closed early"
+            taken += len(chunk)
+            assert max(answer_files(server), default=0) <= 2
+        greedy.close()
+
+
+def test_a_connection_reads_ahead_at_most_one_body_in_a_temporary_file():
+    """Pipelined uploads past the in-memory share: the body being served and the next one
+    are held in files; the rest are not read until the first is answered."""
+    release = threading.Event()
+
+    def app(environ, start):
+        environ["wsgi.input"].read()
+        release.wait(5)
+        start("200 OK", [])
+        return [b"ok"]
+
+    body = b"x" * (waitress_adapter.BODY_IN_MEMORY + 1000)
+    upload = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    bounds = Bounds(header_timeout_s=5, body_timeout_s=5, idle_timeout_s=5, max_connections=4,
+                    max_body_bytes=len(body))
+    with serving(app, bounds=bounds) as server:
+        client = connect(server)
+        sender = threading.Thread(target=client.sendall, args=(upload * 4,))
+        sender.start()
+        wait_for(lambda: sum(ch.body_files() for ch in server.channels()) == 2)
+        time.sleep(0.2)  # reading on would spill a third
+        [channel] = server.channels()
+        assert channel.body_files() == 2 and not channel.readable()
+        release.set()
+        sender.join(10)
+        answers = b""
+        while answers.count(b"HTTP/1.1 200") < 4:
+            chunk = client.recv(65536)
+            assert chunk, answers
+            answers += chunk
+        client.close()

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from embedsvc.model.encoder import bundled_model_path
 from embedsvc.model.fake import FakeEncoder
-from embedsvc.model.window import pair_windows, text_window, text_windows, token_window
+from embedsvc.model.window import TokenCounts, _counts, pair_shares, token_window, window_tokens
 
 # Pieces that stress a cut: whitespace runs, many-token characters, accents (composed and
 # combining), CJK (one word per character), punctuation (one word per mark), added tokens.
@@ -121,23 +121,81 @@ def truncating(limit: int, direction: str) -> Tokenizer:
     return tok
 
 
+def shares_of(query: str, document: str, limit: int, direction: str) -> tuple[list, list]:
+    """What scorer.py keeps of (query, document) from their windows, ``limit`` tokens of each
+    read, for a truncation to ``limit`` tokens with the pair's special tokens."""
+    tok = bert()
+    q, d = window_tokens(tok, [query, document], limit, direction, margin(tok))
+    ids_q, ids_d = q.ids, d.ids
+    budget = limit - truncating(limit, direction).num_special_tokens_to_add(True)
+    counts = TokenCounts(tok, limit, margin(tok))
+    n_q, n_d = pair_shares((q.known, q.cut), (d.known, d.cut), budget,
+                           lambda: counts.longer(query, document))
+    if direction == "right":
+        return ids_q[:n_q], ids_d[:n_d]
+    return ids_q[len(ids_q) - n_q:], ids_d[len(ids_d) - n_d:]
+
+
 @pytest.mark.parametrize("direction", ["right", "left"])
 @PROPERTY
 @given(query=texts, document=texts, limit=st.integers(4, 64))
-def test_pairs_of_windows_truncate_as_pairs_of_whole_texts(direction, query, document, limit):
-    """What a reranker reads of (query, document) is the same from their windows (scorer.py),
-    the pair's special tokens and each side's share of the limit included."""
-    tok = truncating(limit, direction)
-    windows = text_windows(bert(), [query, document], limit, direction, margin(bert()))
-    cut = pair_windows(bert(), (query, document), windows, limit, direction, margin(bert()))
-    whole = tok.encode(query, document)
-    windowed = tok.encode(*cut)
-    assert (windowed.ids, windowed.type_ids) == (whole.ids, whole.type_ids)
+def test_pairs_keep_of_their_windows_what_truncation_keeps_of_the_whole(direction, query,
+                                                                       document, limit):
+    """What a reranker reads of (query, document) is the same from their windows (scorer.py):
+    each side's share of the limit, which text is longer included."""
+    whole = truncating(limit, direction).encode(query, document)
+    sides = zip(whole.ids, whole.type_ids, whole.special_tokens_mask, strict=True)
+    kept: tuple[list, list] = ([], [])
+    for token, segment, special in sides:
+        if not special:
+            kept[segment].append(token)
+    assert shares_of(query, document, limit, direction) == kept
 
 
-def test_a_text_window_of_a_maximal_text_is_small():
-    text = "!" * 200_000
-    for direction in ("right", "left"):
-        [part] = text_window(bert(), [text], 128, direction)
-        assert 128 <= len(part) < 5_000
-    assert text_window(bert(), ["short text"], 128) == ["short text"]
+def never_asked() -> bool:
+    raise AssertionError("the lengths of two whole texts say which is longer")
+
+
+@pytest.mark.parametrize("budget", [5, 6, 7])
+def test_longest_first_is_the_tokenizers_own(budget):
+    """``pair_shares`` of whole texts against the tokenizer's truncation, every small case."""
+    tok = truncating(budget + 3, "right")
+    for na in range(12):
+        for nb in range(12):
+            whole = tok.encode("a " * na, "b " * nb)
+            want = (whole.tokens.count("a"), whole.tokens.count("b"))
+            assert pair_shares((na, False), (nb, False), budget, never_asked) == want
+
+
+@pytest.mark.parametrize("tokenizer", [bert, byte_level, metaspace])
+@PROPERTY
+@given(text=texts, limit=st.integers(1, 16))
+def test_a_text_counted_in_pieces_has_the_tokens_of_the_whole(tokenizer, text, limit):
+    tok = tokenizer()
+    *_, (count, ended) = _counts(tok, text, limit, margin(tok))
+    assert ended and count == len(full(tok, text)[0])
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_two_long_sides_are_read_in_pieces_of_the_window(direction):
+    """Two 200,000-token texts that differ by one token: which is longer (and so gets the odd
+    token of the budget) is settled from pieces of a few thousand characters, never from a
+    whole text."""
+    seen: list[int] = []
+
+    class Counting:
+        def encode(self, part, add_special_tokens):
+            seen.append(len(part))
+            return bert().encode(part, add_special_tokens=add_special_tokens)
+
+        def encode_batch(self, parts, add_special_tokens):
+            seen.extend(len(p) for p in parts)
+            return bert().encode_batch(parts, add_special_tokens=add_special_tokens)
+
+    pair = ("!" * 200_000, "!" * 199_999)
+    sides = window_tokens(Counting(), list(pair), 128, direction)
+    counts = TokenCounts(Counting(), 128)
+    shares = pair_shares(*((side.known, side.cut) for side in sides), 125,
+                         lambda: counts.longer(*pair))
+    assert max(seen) < 20_000, max(seen)
+    assert shares == (63, 62)
