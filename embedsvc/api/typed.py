@@ -56,10 +56,10 @@ def with_role(engine: Engine, texts: list[str], sent: str | None, roles: dict[st
 def encoded(engine: Engine, rows: np.ndarray, dtype: str, *, normalize: bool = True,
             dimensions: int | None = None) -> np.ndarray:
     """``rows`` (shaped by ``normalize`` and ``dimensions``) as ``dtype``."""
-    ranges = None
+    scale = None
     if dtype in (quantize.INT8, quantize.UINT8):
-        ranges = engine.calibration().ranges(normalize=normalize, dimensions=dimensions)
-    return quantize.quantize(rows, dtype, ranges)
+        scale = engine.calibration().scale(normalize=normalize, dimensions=dimensions)
+    return quantize.quantize(rows, dtype, scale)
 
 
 def base64_rows(rows: np.ndarray) -> list[str]:
