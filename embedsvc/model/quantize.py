@@ -43,7 +43,10 @@ NUMPY_TYPES = {FLOAT: np.float32, INT8: np.int8, UINT8: np.uint8, BINARY: np.int
 _TOP = 127  # int8 codes -127..127: symmetric, so 0.0 is code 0 and -x is -(code of x)
 _FORMAT = "1"  # bump when what a calibration file holds changes
 _PROBES = 8  # calibration texts embedded again at load, to tell a changed model
-_PROBE_COSINE = 0.9999
+# The probe's floor: float32 gives a text the same vector in any batch; the int8 graph's
+# dynamic quantization scales each batch's activations, so the probe, batched otherwise than
+# the calibration was, is only close (a changed model is far further off than either).
+_PROBE_COSINE = {"int8": 0.99}
 # The reaches tried, as multiples of the largest magnitude the calibration set shows: a wider
 # reach clips nothing but rounds more coarsely, a narrower one clips the rare large values.
 # The one kept is the one whose codes keep most of the calibration set's own top-10
@@ -191,7 +194,7 @@ def calibrate(cache_root: Path, info: ModelInfo, embed: Embed, *, batch: int = 6
         check_rows(found, len(texts))
         if not probes:
             probes.append(np.asarray(embed(texts[:min(_PROBES, batch)]), np.float32))
-        if not _same(found[:len(probes[0])], probes[0]):
+        if not _same(found[:len(probes[0])], probes[0], _PROBE_COSINE.get(info.dtype, 0.9999)):
             raise CalibrationError("the model no longer gives these vectors")
         return Calibration(found)
 
@@ -211,8 +214,8 @@ _IN_MEMORY: dict[Path, Calibration] = {}
 _IN_MEMORY_LOCK = threading.Lock()
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+def _same(a: np.ndarray, b: np.ndarray, floor: float) -> bool:
     if a.shape != b.shape:
         return False
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return bool(((a * b).sum(axis=1) / np.maximum(norms, 1e-12) > _PROBE_COSINE).all())
+    return bool(((a * b).sum(axis=1) / np.maximum(norms, 1e-12) > floor).all())

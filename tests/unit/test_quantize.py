@@ -187,3 +187,22 @@ def test_a_full_disk_costs_one_calibration_not_one_per_request(tmp_path, monkeyp
     assert calls == [8, 8, 4]  # the rows computed for the file are the ones kept
     assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
     assert not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".*.tmp*"))
+
+
+def test_the_int8_graphs_batch_dependent_probe_is_accepted_a_changed_model_is_not(tmp_path):
+    """The int8 graph gives a text a slightly different vector in another batch (dynamic
+    quantization): its cached calibration is still used; float32's must match closely."""
+    int8 = dataclasses.replace(INFO, dtype="int8")
+    quantize.calibrate(tmp_path, int8, counting_embed([]), batch=8, texts=TEXTS)
+    quantize.calibrate(tmp_path, INFO, counting_embed([]), batch=8, texts=TEXTS)
+    noise = np.random.default_rng(5).standard_normal(TABLE.shape).astype(np.float32) * 0.05
+
+    def batched_otherwise(batch):
+        return np.stack([TABLE[int(t.split()[1])] + noise[int(t.split()[1])] for t in batch])
+
+    calls: list[int] = []
+    again = quantize.calibrate(tmp_path, int8, lambda b: calls.append(len(b)) or
+                               batched_otherwise(b), batch=8, texts=TEXTS)
+    assert calls == [8] and np.array_equal(again.rows, TABLE)  # read back after the probe
+    redone = quantize.calibrate(tmp_path, INFO, batched_otherwise, batch=8, texts=TEXTS)
+    assert not np.array_equal(redone.rows, TABLE)  # float32: a changed model, calibrated again
