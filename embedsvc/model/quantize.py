@@ -52,7 +52,7 @@ _PROBE_COSINE = {"int8": 0.99}
 # The one kept is the one whose codes keep most of the calibration set's own top-10
 # neighbours. On the bundled model recall@10 on bench/quality.py's corpus followed the
 # calibration set's (bench/RESULTS.md, 2026-12-03): 0.5x 0.965, 0.75x 0.994 (the one
-# chosen), 1x 0.993, 1.5x 0.987 (the per-dimension ranges served before: 0.89).
+# chosen), 1x 0.993, 1.5x 0.987 (the per-dimension ranges served before: 0.896).
 REACHES = (0.5, 0.625, 0.75, 0.875, 1.0, 1.25, 1.5)
 
 Embed = Callable[[list[str]], np.ndarray]  # texts -> raw (unnormalised) float32 rows
