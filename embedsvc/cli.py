@@ -117,8 +117,8 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
     embed.add_argument("--actor-cpus", type=_positive(float), default=None,
                        help="with --ray: CPUs for each replica without a GPU (default: 1)")
     embed.add_argument("--output-dtype", default=default("output_dtype"), choices=OUTPUT_DTYPES,
-                       help="write quantized rows: int8/uint8 codes from the model's "
-                       "calibrated ranges, or binary/ubinary packed sign bits; .npy and "
+                       help="write quantized rows: int8/uint8 codes on the model's "
+                       "calibrated scale, or binary/ubinary packed sign bits; .npy and "
                        "Parquet hold the integer type (default: %(default)s)")
     Settings.add_arguments(embed, command="embed")
 

@@ -203,10 +203,10 @@ class Engine:
               dimensions: int | None = None) -> np.ndarray:
         """``rows`` (shaped by ``normalize`` and ``dimensions``) as ``dtype``: float32, int8
         or uint8 codes of the model's calibration, or packed bits (model/quantize.py)."""
-        ranges = None
+        scale = None
         if dtype in (quantize.INT8, quantize.UINT8):
-            ranges = self.calibration().ranges(normalize=normalize, dimensions=dimensions)
-        return quantize.quantize(rows, dtype, ranges)
+            scale = self.calibration().scale(normalize=normalize, dimensions=dimensions)
+        return quantize.quantize(rows, dtype, scale)
 
     def _raw_rows(self, texts: list[str]) -> np.ndarray:
         """Unnormalised rows, each call one admitted request through the model."""

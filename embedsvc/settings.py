@@ -268,11 +268,13 @@ class Settings:
         "none", _choice("none", "int8"), "none, int8 (ONNX Runtime on the CPU, quality-gated)",
         commands=_EXPORT,
     )
-    quantize_min_cosine: float = _setting(
-        0.99, _fraction, "QUANTIZE=int8 refuses to serve below this mean cosine to float32",
-        commands=_EXPORT, help_for={"export": "QUANTIZE=int8 refuses the graph below this mean "
-                                    "cosine to float32", "embed": "QUANTIZE=int8 refuses to "
-                                    "run below this mean cosine to float32"},
+    quantize_min_recall: float = _setting(
+        0.97, _fraction, "QUANTIZE=int8 refuses to serve an int8 graph whose vectors keep less "
+        "than this share of float32's 10 nearest neighbours (recall@10 on the calibration "
+        "set)", commands=_EXPORT,
+        help_for={"export": "QUANTIZE=int8 refuses the graph below this recall@10 against "
+                  "float32", "embed": "QUANTIZE=int8 refuses to run below this recall@10 "
+                  "against float32"},
     )
     cache_dir: str = _setting(
         "", _text, "where exported ONNX graphs are kept; empty: $XDG_CACHE_HOME/embedsvc "

@@ -219,9 +219,11 @@ class SimilarityRequest(Request):
 
 # -- Voyage's and Jina's fields on /v1/embeddings; Cohere's and Ollama's embed APIs ----------
 
-_DTYPE_DOC = ("int8/uint8: codes from the model's fixed per-dimension ranges (calibrated once, "
-              "offline); binary/ubinary: one bit per dimension (set for a value > 0), packed "
-              "eight to a byte, binary = ubinary - 128.")
+_DTYPE_DOC = ("int8: each value in steps of one scale fixed per model (calibrated once, "
+              "offline), -127..127, 0 for 0.0: compare int8 codes by dot product; uint8 = "
+              "int8 + 128 (subtract 128 before a dot product); binary/ubinary: one bit per "
+              "dimension (set for a value > 0), packed eight to a byte, binary = ubinary - "
+              "128.")
 QuantizedType = Literal["float", "int8", "uint8", "binary", "ubinary"]
 CohereType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 

@@ -93,16 +93,16 @@ class Quantized:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
         self.max_chars = embedder.max_chars
-        self.ranges = None
+        self.scale = None
         if dtype in (quantize.INT8, quantize.UINT8):
             try:
-                self.ranges = embedder.engine.calibration().ranges()
+                self.scale = embedder.engine.calibration().scale()
             except ApiError as exc:
-                raise BulkError(f"calibrating the int8 ranges failed: {exc.message}") from None
+                raise BulkError(f"calibrating the int8 scale failed: {exc.message}") from None
 
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
         rows, tokens = self.embedder(texts)
-        return quantize.quantize(np.asarray(rows), self.dtype, self.ranges), tokens
+        return quantize.quantize(np.asarray(rows), self.dtype, self.scale), tokens
 
 
 class RemoteEmbedder:

@@ -127,7 +127,7 @@ def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
     if isinstance(served, NotLean):
         log.info("backend: not the PyTorch-free path (%s)", served.reason)
         return None
-    lean.gate(served, settings.quantize_min_cosine)
+    lean.gate(served, settings.quantize_min_recall)
     log.info("%s", lean.startup_line(served, path))
     return served
 

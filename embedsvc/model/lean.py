@@ -30,6 +30,7 @@ from ..settings import Settings
 from . import runtime
 from .encoder import Encoder, ModelInfo, model_name
 from .graph_cache import GraphCache, cache_root
+from .quantize import calibration_texts
 from .record import (
     GRAPH,
     INT8,
@@ -80,7 +81,7 @@ class LeanEncoder(TextSide):
     kind = "embedding"
     output = "sentence_embedding"
 
-    quality: runtime.Quality | None = None  # an int8 graph's cosine to float32 (QUANTIZE)
+    quality: runtime.Quality | None = None  # an int8 graph's against float32's (QUANTIZE)
 
     def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
         tok = record["tokenizer"]
@@ -297,7 +298,7 @@ def warm_start(settings: Settings) -> Warm:
         return Warm(None, f"its record {path.name} did not verify", export=True)
     if isinstance(encoder, NotLean):
         return Warm(None, encoder.reason)
-    gate(encoder, settings.quantize_min_cosine)
+    gate(encoder, settings.quantize_min_recall)
     return Warm(encoder, startup_line(encoder, path))
 
 
@@ -321,20 +322,20 @@ def open_lean(settings: Settings, path: Path, key: str) -> LeanEncoder | NotLean
 
 
 def gate(encoder: LeanEncoder, floor: float) -> None:
-    """QualityBelowFloor for an int8 encoder whose recorded quality is under ``floor``."""
+    """QualityBelowFloor for an int8 encoder whose recorded recall@10 is under ``floor``."""
     q = getattr(encoder, "quality", None)
-    if q is not None and q.mean < floor:
+    if q is not None and q.recall < floor:
         raise runtime.QualityBelowFloor(
-            f"QUANTIZE=int8 refused: mean cosine to float32 is {q.mean:.4f} (min {q.min:.4f}) "
-            f"on {q.texts} texts, below QUANTIZE_MIN_COSINE={floor}; serve with QUANTIZE=none, "
-            "or lower EMBEDSVC_QUANTIZE_MIN_COSINE")
+            f"QUANTIZE=int8 refused: its vectors keep {q.recall:.3f} of float32's 10 nearest "
+            f"neighbours on the {q.texts} calibration texts, below QUANTIZE_MIN_RECALL={floor}; "
+            "serve with QUANTIZE=none, or lower EMBEDSVC_QUANTIZE_MIN_RECALL")
 
 
 def startup_line(encoder: LeanEncoder, path: Path) -> str:
     quality = getattr(encoder, "quality", None)
     precision = "float32" if quality is None else (
-        f"int8 (QUANTIZE=int8; cosine to float32 on {quality.texts} texts: mean "
-        f"{quality.mean:.4f}, min {quality.min:.4f})")
+        f"int8 (QUANTIZE=int8; recall@10 against float32 {quality.recall:.3f} on "
+        f"{quality.texts} calibration texts, cosine mean {quality.mean:.4f})")
     return (f"backend: ONNX Runtime {precision} on the CPU without PyTorch, "
             f"{encoder._session.get_session_options().intra_op_num_threads} intra-op threads, "
             f"{encoder.kind} pipeline from {path} (its probe outputs match PyTorch's)")
@@ -342,7 +343,7 @@ def startup_line(encoder: LeanEncoder, path: Path) -> str:
 
 def build_int8(fp32: LeanEncoder, path: Path) -> None:
     """The int8 record at ``path``: the float32 graph quantized (dynamic, per channel), its
-    own probe outputs and its quality against float32 on QUALITY_TEXTS."""
+    own probe outputs and its quality against float32 on the calibration set."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     log.info("quantizing %s to int8, once: later starts read it from the cache", fp32.graph)
@@ -377,10 +378,11 @@ def open_int8(fp32: LeanEncoder, threads: int, path: Path) -> LeanEncoder:
     return int8
 
 
-def _quality(fp32: LeanEncoder, int8: LeanEncoder, size: int = 8) -> runtime.Quality:
-    """Cosine of int8 rows to float32 rows on QUALITY_TEXTS, in batches of similar length."""
+def _quality(fp32: LeanEncoder, int8: LeanEncoder, size: int = 32) -> runtime.Quality:
+    """int8 rows against float32 rows of the calibration set (recall@10 of each text's
+    neighbours among the others, cosine), computed in batches of similar length."""
     room = fp32.info.max_input_tokens - fp32.special_tokens
-    batch = [fp32.wrap(ids[:room]) for ids in fp32.tokenize(runtime.QUALITY_TEXTS)]
+    batch = [fp32.wrap(ids[:room]) for ids in fp32.tokenize(calibration_texts())]
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
     chunks = [[batch[i] for i in order[s:s + size]] for s in range(0, len(order), size)]
     return runtime.quality(np.concatenate([fp32.encode(c) for c in chunks]),

@@ -6,7 +6,8 @@ pooling stay the model's own (``SentenceTransformerEncoder.use_forward``), so th
 PyTorch's. The graph is exported once with ``torch.onnx.export`` and cached by the content
 of the weights (graph_cache.py); a model directory that ships ``onnx/model.onnx`` is used as
 it is. Every graph, cached or shipped, must reproduce PyTorch's vectors on a probe batch
-before it serves; an int8 graph must keep QUANTIZE_MIN_COSINE to float32 on a fixed text set.
+before it serves; an int8 graph must keep QUANTIZE_MIN_RECALL of float32's neighbours on the
+calibration set.
 
 Sessions are built only in the process that serves (after any fork): ONNX Runtime's thread
 pools do not survive a fork.
@@ -27,8 +28,9 @@ import numpy as np
 from ..settings import Settings
 from . import runtime
 from .graph_cache import GraphCache, cache_root
+from .quantize import calibration_texts
 from .record import file_digest
-from .runtime import QUALITY_TEXTS, Quality, QualityBelowFloor, available_cpus, run_sliced
+from .runtime import Quality, QualityBelowFloor, available_cpus, run_sliced
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def attach(encoder: SentenceTransformerEncoder, settings: Settings) -> str:
     """Run ``encoder``'s transformer on ONNX Runtime, int8 if QUANTIZE says so.
 
     Returns the startup line; raises OnnxUnavailable when this model cannot run there, and
-    QualityBelowFloor when its int8 graph falls below QUANTIZE_MIN_COSINE.
+    QualityBelowFloor when its int8 graph falls below QUANTIZE_MIN_RECALL.
     """
     output_key = _check_exportable(encoder)
     cache = GraphCache(cache_root(settings.cache_dir))
@@ -87,12 +89,13 @@ def attach(encoder: SentenceTransformerEncoder, settings: Settings) -> str:
         return (f"backend: ONNX Runtime float32 on the CPU, {threads} intra-op threads, "
                 f"graph {path}")
     int8, path, quality = _int8(encoder, fp32, (path, key), cache, threads,
-                                settings.quantize_min_cosine)
+                                settings.quantize_min_recall)
     encoder.use_forward(int8, "onnx", "int8")
     return (f"backend: ONNX Runtime on the CPU, serving a model quantized to int8 "
-            f"(QUANTIZE=int8), {threads} intra-op threads; cosine to float32 on "
-            f"{quality.texts} texts: mean {quality.mean:.4f}, min {quality.min:.4f} (floor "
-            f"QUANTIZE_MIN_COSINE={settings.quantize_min_cosine}); graph {path}")
+            f"(QUANTIZE=int8), {threads} intra-op threads; recall@10 against float32 "
+            f"{quality.recall:.3f} on {quality.texts} calibration texts (floor "
+            f"QUANTIZE_MIN_RECALL={settings.quantize_min_recall}), cosine mean "
+            f"{quality.mean:.4f}; graph {path}")
 
 
 def _quiet_torch() -> None:
@@ -142,9 +145,10 @@ def _float32(encoder: SentenceTransformerEncoder, output_key: str, cache: GraphC
 def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[Path, str],
           cache: GraphCache, threads: int, floor: float) -> tuple[OnnxForward, Path, Quality]:
     """The int8 forward quantized from the float32 graph ``source`` (path, key), its path
-    and its quality; QualityBelowFloor under ``floor``."""
+    and its quality on the calibration set, measured at every start (this path keeps no
+    record); QualityBelowFloor under ``floor``."""
     batch = [encoder.wrap(ids[: encoder.info.max_input_tokens - encoder.special_tokens])
-             for ids in encoder.tokenize(QUALITY_TEXTS)]
+             for ids in encoder.tokenize(calibration_texts())]
     reference = _encode_sorted(encoder, fp32, batch)
 
     def load(path: Path) -> tuple[OnnxForward, Quality]:
@@ -157,11 +161,12 @@ def _int8(encoder: SentenceTransformerEncoder, fp32: OnnxForward, source: tuple[
     key = hashlib.sha256(f"{source[1]}|int8-dynamic-per-channel|{FORMAT}".encode()).hexdigest()
     path = cache.path(encoder.info.name + "-int8", key)
     (forward, quality), path = cache.get_or_build(path, partial(quantize_graph, source[0]), load)
-    if quality.mean < floor:
+    if quality.recall < floor:
         raise QualityBelowFloor(
-            f"QUANTIZE=int8 refused: mean cosine to float32 is {quality.mean:.4f} (min "
-            f"{quality.min:.4f}) on {quality.texts} texts, below QUANTIZE_MIN_COSINE={floor}; "
-            "serve with QUANTIZE=none, or lower EMBEDSVC_QUANTIZE_MIN_COSINE")
+            f"QUANTIZE=int8 refused: its vectors keep {quality.recall:.3f} of float32's 10 "
+            f"nearest neighbours on the {quality.texts} calibration texts, below "
+            f"QUANTIZE_MIN_RECALL={floor}; serve with QUANTIZE=none, or lower "
+            "EMBEDSVC_QUANTIZE_MIN_RECALL")
     return forward, path, quality
 
 
@@ -180,7 +185,7 @@ def _verified(encoder: SentenceTransformerEncoder, output_key: str, threads: int
 
 
 def _encode_sorted(encoder: SentenceTransformerEncoder, forward: OnnxForward,
-                   batch: list[list[int]], size: int = 8) -> np.ndarray:
+                   batch: list[list[int]], size: int = 32) -> np.ndarray:
     """Rows for ``batch`` in its order, computed in batches of similar length: padding every
     text to the longest would multiply the start-up cost of the quality check."""
     order = sorted(range(len(batch)), key=lambda i: len(batch[i]))

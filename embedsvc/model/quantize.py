@@ -1,26 +1,30 @@
-"""Quantized embeddings: int8/uint8 codes from fixed per-dimension ranges, and packed bits.
+"""Quantized embeddings: int8/uint8 codes on one scale fixed per model, and packed bits.
 
-The ranges come from a calibration set the package ships (``calibration.txt``), embedded once
-through the served model and kept in the cache beside its graphs, so that a text's codes
-depend on the model and the text only, never on the other texts of its request or batch
-(sentence-transformers' ``quantize_embeddings`` takes them from the batch unless it is given
-fixed ones). Binary codes are packed as sentence-transformers packs them: one bit per
-dimension, set for a value > 0, eight to a byte; ``binary`` is ``ubinary - 128``.
+int8 codes are the values of a vector in steps of one scale for every dimension, rounded:
+code 0 is 0.0, code 127 the scale's reach, so the dot product of two texts' codes, which is
+what a vector store computes on them, is the dot product of their vectors (times a constant)
+give or take the rounding, and ranks as the floats do. The reach comes from a calibration set
+the package ships (``calibration.txt``), embedded once through the served model and kept in
+the cache beside its graphs, so that a text's codes depend on the model and the text only,
+never on the other texts of its request or batch (sentence-transformers'
+``quantize_embeddings`` takes ranges from the batch unless it is given fixed ones). Binary
+codes are packed as sentence-transformers packs them: one bit per dimension, set for a
+value > 0, eight to a byte; ``binary`` is ``ubinary - 128``.
 
 >>> rows = np.array([[0.5, -0.25, 0.0, 1.0]], np.float32)
 >>> quantize(rows, "ubinary").tolist(), quantize(rows, "binary").tolist()
 ([[144]], [[16]])
->>> ranges = Ranges(np.full(4, -1.0, np.float32), np.full(4, 1.0, np.float32))
->>> quantize(rows, "int8", ranges).tolist()
-[[63, -32, 0, 127]]
+>>> quantize(rows, "int8", Scale(1.0)).tolist(), quantize(rows, "uint8", Scale(1.0)).tolist()
+([[64, -32, 0, 127]], [[192, 96, 128, 255]])
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import numpy as np
 
 from .encoder import ModelInfo
 from .graph_cache import GraphCache
+from .retrieval import recall
 
 log = logging.getLogger(__name__)
 
@@ -35,55 +40,88 @@ FLOAT, INT8, UINT8, BINARY, UBINARY = "float", "int8", "uint8", "binary", "ubina
 DTYPES = (FLOAT, INT8, UINT8, BINARY, UBINARY)
 NUMPY_TYPES = {FLOAT: np.float32, INT8: np.int8, UINT8: np.uint8, BINARY: np.int8,
                UBINARY: np.uint8}
-_LEVELS = 254  # steps: an odd number of codes, so that a range's middle has one
+_TOP = 127  # int8 codes -127..127: symmetric, so 0.0 is code 0 and -x is -(code of x)
 _FORMAT = "1"  # bump when what a calibration file holds changes
 _PROBES = 8  # calibration texts embedded again at load, to tell a changed model
-_PROBE_COSINE = 0.9999
-# The calibration set's extremes underestimate what other texts reach, and a clipped value
-# costs more than a coarser step: each range reaches half again past the largest magnitude
-# the set shows (on the bundled model, the worst of eight unusual texts kept cosine 0.985 to
-# its float vector without the margin and 0.998 with it; ordinary texts stay at 0.9999).
-MARGIN = 0.5
+# The probe's floor: float32 gives a text the same vector in any batch; the int8 graph's
+# dynamic quantization scales each batch's activations, so the probe, batched otherwise than
+# the calibration was, is only close (a changed model is far further off than either).
+_PROBE_COSINE = {"int8": 0.99}
+# The reaches tried, as multiples of the largest magnitude the calibration set shows: a wider
+# reach clips nothing but rounds more coarsely, a narrower one clips the rare large values.
+# The one kept is the one whose codes keep most of the calibration set's own top-10
+# neighbours. On the bundled model recall@10 on bench/quality.py's corpus followed the
+# calibration set's (bench/RESULTS.md, 2026-12-03): 0.5x 0.965, 0.75x 0.994 (the one
+# chosen), 1x 0.993, 1.5x 0.987 (the per-dimension ranges served before: 0.896).
+REACHES = (0.5, 0.625, 0.75, 0.875, 1.0, 1.25, 1.5)
 
 Embed = Callable[[list[str]], np.ndarray]  # texts -> raw (unnormalised) float32 rows
 
 
 @dataclass(frozen=True)
-class Ranges:
-    """The lowest and highest value of each dimension over the calibration set."""
+class Scale:
+    """The value of int8 code 127 (and -127 of -127), the same for every dimension."""
 
-    low: np.ndarray
-    high: np.ndarray
+    reach: float
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """The calibration set's raw vectors through one model; ranges for any output shape."""
+    """The calibration set's raw vectors through one model; the scale for any output shape.
+
+    ``rows`` must be finite and none of them zero (``CalibrationError`` otherwise): a NaN
+    would make every code -127.
+    """
 
     rows: np.ndarray  # (texts, dimension) float32, as the model gives them
+    _scales: dict[tuple[bool, int | None], Scale] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
-    def ranges(self, *, normalize: bool = True, dimensions: int | None = None) -> Ranges:
-        """The ranges of vectors shaped as a request shapes them: cut to ``dimensions``
-        first, then normalised (as the engine does).
+    def __post_init__(self) -> None:
+        check_rows(self.rows)
 
-        Each dimension's range is symmetric about zero (0.0 is int8 code 0), so that the dot
-        product of two texts' codes, which is what a vector store computes on them, carries
-        no per-document offset: it kept 0.905 of the float top-10 on bench/quantized.py's
-        retrieval set against 0.842 for min-to-max ranges (bench/RESULTS.md).
-        """
-        rows = self.rows[:, :dimensions] if dimensions else self.rows
-        if normalize:
-            rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-        reach = np.abs(rows).max(axis=0) * (1 + MARGIN)
-        return Ranges(-reach, reach)
+    def scale(self, *, normalize: bool = True, dimensions: int | None = None) -> Scale:
+        """The scale of vectors shaped as a request shapes them: cut to ``dimensions`` first,
+        then normalised (as the engine does); chosen once per shape (see REACHES)."""
+        key = (normalize, dimensions)
+        if key not in self._scales:
+            rows = self.rows[:, :dimensions] if dimensions else self.rows
+            if normalize:
+                rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+            self._scales[key] = best_scale(rows)
+        return self._scales[key]
 
 
-def quantize(rows: np.ndarray, dtype: str, ranges: Ranges | None = None) -> np.ndarray:
-    """``rows`` as ``dtype`` (one of ``DTYPES``); int8 and uint8 need ``ranges``.
+class CalibrationError(ValueError):
+    """Rows that must not become a calibration (not finite, a zero row, the wrong shape)."""
 
-    int8/uint8: each dimension's range cut into 254 equal steps, each value rounded to the
-    nearest and clipped to the range (a value past the calibration set's extremes gets the
-    end code): int8 codes -127 to 127, the middle of the range 0; uint8 = int8 + 128.
+
+def check_rows(rows: np.ndarray, texts: int | None = None) -> None:
+    if rows.ndim != 2 or (texts is not None and rows.shape[0] != texts):
+        raise CalibrationError(f"rows of shape {rows.shape}, not one per calibration text")
+    if not np.isfinite(rows).all():
+        raise CalibrationError("it holds values that are not finite (NaN or infinity)")
+    if not np.linalg.norm(rows, axis=1).all():
+        raise CalibrationError("it holds a row of zeros")
+
+
+def best_scale(rows: np.ndarray) -> Scale:
+    """Of the REACHES, the scale whose int8 codes keep most of the top-10 neighbours of
+    ``rows`` (each row a query against the others, by dot product); on a tie, the wider."""
+    largest = float(np.abs(rows).max())
+    kept = {}
+    for f in REACHES:
+        codes = _codes(rows, Scale(largest * f)).astype(np.float32)  # exact: sums < 2**24
+        kept[f] = recall(rows @ rows.T, codes @ codes.T)
+    factor = max(reversed(REACHES), key=kept.__getitem__)  # max keeps the first of a tie
+    return Scale(largest * factor)
+
+
+def quantize(rows: np.ndarray, dtype: str, scale: Scale | None = None) -> np.ndarray:
+    """``rows`` as ``dtype`` (one of ``DTYPES``); int8 and uint8 need the ``scale``.
+
+    int8: each value divided by ``scale.reach / 127``, rounded to the nearest integer and
+    clipped to -127..127 (a value past the reach gets the end code); uint8 = int8 + 128.
     binary/ubinary: ``ceil(dimension / 8)`` bytes per row.
     """
     if dtype == FLOAT:
@@ -93,23 +131,21 @@ def quantize(rows: np.ndarray, dtype: str, ranges: Ranges | None = None) -> np.n
         return packed if dtype == UBINARY else (packed.astype(np.int16) - 128).astype(np.int8)
     if dtype not in (INT8, UINT8):
         raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
-    if ranges is None:
-        raise ValueError(f"{dtype} codes need calibrated ranges")
-    low, steps = _steps(ranges, rows.shape[1])
-    codes = np.clip(np.rint((rows - low) / steps), 0, _LEVELS).astype(np.int16) - _LEVELS // 2
-    return (codes + 128).astype(np.uint8) if dtype == UINT8 else codes.astype(np.int8)
+    if scale is None:
+        raise ValueError(f"{dtype} codes need a calibrated scale")
+    codes = _codes(rows, scale)
+    return (codes.astype(np.int16) + 128).astype(np.uint8) if dtype == UINT8 else codes
 
 
-def dequantize(codes: np.ndarray, dtype: str, ranges: Ranges) -> np.ndarray:
+def dequantize(codes: np.ndarray, dtype: str, scale: Scale) -> np.ndarray:
     """int8/uint8 codes back to the values they stand for (for quality checks)."""
-    low, steps = _steps(ranges, codes.shape[1])
-    levels = codes.astype(np.float32) - (128 if dtype == UINT8 else 0) + _LEVELS // 2
-    return low + levels * steps
+    values = codes.astype(np.float32) - (128 if dtype == UINT8 else 0)
+    return values * np.float32(scale.reach / _TOP)
 
 
-def _steps(ranges: Ranges, width: int) -> tuple[np.ndarray, np.ndarray]:
-    low, high = ranges.low[:width], ranges.high[:width]
-    return low, np.maximum(high - low, 1e-12) / _LEVELS
+def _codes(rows: np.ndarray, scale: Scale) -> np.ndarray:
+    step = np.float32(scale.reach / _TOP)
+    return np.clip(np.rint(np.asarray(rows, np.float32) / step), -_TOP, _TOP).astype(np.int8)
 
 
 def calibration_texts() -> list[str]:
@@ -125,37 +161,61 @@ def calibrate(cache_root: Path, info: ModelInfo, embed: Embed, *, batch: int = 6
 
     The cache key names what makes the vectors (model, dimension, backend, dtype) and the
     texts. A cached file is used only after its first texts, embedded again now, still give
-    its vectors, so that a model changed under the same name is calibrated afresh.
+    its vectors, and only when it holds finite rows, so that a model changed under the same
+    name, or a damaged file, is calibrated afresh. Where the cache cannot be written (a full
+    disk, ``.locks`` not a directory, a read-only mount), the calibration is computed once
+    and kept in this process's memory, with one warning.
     """
     texts = calibration_texts() if texts is None else texts
     made_by = [info.name, str(info.dimension), info.backend, info.dtype]
     digest = hashlib.sha256("\n".join([*made_by, *texts, _FORMAT]).encode()).hexdigest()
     cache = GraphCache(cache_root)
     path = cache.path(info.name, digest, suffix=".calibration.npy")
+    with _IN_MEMORY_LOCK:
+        if path in _IN_MEMORY:
+            return _IN_MEMORY[path]
+    computed: list[np.ndarray] = []
     probes: list[np.ndarray] = []
 
+    def rows() -> np.ndarray:
+        if not computed:
+            log.info("calibrating int8 codes for %s on %d texts", info.name, len(texts))
+            computed.append(np.concatenate([embed(texts[i:i + batch])
+                                            for i in range(0, len(texts), batch)]
+                                           ).astype(np.float32))
+        return computed[0]
+
     def build(target: Path) -> None:
-        log.info("calibrating int8 ranges for %s on %d texts", info.name, len(texts))
-        rows = [embed(texts[i:i + batch]) for i in range(0, len(texts), batch)]
         with open(target, "wb") as out:  # np.save on a path would add its own suffix
-            np.save(out, np.concatenate(rows).astype(np.float32))
+            np.save(out, rows())
 
     def load(source: Path) -> Calibration:
-        rows = np.load(source)
-        if rows.shape[0] != len(texts):
-            raise ValueError(f"{rows.shape[0]} rows for {len(texts)} calibration texts")
+        found = np.load(source)
+        check_rows(found, len(texts))
         if not probes:
             probes.append(np.asarray(embed(texts[:min(_PROBES, batch)]), np.float32))
-        if not _same(rows[:len(probes[0])], probes[0]):
-            raise ValueError("the model no longer gives these vectors")
-        return Calibration(rows)
+        if not _same(found[:len(probes[0])], probes[0], _PROBE_COSINE.get(info.dtype, 0.9999)):
+            raise CalibrationError("the model no longer gives these vectors")
+        return Calibration(found)
 
-    calibration, _ = cache.get_or_build(path, build, load)
-    return calibration
+    try:
+        return cache.get_or_build(path, build, load)[0]
+    except OSError as exc:
+        calibration = Calibration(rows())
+        log.warning("cannot write the calibration to %s (%s): serving it from this process's "
+                    "memory, computed once; free space there or set CACHE_DIR to a writable "
+                    "directory", path, exc)
+    with _IN_MEMORY_LOCK:
+        return _IN_MEMORY.setdefault(path, calibration)
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+# Calibrations that could not be written, by the path they were for: computed once a process.
+_IN_MEMORY: dict[Path, Calibration] = {}
+_IN_MEMORY_LOCK = threading.Lock()
+
+
+def _same(a: np.ndarray, b: np.ndarray, floor: float) -> bool:
     if a.shape != b.shape:
         return False
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return bool(((a * b).sum(axis=1) / np.maximum(norms, 1e-12) > _PROBE_COSINE).all())
+    return bool(((a * b).sum(axis=1) / np.maximum(norms, 1e-12) > floor).all())

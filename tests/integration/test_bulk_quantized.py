@@ -41,8 +41,8 @@ def test_int8_npy_and_parquet_hold_the_codes_of_the_float_rows(job, tmp_path):
     assert codes.dtype == np.int8 and codes.shape == floats.shape
     # the calibration the command used, read back from the cache it wrote
     [cached] = Path(os.environ["EMBEDSVC_CACHE_DIR"]).glob("all-MiniLM-L6-v2-*.calibration.npy")
-    ranges = quantize.Calibration(np.load(cached)).ranges()
-    off = np.abs(codes.astype(int) - quantize.quantize(floats, "int8", ranges).astype(int))
+    scale = quantize.Calibration(np.load(cached)).scale()
+    off = np.abs(codes.astype(int) - quantize.quantize(floats, "int8", scale).astype(int))
     assert off.max() <= 1 and (off == 0).mean() > 0.99
     assert run(source, tmp_path / "codes.parquet", "uint8") == 0
     table = pq.read_table(tmp_path / "codes.parquet")

@@ -104,10 +104,11 @@ def test_int8_reports_its_quality_and_keeps_neighbours(caplog):
     texts = sorted({f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(things)}"
                     for _ in range(400)})
     fp32 = started(backend="onnx")
-    int8 = started(backend="onnx", quantize="int8")
+    int8 = started(backend="onnx", quantize="int8", quantize_min_recall=0.8)
     assert int8.model.dtype == "int8"
     line = next(r.getMessage() for r in caplog.records if "QUANTIZE=int8" in r.getMessage())
-    assert "cosine to float32 on 24 texts: mean 0.99" in line, line
+    assert "on 287 calibration texts (floor QUANTIZE_MIN_RECALL=0.8)" in line, line
+    assert "cosine mean 0.99" in line, line
     queries = 30
     top = {}
     for name, engine in (("fp32", fp32), ("int8", int8)):
@@ -122,8 +123,9 @@ def test_int8_reports_its_quality_and_keeps_neighbours(caplog):
 
 
 def test_int8_below_its_floor_refuses_to_start_naming_the_setting():
-    with pytest.raises(RuntimeError, match="QUANTIZE_MIN_COSINE=0.9999"):
-        started(backend="onnx", quantize="int8", quantize_min_cosine=0.9999)
+    # the default floor: the bundled model's int8 graph keeps about 0.90 of the neighbours
+    with pytest.raises(RuntimeError, match="keep 0.*QUANTIZE_MIN_RECALL=0.97"):
+        started(backend="onnx", quantize="int8")
 
 
 @pytest.fixture(scope="module")

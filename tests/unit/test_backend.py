@@ -47,10 +47,10 @@ def test_impossible_combinations_fail_naming_the_fix(device, setting, dtype, qua
 
 def test_settings_parse_the_new_fields():
     s = Settings.from_env({"EMBEDSVC_BACKEND": "ONNX", "EMBEDSVC_QUANTIZE": "int8",
-                           "EMBEDSVC_QUANTIZE_MIN_COSINE": "0.995", "EMBEDSVC_ONNX_THREADS": "1"})
-    assert (s.backend, s.quantize, s.quantize_min_cosine, s.onnx_threads) == (
+                           "EMBEDSVC_QUANTIZE_MIN_RECALL": "0.995", "EMBEDSVC_ONNX_THREADS": "1"})
+    assert (s.backend, s.quantize, s.quantize_min_recall, s.onnx_threads) == (
         "onnx", "int8", 0.995, 1)
     for name, bad in (("backend", "tensorrt"), ("quantize", "int4"),
-                      ("quantize_min_cosine", "1.5")):
+                      ("quantize_min_recall", "1.5")):
         with pytest.raises(SettingsError, match=name.upper()):
             Settings(**{name: bad})

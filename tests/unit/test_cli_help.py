@@ -13,13 +13,13 @@ SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-byte
           "--max-connections", "--health-port", "--token-ids", "--workers", "--engine"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",
           "--max-wait-ms", "--max-queue", "--max-inputs-per-request", "--max-input-chars",
-          "--auto-truncate", "--backend", "--quantize", "--quantize-min-cosine", "--cache-dir",
+          "--auto-truncate", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
           "--onnx-threads", "--max-queue-tokens", "--kind"}
 LOGS = {"--log-level", "--log-format"}
 JOB = {"--output", "--text-field", "--id-field", "--url", "--chunk-size", "--concurrency",
        "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus",
        "--output-dtype"}
-EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-cosine", "--cache-dir",
+EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
           "--onnx-threads"}
 FLAGS = {
     "serve": SERVER | ENGINE | LOGS | {"--api-key"},

@@ -24,9 +24,9 @@ def client(app):
     return app.test_client()
 
 
-def ranges(app, dimensions=None):
+def scale(app, dimensions=None):
     engine = app.extensions["embedsvc"].ready(1.0)
-    return engine.calibration().ranges(dimensions=dimensions)
+    return engine.calibration().scale(dimensions=dimensions)
 
 
 def test_cohere_v2_answers_every_type_from_one_pass(client, app, fake):
@@ -43,7 +43,7 @@ def test_cohere_v2_answers_every_type_from_one_pass(client, app, fake):
     np.testing.assert_allclose(by["float"], want, rtol=1e-6)
     b64 = [np.frombuffer(base64.b64decode(s), "<f4") for s in by["base64"]]
     np.testing.assert_allclose(b64, want, rtol=1e-6)
-    r = ranges(app)
+    r = scale(app)
     assert by["int8"] == quantize.quantize(want, "int8", r).tolist()
     assert by["uint8"] == quantize.quantize(want, "uint8", r).tolist()
     assert by["ubinary"] == np.packbits(want > 0, axis=1).tolist()
@@ -60,7 +60,7 @@ def test_cohere_v1_floats_unless_types_and_output_dimension(client, app, fake):
     assert typed_["response_type"] == "embeddings_by_type"
     cut = np.array([fake.expected(t)[:4] for t in TEXTS])
     cut /= np.linalg.norm(cut, axis=1, keepdims=True)
-    assert typed_["embeddings"]["int8"] == quantize.quantize(cut, "int8", ranges(app, 4)).tolist()
+    assert typed_["embeddings"]["int8"] == quantize.quantize(cut, "int8", scale(app, 4)).tolist()
 
 
 def test_cohere_refuses_what_it_cannot_honour(client, fake):
@@ -113,7 +113,7 @@ def test_voyage_output_dtype_and_dimension(client, app, fake):
            resp.get_json()["data"]]
     cut = np.array([fake.expected(t)[:4] for t in TEXTS])
     cut /= np.linalg.norm(cut, axis=1, keepdims=True)
-    assert np.array_equal(got, quantize.quantize(cut, "int8", ranges(app, 4)))
+    assert np.array_equal(got, quantize.quantize(cut, "int8", scale(app, 4)))
     bits = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": "ubinary"})
     assert vectors(bits).tolist() == np.packbits(
         np.array([fake.expected(t) for t in TEXTS]) > 0, axis=1).tolist()
