@@ -1,7 +1,9 @@
 # Two entry points, each working on a fresh machine: `make serve` and `make test`.
-# Two installs into $(VENV): `make setup-serve` (the package and its runtime dependencies,
-# what `make serve` needs) and `make setup` (that plus the `test` extra and $(HUB1_VENV),
-# what `make test` needs). Every target installs first when needed.
+# Two installs into $(VENV): `make setup-serve` (the package with its `torch` extra, which
+# exports the bundled model's record on the first start and serves it without PyTorch from
+# then on: what `make serve` needs) and `make setup` (that plus the `test` extra and
+# $(HUB1_VENV), what `make test` needs). Every target installs first when needed. A
+# deployment installs the package alone, without PyTorch (docs/deployment.md).
 VENV ?= .venv
 BIN := $(VENV)/bin
 # What the install in $(VENV) was made with (INSTALLED_PYTHON, INSTALLED_TORCH_PIP_ARGS,
@@ -54,7 +56,7 @@ define install
 endef
 
 $(SERVE_STAMP): pyproject.toml $(REINSTALL)
-	$(call install,.)
+	$(call install,.[torch])
 
 $(TEST_STAMP): pyproject.toml $(REINSTALL)
 	$(call install,.[test])

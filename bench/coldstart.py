@@ -4,6 +4,11 @@ PyTorch loaded beside it), in one run.
 
     .venv/bin/python bench/coldstart.py            # 3 starts of each, the bundled model
     .venv/bin/python bench/coldstart.py --starts 5
+    .venv/bin/python bench/coldstart.py --light DIR/bin [--onnx-dir MODEL]
+
+``--light``: also the install without PyTorch (`pip install embedsvc` into a venv of its
+own, whose bin directory this is), serving the record this venv exported, and with
+``--onnx-dir`` a model directory that ships an ONNX graph, served with no record.
 
 For each path: exports into a private cache first (not timed), then starts `embedsvc serve`
 --starts times and reports the median of: seconds from launch to the first answered
@@ -23,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,9 +64,10 @@ def loaded(pid: int) -> list[str]:
     return [name for name, needle in LIBRARIES.items() if needle in maps]
 
 
-def one_start(env: dict[str, str]) -> dict[str, object]:
+def one_start(env: dict[str, str], bin_dir: Path = BIN, args: tuple[str, ...] = ()
+              ) -> dict[str, object]:
     port = free_port()
-    cmd = [str(BIN / "embedsvc"), "serve", "--port", str(port)]
+    cmd = [str(bin_dir / "embedsvc"), "serve", "--port", str(port), *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -109,6 +116,8 @@ def embed_run(env: dict[str, str], work: Path) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument("--light", type=Path, help="bin directory of a venv without PyTorch")
+    parser.add_argument("--onnx-dir", help="with --light: a model directory with onnx/")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="embedsvc-coldstart-"))
     base = {**os.environ, "EMBEDSVC_CACHE_DIR": str(cache), "EMBEDSVC_DEVICE": "cpu",
@@ -116,12 +125,23 @@ def main() -> None:
     for extra in PATHS.values():  # a warm cache for both paths: exporting is not timed
         subprocess.run([str(BIN / "embedsvc"), "export"], env={**base, **extra}, check=True,
                        capture_output=True)
+    starts: dict[str, tuple[dict[str, str], Path, tuple[str, ...]]] = {
+        name: ({**base, **extra}, BIN, ()) for name, extra in PATHS.items()}
+    if args.light:  # its own environment: nothing of this venv's on its path
+        light = {**base, "PYTHONPATH": "", "VIRTUAL_ENV": str(args.light.parent)}
+        starts["light install, record"] = (light, args.light, ())
+        if args.onnx_dir:
+            starts["light install, ONNX directory"] = (light, args.light,
+                                                       ("--model", args.onnx_dir))
     print(f"{'path':30} {'first /embed s':>14} {'CPU s':>6} {'RSS MiB':>8}  libraries mapped")
-    for name, extra in PATHS.items():
-        runs = [one_start({**base, **extra}) for _ in range(args.starts)]
-        med = {k: statistics.median(r[k] for r in runs) for k in ("first", "cpu", "rss")}
-        maps = ", ".join(sorted({m for r in runs for m in r["maps"]}))
-        each = ", ".join(f"{r['first']:.2f}" for r in runs)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in starts}
+    for _ in range(args.starts):  # alternating rounds: the machine's load falls on every path
+        for name, (env, bin_dir, serve_args) in starts.items():
+            runs[name].append(one_start(env, bin_dir, serve_args))
+    for name, runs_ in runs.items():
+        med = {k: statistics.median(r[k] for r in runs_) for k in ("first", "cpu", "rss")}
+        maps = ", ".join(sorted({m for r in runs_ for m in r["maps"]}))
+        each = ", ".join(f"{r['first']:.2f}" for r in runs_)
         print(f"{name:30} {med['first']:14.2f} {med['cpu']:6.2f} {med['rss']:8.0f}  "
               f"{maps or 'none of ' + '/'.join(LIBRARIES)}   (launch to answer: {each})")
     for name, extra in PATHS.items():

@@ -157,8 +157,8 @@ def _setting(default: Any, parse: Callable[[str], Any], help: str, serve_only: b
 class Settings:
     """Validated settings; build with ``Settings(...)``, ``from_env`` or ``from_args``."""
 
-    model: str = _setting("", _text, "local path or model id; empty: the bundled all-MiniLM-L6-v2",
-                          commands=_EXPORT)
+    model: str = _setting("", _text, "local path or model id; empty or all-MiniLM-L6-v2: the "
+                          "bundled all-MiniLM-L6-v2", commands=_EXPORT)
     device: str = _setting(
         "auto", _device, "auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N, mps"
     )

@@ -13,6 +13,7 @@ import signal
 import stat
 import sys
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,25 @@ def check_options(options: BulkOptions, settings: Settings) -> None:
     else:
         check_limits(options.chunk_size, settings)
     if not options.on_ray:
+        _check_extras(options)
         _check_files(options)
     elif output_kind(Path(options.output)) not in (None, PARQUET):
         raise UsageError("with --ray, --output is a directory of Parquet shards, not "
                          f"{Path(options.output).name!r}")
     if not options.url:  # the kind from the model's config files; a server's, once asked
         _check_kind(expected_kind(settings), options)
+
+
+def _check_extras(options: BulkOptions) -> None:
+    """A feature whose library is an extra that is not installed: one line naming the extra
+    (--ray's is said where Ray is imported)."""
+    if options.url and find_spec("httpx") is None:
+        raise UsageError("--url needs httpx: pip install 'embedsvc[remote]'")
+    tables = [p.name for p in (Path(options.input), Path(options.output))
+              if input_kind(p) in TABLES or output_kind(p) == PARQUET]
+    if tables and find_spec("pyarrow") is None:
+        raise UsageError(f"{tables[0]}: Parquet and Arrow files need pyarrow: pip install "
+                         "'embedsvc[parquet]'")
 
 
 def _check_kind(kind: str | None, options: BulkOptions) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model.kinds import resolve
+from ..model.kinds import KindMismatch, resolve
 from ..settings import Settings
+from .errors import UsageError
 from .parts import JSONL
 
 SPARSE_ON_RAY = ("MODEL is a sparse model: --ray writes dense vectors to Parquet shards; drop "
@@ -23,7 +24,10 @@ def expected_kind(settings: Settings) -> str | None:
     then says what is wrong)."""
     try:
         return resolve(settings.kind, settings.model).kind
-    except (OSError, ValueError):  # a bad path or hub id, a broken config: the load reports
+    except KindMismatch as exc:
+        raise UsageError(str(exc)) from None
+    except (OSError, ValueError, RuntimeError):  # a bad path or hub id, a broken config, a
+        # hub that does not answer: the load reports it
         return None
 
 

@@ -10,18 +10,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from ..settings import Settings, SettingsError
 from . import lean
-from .device import resolve_device
-from .encoder import Encoder
+from .device import pytorch_installed, resolve_device
+from .encoder import Encoder, model_name
 from .graph_cache import GraphCache, cache_root
 from .kinds import load_model
-from .record import NotLean
-from .runtime import QualityBelowFloor
+from .onnx_dir import Unservable, open_directory
+from .onnx_dir import startup_line as directory_line
+from .record import INT8, RECORD, NotLean, model_source
+from .runtime import QualityBelowFloor, shipped_graph
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -75,9 +80,13 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     """Load (unless a pre-fork master already did), pick the backend and place the model.
 
     On the CPU a model with a verified export record serves without PyTorch (lean.py); the
-    first start of a model exports that record with PyTorch, then serves from it too. Call
-    in the process that serves: ONNX Runtime sessions, like CUDA, are built after fork.
+    first start of a model exports that record with PyTorch, then serves from it too. An
+    install without PyTorch serves the record, or the ONNX graph a model directory ships
+    (onnx_dir.py), or fails in one line. Call in the process that serves: ONNX Runtime
+    sessions, like CUDA, are built after fork.
     """
+    if preloaded is None and not pytorch_installed():
+        return _without_pytorch(settings)
     warm = lean.warm_start(settings) if preloaded is None else None
     if warm is not None and warm.encoder is not None:
         log.info("%s", warm.reason)
@@ -101,6 +110,59 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     return encoder
 
 
+def _without_pytorch(settings: Settings) -> Encoder:
+    """The install without PyTorch: the model's record, else the ONNX graph its directory
+    ships; else RuntimeError, one line naming the extra to install or the export to run."""
+    extra = "pip install 'embedsvc[torch]'"
+    needs = lean.why_not(settings)
+    if needs:
+        raise RuntimeError(f"{needs} needs PyTorch, which this install does not have: {extra}")
+    _check_quantizer(settings)
+    warm = lean.warm_start(settings)
+    if warm.encoder is not None:
+        log.info("%s", warm.reason)
+        return warm.encoder
+    if not warm.export:  # its record says that it needs PyTorch, and why
+        raise RuntimeError(f"{model_name(settings.model)} cannot be served without PyTorch "
+                           f"({warm.reason}): {extra}")
+    source = model_source(settings.model)
+    why = warm.reason
+    if source is not None and shipped_graph(source) is not None:
+        try:
+            served = open_directory(settings, source)
+        except Unservable as exc:
+            why = f"{why}; its own ONNX graph: {exc}"
+        else:
+            log.info("%s", directory_line(served))
+            return served
+    raise RuntimeError(
+        f"this install has no PyTorch, and {model_name(settings.model)} has no export record "
+        f"in {cache_root(settings.cache_dir)} ({why}): run `{_export_command(settings)}` "
+        f"where 'embedsvc[torch]' is installed, then copy DIR here and set EMBEDSVC_CACHE_DIR "
+        f"to it; or {extra}")
+
+
+def _export_command(settings: Settings) -> str:
+    flags = [f"--model {settings.model}" if settings.model else "",
+             f"--kind {settings.kind}" if settings.kind != "auto" else "",
+             f"--quantize {settings.quantize}" if settings.quantize != "none" else ""]
+    return " ".join(["embedsvc export", *filter(None, flags), "--cache-dir DIR"])
+
+
+def _check_quantizer(settings: Settings) -> None:
+    """RuntimeError when QUANTIZE asks for an int8 record that is not there and this install
+    cannot quantize (onnx, which onnxruntime's quantizer reads graphs with, is missing)."""
+    if settings.quantize == "none" or importlib.util.find_spec("onnx") is not None:
+        return
+    found = lean.record_path(settings)
+    if found is not None and (found[0] / INT8 / RECORD).is_file():
+        return
+    raise RuntimeError(f"QUANTIZE={settings.quantize} quantizes the model's record once, with "
+                       "onnx, which this install does not have: pip install 'embedsvc[int8]', "
+                       f"or run `{_export_command(settings)}` where it is installed and copy "
+                       "DIR here")
+
+
 def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
                 ) -> lean.LeanEncoder | None:
     """The encoder of this model's record, exported now if there is none that verifies;
@@ -117,8 +179,8 @@ def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
                  "without PyTorch", encoder.info.name, path)
     try:
         served, path = record_cache(settings).get_or_build(
-            path, partial(build_record, encoder, key), partial(lean.open_lean, settings,
-                                                               key=key))
+            path, partial(build_record, encoder, key, kind_setting=settings.kind),
+            partial(lean.open_lean, settings, key=key))
     except QualityBelowFloor:
         raise
     except Exception as exc:  # noqa: BLE001 - today's path still serves this model
@@ -153,6 +215,11 @@ def export(settings: Settings) -> str:
     cannot be served without PyTorch the cached transformer graph; the startup line."""
     from .onnx_backend import attach
 
+    if not pytorch_installed():
+        raise RuntimeError("embedsvc export builds a model's record with PyTorch, which this "
+                           "install does not have: pip install 'embedsvc[torch]' where you "
+                           "export (the record then serves where it is not)")
+    _check_writable(cache_root(settings.cache_dir))
     encoder = load_model(settings.model, settings.kind)
     if lean.why_not(settings, "cpu") is None:
         served = _serve_lean(encoder, settings)
@@ -162,3 +229,17 @@ def export(settings: Settings) -> str:
         raise RuntimeError(f"this {encoder.kind} model cannot be exported for the CPU (the log "
                            "says why); it serves with PyTorch")
     return attach(encoder, settings)
+
+
+def _check_writable(root: Path) -> None:
+    """RuntimeError unless ``embedsvc export`` can publish into the cache ``root``: a record
+    built for this process only would be thrown away as it exits."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK | os.X_OK)
+    except OSError as exc:
+        raise RuntimeError(f"cannot create the cache {root} ({exc.strerror}): embedsvc export "
+                           "writes the record there; choose a writable --cache-dir") from None
+    if not writable:
+        raise RuntimeError(f"cannot write the cache {root}: embedsvc export writes the record "
+                           "there; choose a writable --cache-dir")

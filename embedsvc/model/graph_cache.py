@@ -23,6 +23,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -52,8 +53,13 @@ class GraphCache:
         self.root = root
 
     def path(self, name: str, key: str, suffix: str = ".onnx") -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.")
-        return self.root / f"{safe or 'model'}-{key[:24]}{suffix}"
+        return self.root / f"{_safe(name)}-{key[:24]}{suffix}"
+
+    def named(self, name: str, suffix: str = ".onnx") -> list[Path]:
+        """What ``path`` gives for ``name`` and ``suffix`` under any key, that is here."""
+        pattern = re.compile(re.escape(_safe(name)) + "-[0-9a-f]{24}" + re.escape(suffix))
+        return sorted(p for p in self.root.glob(f"{_safe(name)}-*{suffix}")
+                      if pattern.fullmatch(p.name))
 
     def get_or_build(self, path: Path, build: Callable[[Path], object],
                      load: Callable[[Path], T]) -> tuple[T, Path]:
@@ -61,8 +67,9 @@ class GraphCache:
         ``build`` it first.
 
         ``load`` raises for a file that must not be served. In a directory this process cannot
-        write, a missing file is built into a private temporary directory, whose path is
-        returned.
+        write, a missing file is built into a private temporary directory, loaded, and
+        removed with it: what ``load`` returns then must not need the file any more (the
+        path returned names where it would have been published).
         """
         found = _try_load(path, load)
         if found is not None:
@@ -77,11 +84,19 @@ class GraphCache:
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
                 raise
-            private = Path(tempfile.mkdtemp(prefix="embedsvc-")) / path.name
-            log.warning("cannot write the cache %s (%s): building %s for this process only; "
-                        "run 'embedsvc export' where it is writable, or set CACHE_DIR",
-                        path.parent, exc.strerror, private)
-            return _publish(private, build, load), private
+            log.warning("cannot write the cache %s (%s): building %s for this process only, "
+                        "in memory (every start builds it again); run 'embedsvc export' where "
+                        "it is writable, or set CACHE_DIR", path.parent, exc.strerror, path.name)
+            scratch = Path(tempfile.mkdtemp(prefix="embedsvc-"))
+            try:
+                return _publish(scratch / path.name, build, load), path
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _safe(name: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.")
+    return safe or "model"
 
 
 def _try_load(path: Path, load: Callable[[Path], T]) -> tuple[T] | None:

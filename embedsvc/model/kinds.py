@@ -19,7 +19,10 @@ Detection reads only the small config files sentence-transformers and transforme
 4. anything else is an embedding model (sentence-transformers adds mean pooling).
 
 A cross-encoder with one label is a reranker, with several a classifier. The ``KIND``
-setting overrides all of this.
+setting overrides all of this, within the model's head: a reranker or classifier needs a
+cross-encoder's classification head and a sparse model SPLADE's (or a masked LM's), so
+``KIND=reranker`` on an embedding model (which would serve a randomly initialised head) is
+refused; ``KIND=embedding`` takes any model's transformer and pools it.
 
 >>> KINDS
 ('embedding', 'reranker', 'classifier', 'sparse')
@@ -35,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .encoder import bundled
+from .hub import check_fetchable
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
@@ -49,17 +54,28 @@ _MODEL_FILES = ("config_sentence_transformers.json", "modules.json", "config.jso
 ReadJson = Callable[[str], "dict[str, Any] | list[Any] | None"]
 
 
+# The head each kind computes with; KIND may choose among kinds of one head only.
+_HEADS = {"embedding": "no", "reranker": "a classification", "classifier": "a classification",
+          "sparse": "a masked-language-model"}
+
+
+class KindMismatch(ValueError):
+    """KIND asks for a head that the model does not have."""
+
+
 @dataclass(frozen=True)
 class Detected:
-    """A model's kind and the file that told it (for the startup log)."""
+    """A model's kind and the file that told it (for the startup log); ``certain``: a file
+    names its head (not the fallback for a config without an architecture)."""
 
     kind: str
     reason: str
+    certain: bool = True
 
 
 def detect(model: str, read: ReadJson | None = None) -> Detected:
     """The kind of ``model`` (a directory or a hub id; empty: the bundled embedding model)."""
-    if not model:
+    if bundled(model):
         return Detected("embedding", "the bundled model")
     read = read or _reader(model)
     st_config = read("config_sentence_transformers.json")
@@ -81,14 +97,23 @@ def detect(model: str, read: ReadJson | None = None) -> Detected:
         return Detected(_cross_kind(config), f"config.json: {architecture or 'CrossEncoder'}")
     if architecture.endswith("ForMaskedLM"):
         return Detected("sparse", f"config.json: {architecture}")
-    return Detected("embedding", f"config.json: {architecture or 'no architecture'}")
+    return Detected("embedding", f"config.json: {architecture or 'no architecture'}",
+                    certain=bool(architecture))
 
 
 def resolve(setting: str, model: str, read: ReadJson | None = None) -> Detected:
-    """The kind to serve: the KIND setting, unless ``auto``, else what ``detect`` finds."""
-    if setting != "auto":
-        return Detected(setting, "the KIND setting")
-    return detect(model, read)
+    """The kind to serve: the KIND setting, unless ``auto``, else what ``detect`` finds;
+    KindMismatch for a KIND whose head the model does not have."""
+    found = detect(model, read)
+    if setting == "auto":
+        return found
+    if setting != "embedding" and found.certain and _HEADS[setting] != _HEADS[found.kind]:
+        raise KindMismatch(
+            f"KIND={setting} needs a model with {_HEADS[setting]} head, but MODEL is "
+            f"{_article(found.kind)} {found.kind} model ({found.reason}), which has "
+            f"{_HEADS[found.kind]} head: serving it as {setting} would compute with randomly "
+            f"initialised weights; set KIND=auto or {found.kind}, or MODEL to a {setting} model")
+    return Detected(setting, "the KIND setting")
 
 
 def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
@@ -96,7 +121,7 @@ def load_model(model: str, kind: str = "auto") -> SentenceTransformerEncoder:
     from .scorer import CrossEncoderScorer
     from .sparse import SparseEmbedder
 
-    read = functools.cache(_reader(model)) if model else None
+    read = None if bundled(model) else functools.cache(_reader(model))
     found = resolve(kind, model, read)
     if read is not None and all(read(name) is None for name in _MODEL_FILES):
         raise RuntimeError(_not_a_model(model))  # before the model libraries load (seconds)
@@ -146,6 +171,7 @@ def _hub_file(repo: str, name: str) -> str | None:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+    check_fetchable(repo)  # at once, rather than after a minute of retries for each file
     try:
         return hf_hub_download(repo, name)
     except (EntryNotFoundError, LocalEntryNotFoundError):

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..settings import Settings
 from . import runtime
+from .device import pytorch_installed
 from .encoder import Encoder, ModelInfo, model_name
 from .graph_cache import GraphCache, cache_root
 from .quantize import calibration_texts
@@ -40,6 +41,7 @@ from .record import (
     RecordError,
     compare,
     describe_file,
+    find_exported,
     fingerprint,
     model_source,
     read_record,
@@ -243,7 +245,9 @@ def why_not(settings: Settings, device: str | None = None) -> str | None:
 
 
 def accelerator_present() -> bool:
-    """Whether PyTorch might find a CUDA, ROCm or MPS device here."""
+    """Whether PyTorch might find a CUDA, ROCm or MPS device here (never without PyTorch)."""
+    if not pytorch_installed():
+        return False
     if platform.system() == "Darwin":
         return platform.machine() == "arm64"
     dev = Path("/dev")
@@ -251,15 +255,15 @@ def accelerator_present() -> bool:
 
 
 def record_path(settings: Settings) -> tuple[Path, str] | None:
-    """Where the record of MODEL, served as KIND, lies, and its fingerprint (None: the
-    model is not on disk)."""
+    """Where the record of MODEL, served as KIND, lies, and its fingerprint. Where the model
+    is not on disk, the newest record of its name made elsewhere (None: none either)."""
+    cache = GraphCache(cache_root(settings.cache_dir))
+    name = model_name(settings.model)
     source = model_source(settings.model)
     if source is None:
-        return None
+        return find_exported(cache.named(name, ".lean"), settings.kind)
     key = fingerprint(source, settings.kind)
-    path = GraphCache(cache_root(settings.cache_dir)).path(model_name(settings.model), key,
-                                                           ".lean")
-    return path, key
+    return cache.path(name, key, ".lean"), key
 
 
 def recorded(settings: Settings) -> bool:
@@ -286,7 +290,8 @@ def warm_start(settings: Settings) -> Warm:
         return Warm(None, "DEVICE=auto on a machine with a GPU device", export=True)
     found = record_path(settings)
     if found is None:
-        return Warm(None, f"{settings.model} is not in the hub cache yet", export=True)
+        return Warm(None, f"neither {model_name(settings.model)}'s files nor a record of it "
+                          "are here", export=True)
     path, key = found
     if not path.exists():
         return Warm(None, f"first start of {model_name(settings.model)}: nothing exported yet",

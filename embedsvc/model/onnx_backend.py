@@ -43,8 +43,6 @@ OPSET = 17
 FORMAT = 1
 PARITY = 0.9999  # minimum cosine to PyTorch on the probe batch for a float32 graph
 _BROKEN = 0.5  # mean cosine to float32 under which an int8 file is damaged, not just lossy
-_SHIPPED = ("onnx/model.onnx", "model.onnx")
-_OUTPUTS = ("token_embeddings", "last_hidden_state")
 _PROBE = ["a probe", "a longer probe sentence, so that the batch holds padding", "x"]
 
 
@@ -88,6 +86,10 @@ def attach(encoder: SentenceTransformerEncoder, settings: Settings) -> str:
         encoder.use_forward(fp32, "onnx", "float32")
         return (f"backend: ONNX Runtime float32 on the CPU, {threads} intra-op threads, "
                 f"graph {path}")
+    if not path.exists():  # built in memory: the cache cannot be written (graph_cache.py)
+        raise OnnxUnavailable(f"QUANTIZE={settings.quantize} quantizes the float32 graph from "
+                              f"the cache, which this process cannot write ({path.parent}): "
+                              "set CACHE_DIR to a writable directory")
     int8, path, quality = _int8(encoder, fp32, (path, key), cache, threads,
                                 settings.quantize_min_recall)
     encoder.use_forward(int8, "onnx", "int8")
@@ -128,14 +130,12 @@ def _float32(encoder: SentenceTransformerEncoder, output_key: str, cache: GraphC
              threads: int) -> tuple[OnnxForward, Path, str]:
     """The verified float32 forward, its graph's path and the key of its content."""
     verified = partial(_verified, encoder, output_key, threads)
-    for relative in _SHIPPED:
-        shipped = Path(encoder.source or "") / relative
-        if encoder.source and shipped.is_file():
-            try:
-                return verified(shipped), shipped, file_digest(shipped)
-            except Exception as exc:  # noqa: BLE001 - any failure: export our own instead
-                log.warning("%s is not used: %s; exporting the model instead", shipped, exc)
-            break
+    shipped = runtime.shipped_graph(Path(encoder.source)) if encoder.source else None
+    if shipped is not None:
+        try:
+            return verified(shipped), shipped, file_digest(shipped)
+        except Exception as exc:  # noqa: BLE001 - any failure: export our own instead
+            log.warning("%s is not used: %s; exporting the model instead", shipped, exc)
     key = model_key(encoder.input_module)
     path = cache.path(encoder.info.name, key)
     forward, path = cache.get_or_build(path, partial(export_graph, encoder), verified)
@@ -197,14 +197,11 @@ def _encode_sorted(encoder: SentenceTransformerEncoder, forward: OnnxForward,
 
 
 def _output_name(session: Any) -> str:
-    outputs = session.get_outputs()
-    for wanted in _OUTPUTS:
-        if any(o.name == wanted for o in outputs):
-            return wanted
-    for o in outputs:
-        if len(o.shape) == 3:
-            return o.name
-    raise OnnxUnavailable(f"no token-embedding output among {[o.name for o in outputs]}")
+    name = runtime.token_output(session)
+    if name is None:
+        outputs = [o.name for o in session.get_outputs()]
+        raise OnnxUnavailable(f"no token-embedding output among {outputs}")
+    return name
 
 
 def model_key(module: Any) -> str:

@@ -9,15 +9,20 @@ writes (with PyTorch) and lean.py reads (without it):
   truncation; ``token_window`` cuts);
 - ``probe.npz``: probe inputs' PyTorch outputs, which the graph must reproduce on every start;
 - ``record.json``: the pipeline's description, the tokenizer's settings (pad id, template,
-  token types, truncation), the model's description (``ModelInfo``), the probe inputs, and
-  the size and SHA-256 of every other file. Written last: a record without it is unfinished.
+  token types, truncation), the model's description (``ModelInfo``), the probe inputs, the
+  KIND setting it was made for, and the size and SHA-256 of every other file; its own
+  fields' SHA-256 last (``digest``), so that an edited record is rebuilt, not served as
+  edited. Written last: a record without it is unfinished.
 
 A model the graph cannot express gets a record that says so (``lean: false`` and the
 reason), so that later starts know without PyTorch to take the PyTorch path, and say why.
 
 The fingerprint names the model's files (path, size, modification time) and the KIND
 setting: a model changed on disk gets a new record. It is read without hashing the weights,
-which would cost a start a tenth of a second per 100 MB.
+which would cost a start a tenth of a second per 100 MB. Where the model's files are not on
+this machine (a record made elsewhere with ``embedsvc export`` and copied here, the install
+without PyTorch, which has no bundled weights), the record is found by the model's name and
+the KIND setting instead (``find_exported``), and its own evidence is all that is checked.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = 1  # bump whenever what a record holds, or means, changes
+FORMAT = 2  # bump whenever what a record holds, or means, changes
 RECORD = "record.json"
 GRAPH = "model.onnx"
 TOKENIZER = "tokenizer.json"
@@ -59,18 +64,17 @@ class NotLean:
 def model_source(setting: str) -> Path | None:
     """The directory holding the model of MODEL ``setting``, found without downloading:
     the bundled model, a local directory, or a hub id's snapshot in the hub cache."""
-    from .encoder import bundled_model_path
+    from .encoder import bundled, bundled_model_path
+    from .hub import local_path
 
-    if not setting:
-        return Path(bundled_model_path())
+    if bundled(setting):
+        try:
+            return Path(bundled_model_path())
+        except RuntimeError:  # without the torch extra: its record is found by name
+            return None
     if os.path.isdir(setting):
         return Path(setting)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(setting, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not in the hub cache (or no hub): no record to read
-        return None
+    return local_path(setting)
 
 
 def fingerprint(source: Path, kind: str) -> str:
@@ -109,6 +113,9 @@ def read_record(path: Path) -> dict[str, Any]:
         raise RecordError(f"{RECORD} does not read ({exc})") from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise RecordError(f"{RECORD} is not a format-{FORMAT} record")
+    if record.get("digest") != _digest(record):
+        raise RecordError(f"{RECORD} was changed after it was written (its fields do not "
+                          "match their digest)")
     for name, entry in record.get("files", {}).items():
         _check_file(path / name, entry)
     return record
@@ -126,8 +133,33 @@ def _check_file(path: Path, entry: dict[str, Any]) -> None:
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    (path / RECORD).write_text(json.dumps({"format": FORMAT, **record}, indent=1),
+    fields = {"format": FORMAT, **record}
+    (path / RECORD).write_text(json.dumps({**fields, "digest": _digest(fields)}, indent=1),
                                encoding="utf-8")
+
+
+def _digest(record: dict[str, Any]) -> str:
+    """SHA-256 of a record's fields other than ``digest``, as JSON with sorted keys."""
+    fields = {k: v for k, v in record.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def find_exported(candidates: Sequence[Path], kind_setting: str) -> tuple[Path, str] | None:
+    """The newest of ``candidates`` (record directories of one model's name) made for the
+    KIND setting ``kind_setting``, and its fingerprint; None when none reads as such."""
+    found = []
+    for path in candidates:
+        try:
+            record = json.loads((path / RECORD).read_text(encoding="utf-8"))
+            written = (path / RECORD).stat().st_mtime_ns
+        except (OSError, ValueError):
+            continue  # unfinished or unreadable: not a candidate
+        if isinstance(record, dict) and record.get("kind_setting") == kind_setting:
+            found.append((written, path, str(record.get("fingerprint"))))
+    if not found:
+        return None
+    _, path, key = max(found)
+    return path, key
 
 
 def compare(got: np.ndarray, want: np.ndarray, what: str, lengths: Sequence[int] | None = None

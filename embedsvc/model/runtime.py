@@ -31,6 +31,26 @@ from .retrieval import K, recall
 # that was set, bulk, the onnx-torch backend) runs in slices.
 RUN_TOKENS = 1024
 _DEFAULT_BATCH_TOKENS = Settings.__dataclass_fields__["max_batch_tokens"].default
+# Where a model directory ships its transformer as ONNX (the model hub's layout for
+# sentence-transformers models), and the names such a graph gives its token vectors.
+SHIPPED_GRAPHS = ("onnx/model.onnx", "model.onnx")
+TOKEN_OUTPUTS = ("token_embeddings", "last_hidden_state")
+
+
+def shipped_graph(directory: Path) -> Path | None:
+    """The ONNX graph a model directory ships, if any."""
+    return next((directory / g for g in SHIPPED_GRAPHS if (directory / g).is_file()), None)
+
+
+def token_output(session: Any) -> str | None:
+    """The output of a transformer's graph that holds its token vectors (None: none)."""
+    outputs = session.get_outputs()
+    for wanted in TOKEN_OUTPUTS:
+        if any(o.name == wanted for o in outputs):
+            return wanted
+    return next((o.name for o in outputs if len(o.shape) == 3), None)
+
+
 class QualityBelowFloor(RuntimeError):
     """The int8 graph's vectors are too far from float32's to serve."""
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory
 from .device import resolve_device, resolve_dtype
-from .encoder import ModelInfo, bundled_model_path, model_name
+from .encoder import ModelInfo, bundled, bundled_model_path, model_name
 from .tokenizer import TextSide, padded, plain_tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SentenceTransformerEncoder(TextSide):
     @classmethod
     def load(cls, model: str) -> SentenceTransformerEncoder:
         """Load the weights onto the CPU. Touches no accelerator, so it is safe before fork."""
-        path = model or bundled_model_path()
+        path = bundled_model_path() if bundled(model) else model
         st = cls._model_class()(path, device="cpu")
         st.eval()
         source = path if os.path.isdir(path) else None

@@ -33,6 +33,8 @@ class PreflightError(Exception):
 def check_serving(settings: Settings) -> None:
     """Raise PreflightError for the first setting that cannot work here."""
     check_model(settings.model)
+    check_hub(settings)
+    check_kind(settings)
     check_device(settings.device)
     check_listen(settings.host, settings.port)
 
@@ -54,10 +56,46 @@ def check_model(model: str) -> None:
         raise setting_error("MODEL", model, "no such directory")
 
 
+def check_hub(settings: Settings) -> None:
+    """A MODEL that names a hub repository, with no record of it here, must be in the hub
+    cache or fetchable now: said in seconds, not after a minute of retries."""
+    from ..model.hub import ModelUnavailable, check_fetchable, repository
+    from ..model.lean import recorded
+
+    if repository(settings.model) is None or recorded(settings):
+        return
+    try:
+        check_fetchable(settings.model)
+    except ModelUnavailable as exc:
+        raise PreflightError(f"{exc}", FAILURE) from None
+
+
+def check_kind(settings: Settings) -> None:
+    """A KIND must name a head the model has (read from its config files, for a model on
+    disk; a hub model's are read when it loads)."""
+    from ..model.hub import repository
+    from ..model.kinds import KindMismatch, resolve
+
+    if settings.kind == "auto" or repository(settings.model) is not None:
+        return
+    try:
+        resolve(settings.kind, settings.model)
+    except KindMismatch as exc:
+        raise setting_error("KIND", settings.kind, str(exc)) from None
+    except (OSError, ValueError):
+        return  # unreadable config files: the load says what is wrong
+
+
 def check_device(device: str) -> None:
     """A DEVICE other than auto or cpu must exist here."""
     if device in ("auto", "cpu"):
         return
+    from ..model.device import pytorch_installed
+
+    if not pytorch_installed():
+        raise setting_error("DEVICE", device, "only PyTorch serves on an accelerator, and this "
+                            "install has none: pip install 'embedsvc[torch]', or set "
+                            "EMBEDSVC_DEVICE=cpu")
     import torch
 
     if device == "mps":

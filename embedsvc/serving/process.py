@@ -258,6 +258,7 @@ class LazyApp:
         return app
 
     def _preload(self, settings: Settings) -> None:
+        from ..model.device import pytorch_installed
         from ..model.kinds import load_model
         from ..model.lean import recorded
         from .shared_engine import engine_owner, gunicorn_workers
@@ -268,10 +269,10 @@ class LazyApp:
             log.info("gunicorn master (pid %d) preloads nothing: its %s workers share one "
                      "engine process, which the first of them starts", os.getpid(), workers)
             return
-        if recorded(settings):
-            log.info("gunicorn master (pid %d) preloads nothing: the model serves from its "
-                     "exported record without PyTorch, and each worker opens its own ONNX "
-                     "Runtime session after the fork", os.getpid())
+        if recorded(settings) or not pytorch_installed():
+            log.info("gunicorn master (pid %d) preloads nothing: the model serves without "
+                     "PyTorch, and each worker opens its own ONNX Runtime session after the "
+                     "fork", os.getpid())
             return
         log.info("gunicorn master (pid %d) preloads the weights on the CPU for its workers "
                  "to share; each worker places them on its device after the fork", os.getpid())

@@ -73,7 +73,17 @@ CASES = [
      "DEVICE is 'mps' but torch sees no Apple GPU here"),
     ("hub-model-offline", ["serve", "--model", "no-such-org/no-such-model", "--port", "0"],
      {"HF_HUB_OFFLINE": "1"}, FAILURE,
-     "the model failed to load: RuntimeError: cannot load 'no-such-org/no-such-model'"),
+     "MODEL 'no-such-org/no-such-model' is not in the hub cache and HF_HUB_OFFLINE is set: set "
+     "EMBEDSVC_MODEL to a model directory, or fetch no-such-org/no-such-model once where there "
+     "is network (`hf download no-such-org/no-such-model`)"),
+    # no network: refused at once, not after a minute of retries for each config file
+    ("hub-unreachable", ["serve", "--model", "no-such-org/no-such-model", "--port", "0"],
+     {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:{closed_port}"}, FAILURE,
+     "MODEL 'no-such-org/no-such-model' is not in the hub cache, and the model hub "
+     "(http://127.0.0.1:{closed_port}) does not answer"),
+    ("kind-without-its-head", ["serve", "--kind", "reranker", "--port", "0"], {}, USAGE,
+     "KIND=reranker needs a model with a classification head, but MODEL is an embedding "
+     "model (the bundled model)"),
     ("directory-not-a-model", ["serve", "--model", "{directory}", "--port", "0"], {}, FAILURE,
      "the directory holds no config.json or modules.json, so it is not a saved model"),
 ]
@@ -92,21 +102,25 @@ def results(tmp_path_factory) -> Iterator[dict[str, subprocess.CompletedProcess]
     (where / "not-a-model").mkdir()
     (where / "not-a-model" / "notes.txt").write_text("not a model\n")
     (where / "weights.bin").write_bytes(b"\0" * 16)
-    with socket.socket() as busy:
+    with socket.socket() as busy, socket.socket() as closed:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         values = {"file": str(where / "weights.bin"), "directory": str(where / "not-a-model"),
-                  "busy_port": str(busy.getsockname()[1])}
+                  "busy_port": str(busy.getsockname()[1]),
+                  "closed_port": str(closed.getsockname()[1])}
         with ThreadPoolExecutor(max_workers=4) as pool:
             runs = {case[0]: pool.submit(run_embedsvc, [a.format(**values) for a in case[1]],
-                                         case[2], where) for case in CASES}
-            yield {name: run.result() for name, run in runs.items()}
+                                         {k: v.format(**values) for k, v in case[2].items()},
+                                         where) for case in CASES}
+            yield {"values": values, **{name: run.result() for name, run in runs.items()}}
 
 
 @pytest.mark.parametrize(("name", "code", "message"), [(c[0], c[3], c[4]) for c in CASES],
                          ids=[c[0] for c in CASES])
 def test_a_user_error_is_one_line_and_an_exit_code(name, code, message, results):
-    result = results[name]
+    result, values = results[name], results["values"]
+    message = message.format(**values)
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr + result.stdout, result.stderr
     assert result.returncode == code, result.stderr

@@ -1,11 +1,13 @@
 """deploy/: manifests validate offline and agree with each other and with the app."""
 
 import configparser
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -39,8 +41,6 @@ def test_the_kustomize_base_renders_every_resource(rendered):
 
 
 def test_builtin_manifests_validate_against_the_kubernetes_schemas(rendered):
-    import kubernetes_validate
-
     for kind, doc in rendered.items():
         if kind == "ServiceMonitor":  # a CRD, checked below
             continue
@@ -60,7 +60,8 @@ def env_of(c: dict) -> dict[str, str]:
 def test_deployment_agrees_with_the_app_settings(rendered):
     c = container(rendered)
     settings = Settings.from_env(env_of(c))  # every variable is a real, valid setting
-    assert settings.host == "0.0.0.0" and settings.device == "cuda"
+    assert settings.host == "0.0.0.0" and settings.device == "cpu"
+    assert c["image"].endswith("-cpu")  # the image without PyTorch (Dockerfile's default)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": settings.port, "probes": settings.health_port}
     assert settings.health_port != settings.port
@@ -74,9 +75,23 @@ def test_deployment_agrees_with_the_app_settings(rendered):
     pod = rendered["Deployment"]["spec"]["template"]["spec"]
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + settings.drain_timeout_s + 5
+    assert "nvidia.com/gpu" not in {**c["resources"]["limits"], **c["resources"]["requests"]}
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+
+
+def test_the_gpu_overlay_runs_the_cuda_image_one_replica_per_gpu(rendered):
+    out = subprocess.run([tool("kubectl"), "kustomize", str(DEPLOY / "k8s-gpu")],
+                         capture_output=True, text=True, check=True).stdout
+    gpu = {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+    assert set(gpu) == set(rendered)
+    kubernetes_validate.validate(gpu["Deployment"], K8S_VERSION, strict=True)
+    c = container(gpu)
+    assert c["image"].endswith("-cuda") and Settings.from_env(env_of(c)).device == "cuda"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
-    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+    base = container(rendered)  # everything else as the base has it
+    for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+        assert c[key] == base[key], key
 
 
 def test_service_monitor_pdb_and_selectors_match_the_pods(rendered):
@@ -119,9 +134,21 @@ def test_dockerfile_passes_hadolint_and_serves_as_a_non_root_user():
     assert "USER 10001:10001" in text and "useradd" in text
     assert 'ENTRYPOINT ["embedsvc", "serve"]' in text
     assert "EMBEDSVC_HOST=0.0.0.0" in text and "HEALTHCHECK" in text and "/health" in text
-    assert "ARG BASE=nvidia/cuda:" in text and "download.pytorch.org/whl/cpu" in text
-    # a CPU image carries its ONNX graph where its servers look for it
-    assert "ENV EMBEDSVC_CACHE_DIR=" in text and "embedsvc export --device cpu" in text
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S))
+    assert list(stages) == ["export", "cuda", "cpu"]  # the last, CPU, is the default target
+    assert "download.pytorch.org/whl/cpu" in stages["export"]
+    assert '"/src[torch]"' in stages["export"] and "embedsvc export --device cpu" in stages[
+        "export"] and "--cache-dir /opt/records" in stages["export"]
+    assert '"/src[torch]"' in stages["cuda"] and "ARG CUDA_BASE=nvidia/cuda:" in text
+    # the CPU image: the install without extras and the record alone, where servers look
+    cpu = stages["cpu"]
+    assert "torch" not in cpu.lower()
+    assert "pip install --python /opt/embedsvc/bin/python /src" in cpu
+    assert "COPY --from=export /opt/records /opt/embedsvc/cache" in cpu
+    assert "EMBEDSVC_CACHE_DIR=/opt/embedsvc/cache" in cpu
+    for stage in ("cuda", "cpu"):
+        assert "USER 10001:10001" in stages[stage] and "HEALTHCHECK" in stages[stage]
+        assert 'ENTRYPOINT ["embedsvc", "serve"]' in stages[stage]
 
 
 def test_systemd_unit_drains_within_its_stop_timeout():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from embedsvc.batching.batcher import Batcher, BatchLimits
-from embedsvc.model.kinds import Detected, detect, load_model, resolve
+from embedsvc.model.kinds import Detected, KindMismatch, detect, load_model, resolve
 from embedsvc.model.scorer import CrossEncoderScorer, Pair
 from embedsvc.model.sparse import SparseEmbedder, active
 from embedsvc.settings import Settings, SettingsError
@@ -158,6 +158,27 @@ def test_a_one_label_model_served_as_classifier(kind_dirs, references):
     assert enc.info.kind == "classifier" and enc.info.labels == ("score",)
     scores = enc.activate(enc.encode(enc.tokenize_sequences(PAIRS[:2], "right")), raw=False)
     np.testing.assert_allclose(scores[:, 0], references["reranker"].predict(PAIRS[:2]), atol=TOL)
+
+
+@pytest.mark.parametrize(("model", "kind", "head"), [
+    ("", "reranker", "a classification"), ("", "classifier", "a classification"),
+    ("", "sparse", "a masked-language-model"), ("sparse", "reranker", "a classification"),
+    ("reranker", "sparse", "a masked-language-model")])
+def test_a_kind_whose_head_the_model_lacks_is_refused_before_it_loads(kind_dirs, model, kind,
+                                                                     head, monkeypatch):
+    def loaded(*args, **kwargs):
+        raise AssertionError(f"{model or 'the bundled model'} loaded as {kind}")
+
+    monkeypatch.setattr(CrossEncoderScorer, "load", loaded)
+    monkeypatch.setattr(SparseEmbedder, "load", loaded)
+    path = str(kind_dirs[model]) if model else ""
+    with pytest.raises(KindMismatch, match=f"KIND={kind} needs a model with {head} head"):
+        load_model(path, kind)
+
+
+def test_any_model_may_be_served_as_embeddings(kind_dirs):
+    for kind in ("reranker", "sparse"):  # its transformer, pooled: no weights made up
+        assert resolve("embedding", str(kind_dirs[kind])).kind == "embedding"
 
 
 def test_a_classifier_cannot_be_served_as_reranker(kind_dirs):

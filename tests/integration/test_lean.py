@@ -172,6 +172,13 @@ def _corrupt_record(record: Path) -> None:
     (record / RECORD).write_text('{"format": 1, "lean": tr')
 
 
+def _edit_a_field(record: Path) -> None:
+    """What a user might try instead of a setting: the probe still matches, the digest not."""
+    data = json.loads((record / RECORD).read_text())
+    data["info"]["max_input_tokens"] *= 4
+    (record / RECORD).write_text(json.dumps(data, indent=1))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny embedding model's record (what is checked is the record, not the model; the
@@ -184,7 +191,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tamper", [_tamper_graph, _truncate_graph, _tamper_probe,
-                                    _tamper_tokenizer, _other_model, _corrupt_record])
+                                    _tamper_tokenizer, _other_model, _corrupt_record,
+                                    _edit_a_field])
 def test_a_tampered_record_is_rebuilt_never_served(tiny, tmp_path, tamper, caplog):
     model, original = tiny
     cache = tmp_path / "cache"
@@ -200,7 +208,18 @@ def test_a_tampered_record_is_rebuilt_never_served(tiny, tmp_path, tamper, caplo
     assert lean.warm_start(settings).encoder is not None
     for name in (GRAPH, PROBE, TOKENIZER):
         assert (record / name).read_bytes() == (original / name).read_bytes(), name
+    assert served.info.max_input_tokens == json.loads((original / RECORD).read_text())[
+        "info"]["max_input_tokens"]
     assert sorted(p.name for p in cache.iterdir()) == [".locks", record.name]
+
+
+def test_the_bundled_model_answers_to_its_own_name(bundled):
+    settings, path = bundled
+    by_name = settings_for("all-MiniLM-L6-v2", Path(settings.cache_dir))
+    assert lean.record_path(by_name) == lean.record_path(settings)
+    served = lean.warm_start(by_name).encoder  # its record: no export, no hub
+    assert isinstance(served, lean.LeanEncoder) and served.info.name == "all-MiniLM-L6-v2"
+    assert served.graph.parent == path
 
 
 def test_the_batcher_gives_the_lean_encoder_batches_of_one_session_run(bundled):

@@ -54,3 +54,18 @@ def test_settings_parse_the_new_fields():
                       ("quantize_min_recall", "1.5")):
         with pytest.raises(SettingsError, match=name.upper()):
             Settings(**{name: bad})
+
+
+def test_export_refuses_a_cache_it_cannot_write_before_loading_the_model(tmp_path,
+                                                                        monkeypatch):
+    from embedsvc.model import backend
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded for a record that would be thrown away")
+
+    monkeypatch.setattr(backend, "pytorch_installed", lambda: True, raising=False)
+    monkeypatch.setattr(backend, "load_model", loaded)
+    (tmp_path / "a-file").write_text("")
+    settings = Settings(cache_dir=str(tmp_path / "a-file" / "cache"))  # mkdir cannot succeed
+    with pytest.raises(RuntimeError, match="choose a writable --cache-dir"):
+        backend.export(settings)

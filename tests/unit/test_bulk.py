@@ -1,5 +1,6 @@
 """The bulk package through its injectable parts: a fake embedder, real files, no model."""
 
+import json
 import os
 import zlib
 
@@ -282,20 +283,23 @@ class NoModel:
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "0"],
      "argument --chunk-size: must be greater than 0 (see 'embedsvc embed --help')"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--port", "80"], "unrecognized arguments: --port"),
-    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--kind", "sparse"],
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--model", "{sparse}"],
      "MODEL is a sparse model, whose vectors are written as JSONL"),
-    (["embed", "{txt}", "-o", "{tmp}/o.parquet", "--kind", "sparse"],
+    (["embed", "{txt}", "-o", "{tmp}/o.parquet", "--model", "{sparse}"],
      "not as .parquet: use an --output ending in .jsonl"),
-    (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--kind", "sparse"],
+    (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--model", "{sparse}"],
      "--ray writes dense vectors to Parquet shards; drop --ray"),
-    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "classifier"],
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--model", "{classifier}"],
      "MODEL is a classifier model: embedsvc embed writes embeddings; reranking and "
      "classification are request/response jobs (serve the model and POST /rerank or /predict)"),
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "sparse"],
+     "KIND=sparse needs a model with a masked-language-model head, but MODEL is an embedding "
+     "model (the bundled model)"),
     (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--url", "http://127.0.0.1:9", "--kind",
       "sparse"], "--kind shapes the in-process model"),
     (["embed", "{txt}", "-o", "{tmp}/out", "--ray", "--output-dtype", "int8"],
      "--output-dtype quantizes in this process"),
-    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--kind", "sparse", "--output-dtype", "int8"],
+    (["embed", "{txt}", "-o", "{tmp}/o.jsonl", "--model", "{sparse}", "--output-dtype", "int8"],
      "--output-dtype int8 quantizes dense embeddings and MODEL is a sparse model"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--output-dtype", "int4"],
      "argument --output-dtype: invalid choice: 'int4'"),
@@ -305,12 +309,25 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
     monkeypatch.setattr("embedsvc.bulk.embedders.LocalEmbedder.__init__", NoModel.__init__)
     _, inputs = write_inputs(tmp_path, n=3)
     write_bad_files(tmp_path)
-    names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"]}
+    names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"],
+             **config_only_models(tmp_path)}
     argv = [a.format(**names) for a in argv]
     assert exit_code(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("embedsvc: ") and err.count("\n") == 1, err
     assert message.format(**names) in err
+
+
+def config_only_models(tmp_path):
+    """Directories whose config files say sparse and classifier (the command reads the kind
+    from them before any model loads)."""
+    configs = {"sparse": {"architectures": ["BertForMaskedLM"]},
+               "classifier": {"architectures": ["BertForSequenceClassification"],
+                              "id2label": {"0": "a", "1": "b", "2": "c"}}}
+    for kind, config in configs.items():
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "config.json").write_text(json.dumps(config))
+    return {kind: tmp_path / kind for kind in configs}
 
 
 def write_bad_files(tmp_path):

@@ -95,10 +95,10 @@ def dry_run(checkout: Path, *args: str) -> str:
 def test_serving_installs_the_package_without_the_test_extra(checkout):
     python = f"PYTHON={checkout / 'fake-python3'}"
     planned = dry_run(checkout, "serve", python)
-    assert 'pip install -q -e "."' in planned and "[test]" not in planned
+    assert 'pip install -q -e ".[torch]"' in planned and "[test]" not in planned
     assert "venv-hub1" not in planned
     assert make(checkout, SERVE_ONLY, python) == [
-        "clear", "pip -m pip install -q torch==2.13.0", "pip -m pip install -q -e ."]
+        "clear", "pip -m pip install -q torch==2.13.0", "pip -m pip install -q -e .[torch]"]
     assert make(checkout, SERVE_ONLY) == []  # remembered, nothing changed
     assert dry_run(checkout, "serve").split() == [".venv/bin/embedsvc", "serve"]
 

@@ -2,6 +2,7 @@
 
 import base64
 import dataclasses
+from importlib import resources
 
 import numpy as np
 import pytest
@@ -176,8 +177,11 @@ def test_docs_page_and_its_files_are_open_and_local(fake, registry, tmp_path):
     assert page.status_code == 200 and page.content_type.startswith("text/html")
     html = page.get_data(as_text=True)
     assert "http" not in html.replace("<!doctype html>", "")  # no other host named
+    release = resources.files("flask_swagger_ui") / "dist"
     for name in ("swagger-ui.css", "swagger-ui-bundle.js", "favicon-32x32.png"):
         assert f'"docs/{name}"' in html
         asset = client.get(f"/docs/{name}")
-        assert asset.status_code == 200 and len(asset.data) > 1000
+        assert asset.status_code == 200 and asset.data == (release / name).read_bytes()
+        # the files themselves: Swagger UI's bundle and style (hundreds of KB), a real PNG
+        assert len(asset.data) > 100_000 or asset.data.startswith(b"\x89PNG\r\n\x1a\n")
     assert client.get("/openapi.json").status_code == 401  # the document keeps its key
