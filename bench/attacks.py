@@ -17,7 +17,7 @@ document bodies) send their bodies at once. Meanwhile a prober GETs /health on t
 is the last column, the CPU time the server spent (user and system, /proc/PID/stat) before it.
 Clients and server share this machine's cores.
 
-After the embedding attacks, the body lane (batching/lane.py): a legitimate 1 MiB /embed sent
+After the embedding attacks, the body lane (api/lane.py): a legitimate 1 MiB /embed sent
 50 ms after a large body that its parse refuses; the seconds the legitimate one took.
 """
 

@@ -23,7 +23,6 @@ from prometheus_client import generate_latest
 
 from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
-from .batching.lane import BodyLane
 from .engine import Engine
 from .errors import Unavailable, shutting_down
 from .metrics import Metrics, exposition, merge
@@ -77,7 +76,6 @@ class Service:
         self.pid = os.getpid()
         self.failure: str | None = None
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
-        self.body_lane = BodyLane()  # large bodies' parsing (api.bodies.parse)
         self._engine: Engine | None = None
         self._runner: Runner | None = None
         self._given = encoder

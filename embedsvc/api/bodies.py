@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import ValidationError
 
-from ..batching.lane import LARGE_BODY_BYTES
 from ..errors import InvalidRequest
+from .lane import LARGE_BODY_BYTES
 from .schemas import Request
 from .shapes import check_lists, listed_fields
 
@@ -23,10 +23,10 @@ def parse(model: type[Request], call: Call) -> Any:
     Every list of the body is checked by its field's shape before pydantic sees it, against
     MAX_INPUTS_PER_REQUEST before its items (shapes.py), so that validation costs what the
     body costs, whatever it holds and whichever route it came to; a large body waits for its
-    turn in the service's lane (batching/lane.py), since parsing it stops every other thread.
+    turn in the pipeline's lane (lane.py), since parsing it stops every other thread.
     """
-    if len(call.body) >= LARGE_BODY_BYTES:
-        return call.service.body_lane.run(lambda: _parse(model, call), call.deadline)
+    if call.lane is not None and len(call.body) >= LARGE_BODY_BYTES:
+        return call.lane.run(lambda: _parse(model, call), call.deadline)
     return _parse(model, call)
 
 

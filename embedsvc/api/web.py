@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from ..errors import OPENAI, ErrorShape
 from ..work import Embedded, ModelInfo, Work
+from .lane import BodyLane
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -51,6 +52,7 @@ class Call:
     disconnected: Callable[[], bool] | None = None
     flow: Hashable | None = None  # the client's connection: its turn among others' (batcher)
     params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
+    lane: BodyLane | None = None  # large bodies' turns (lane.py); None: parsed at once
     _engine: Engine | None = None
 
     @property

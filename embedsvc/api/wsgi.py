@@ -49,6 +49,7 @@ from ..metrics import Metrics
 from ..model.encoder import Encoder
 from ..service import Service
 from ..settings import Settings
+from .lane import BodyLane
 from .routes import ROUTES
 from .web import Call, Reply, Route, json_reply
 
@@ -109,6 +110,7 @@ class Pipeline:
             if route.parameter is not None:
                 self.ending[route.path[:route.path.rindex("{")]] = (route.path, route.parameter)
         self.error_shape = ErrorShapes(routes)
+        self.lane = BodyLane()  # large bodies' parsing, one at a time (lane.py)
 
     def _match(self, path: str) -> tuple[str, dict[str, str]]:
         """The table's path for ``path``, and the value of its parameter if it ends in one."""
@@ -132,7 +134,7 @@ class Pipeline:
                 environ["wsgi.input"] = io.BytesIO(body)
                 return self._to_flask(environ, start_response, started)
             call = Call(self.service, body, started, environ.get("waitress.client_disconnected"),
-                        _flow(environ), params)
+                        _flow(environ), params, self.lane)
             if route.kinds is not None:
                 check_kind(route, call)
             reply = route.handler(call)

@@ -107,7 +107,7 @@ def all_at_once(work, n: int) -> list:
 
 
 INVALID_LIST = orjson.dumps({"inputs": [1] * 999_999 + [1.5]})  # 2 MB
-# A body just over the lane's size that parses in about a millisecond (batching/lane.py)
+# A body just over the lane's size that parses in about a millisecond (api/lane.py)
 CHEAP_LARGE = orjson.dumps({"inputs": "x" * (1 << 20)})
 
 

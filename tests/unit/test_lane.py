@@ -1,4 +1,4 @@
-"""batching/lane.py: large bodies parse one at a time, at most a share of the time."""
+"""api/lane.py: large bodies parse one at a time, at most a share of the time."""
 
 import itertools
 import threading
@@ -7,7 +7,7 @@ import time
 import orjson
 import pytest
 
-from embedsvc.batching.lane import LARGE_BODY_BYTES, BodyLane
+from embedsvc.api.lane import LARGE_BODY_BYTES, BodyLane
 from embedsvc.errors import DeadlineExceeded, Overloaded
 
 from .conftest import assert_error, assert_still_serving, make_app
@@ -142,8 +142,8 @@ def test_only_large_bodies_wait_for_the_lane(fake, registry):
     """With the lane shut for a minute, a small body is answered at once and a large one gets
     its 504 in the error shape; the service goes on."""
     app = make_app(fake, registry, request_timeout_s=2)
-    service = app.extensions["embedsvc"]
-    service.body_lane._open_at = time.monotonic() + 60
+    lane = app.wsgi_app.lane
+    lane._open_at = time.monotonic() + 60
     client = app.test_client()
     assert client.post("/embed", json={"inputs": ["small"]}).status_code == 200
     large = orjson.dumps({"inputs": ["x" * 1000] * (LARGE_BODY_BYTES // 1000)})
@@ -151,7 +151,7 @@ def test_only_large_bodies_wait_for_the_lane(fake, registry):
     err = assert_error(client.post("/embed", data=large, content_type="application/json"),
                        504, "timeout")
     assert "parsed one at a time" in err["message"]
-    service.body_lane._open_at = 0.0
+    lane._open_at = 0.0
     assert_still_serving(client, fake)
 
 
@@ -159,7 +159,7 @@ def test_after_a_refused_large_body_the_next_is_parsed_at_once(fake, registry):
     """Through the pipeline: a 2 MB invalid list (refused in its parse) leaves the lane open,
     and a legitimate 1 MB /embed behind it is answered (issue 41: it waited 16.8 s)."""
     app = make_app(fake, registry)
-    lane = app.extensions["embedsvc"].body_lane
+    lane = app.wsgi_app.lane
     client = app.test_client()
     bad = orjson.dumps({"texts": [1] * 999_999 + [1.5]})
     assert client.post("/v2/embed", data=bad, content_type="application/json").status_code == 400

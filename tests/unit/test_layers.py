@@ -31,10 +31,8 @@ LAYERS = {
     "cli": (7, "entry"), "__main__": (7, "entry"), "gunicorn_worker": (7, "entry"),
 }
 MODEL_SIDE = ("model", "batching", "runner", "remote")
-# The app factory wires a service (it takes an encoder for tests and library users); the
-# lane for large bodies moves to the API once its owner does (it is an HTTP-side concern).
+# The app factory wires a service (it takes an encoder for tests and library users).
 BOUNDARY_EXEMPT = {"embedsvc.api.wsgi"}
-BOUNDARY_ALLOWED = {"embedsvc.batching.lane"}
 
 
 def module_name(path: Path) -> str:
@@ -125,7 +123,7 @@ def boundary_violations() -> list[str]:
             continue
         for line, target, _ in imports(path):
             parts = target.split(".")
-            if len(parts) > 1 and parts[1] in MODEL_SIDE and target not in BOUNDARY_ALLOWED:
+            if len(parts) > 1 and parts[1] in MODEL_SIDE:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}, "
                              "which is the model's side of the boundary (build a Work)")
     return found
