@@ -476,6 +476,11 @@ INFO: dict[str, Any] = {
         "sha": {"type": "null", "description": "TEI's build sha; none here."},
         "docker_label": {"type": "null", "description": "TEI's image label; none here."},
         "pid": {"type": "integer"},
+        "engine_pid": {"type": ["integer", "null"],
+                       "description": "The process that holds the model: this one, or the "
+                       "engine process that several HTTP processes share (WORKERS)."},
+        "front_pids": {"type": "array", "items": {"type": "integer"},
+                       "description": "The HTTP processes in front of the model."},
         "state": {"type": "string"},
     },
 }

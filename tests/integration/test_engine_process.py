@@ -46,9 +46,9 @@ def all_ready(server: Server, n: int, timeout: float = 60) -> None:
     to either front, so a few in a row reach both)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(info(server)["front_pids"]) == n and all(
-                loopback.get(server.url + "/health", timeout=5).status_code == 200
-                for _ in range(4 * n)):
+        if all(len(info(server)["front_pids"]) == n and
+               loopback.get(server.url + "/health", timeout=5).status_code == 200
+               for _ in range(4 * n)):
             return
         time.sleep(0.2)
     raise AssertionError(f"not {n} fronts ready:\n{server.output()[-3000:]}")

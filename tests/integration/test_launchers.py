@@ -94,10 +94,11 @@ def test_two_workers_both_serve(reference, tmp_path):
 
 
 def test_preload_shares_the_weights(reference, tmp_path):
-    # PyTorch's weights, which a preloading master shares (the PyTorch-free path loads none:
-    # test_lean.py). A worker that loaded them itself (one is enough to measure) against each
-    # of two that a preloading master forked.
-    env = {"EMBEDSVC_BACKEND": "torch"}
+    # PyTorch's weights, which a preloading master shares when each worker holds the model
+    # (ENGINE=inline; by default -w 2 shares one engine process, test_engine_gunicorn.py; the
+    # PyTorch-free path loads none: test_lean.py). A worker that loaded them itself (one is
+    # enough to measure) against each of two that a preloading master forked.
+    env = {"EMBEDSVC_BACKEND": "torch", "EMBEDSVC_ENGINE": "inline"}
     with running([*GUNICORN, "-w", "1", "--threads", "4", "embedsvc:app"],
                  tmp_path / "alone.log", env=env, cwd=str(tmp_path)) as server:
         [worker] = workers_of(server.proc.pid)

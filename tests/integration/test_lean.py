@@ -20,6 +20,7 @@ from embedsvc.model.record import GRAPH, PROBE, RECORD, TOKENIZER
 from embedsvc.model.sparse import active
 from embedsvc.settings import Settings
 
+from .. import loopback
 from ..models import POOLING_MODES, build_classifier, build_embedding, build_reranker, build_sparse
 from .conftest import cosine
 from .servers import running
@@ -313,9 +314,13 @@ def test_gunicorn_preload_master_holds_no_session_and_no_process_loads_torch(
         workers = workers_of(server.proc.pid)
         assert answering_pids(server, reference, want=2) == set(workers)
         log = server.output()
-        assert "preloads nothing" in log and log.count("on the CPU without PyTorch") == 2, log
-        assert "onnxruntime" not in _libraries(server.proc.pid)
+        # the two workers share one engine process, the only one with a session
+        engine = loopback.get(server.url + "/info", timeout=30).json()["engine_pid"]
+        assert "preloads nothing" in log and log.count("on the CPU without PyTorch") == 1, log
+        assert "onnxruntime" in _libraries(engine)
         for pid in [server.proc.pid, *workers]:
+            assert "onnxruntime" not in _libraries(pid)
+        for pid in [server.proc.pid, *workers, engine]:
             assert "libtorch" not in _libraries(pid)
 
 

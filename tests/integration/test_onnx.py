@@ -158,9 +158,10 @@ def test_cls_pooling_and_a_dense_layer_give_pytorchs_vectors(cls_dense_model, tm
 
 
 def test_gunicorn_preload_two_workers_each_build_their_own_session(reference, tmp_path):
-    """Two workers start together on an empty cache: one export, two sessions, none in the
-    master, both serving PyTorch's vectors."""
-    env = {"EMBEDSVC_BACKEND": "onnx-torch", "EMBEDSVC_CACHE_DIR": str(tmp_path / "cache")}
+    """Two workers that each hold the model (ENGINE=inline) start together on an empty cache:
+    one export, two sessions, none in the master, both serving PyTorch's vectors."""
+    env = {"EMBEDSVC_BACKEND": "onnx-torch", "EMBEDSVC_CACHE_DIR": str(tmp_path / "cache"),
+           "EMBEDSVC_ENGINE": "inline"}
     cmd = [*GUNICORN, "-w", "2", "--threads", "4", "--preload", "embedsvc:app"]
     with running(cmd, tmp_path / "server.log", env=env, cwd=str(tmp_path)) as server:
         workers = workers_of(server.proc.pid)

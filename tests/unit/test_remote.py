@@ -1,0 +1,127 @@
+"""remote/: the engine's loop and a front's port over a real ipc:// socket, in this process,
+on the fake encoder: answers equal the in-process engine's, errors come back as their own
+class, and a front imports nothing of PyTorch (so it never touches a device)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embedsvc.errors import InvalidRequest, Overloaded
+from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.model.text import describe, text_spec
+from embedsvc.remote import wire
+from embedsvc.remote.client import error_of
+from embedsvc.remote.place import engine_address, private_dir
+from embedsvc.remote.server import EngineServer, failed
+from embedsvc.service import Service
+from embedsvc.settings import Settings
+from embedsvc.work import EMBED, TOKENS, Work
+
+
+@pytest.fixture
+def pair(tmp_path, registry):
+    """(the engine's service, a front's service) around one fake encoder."""
+    encoder = FakeEncoder(dimension=6, max_input_tokens=16)
+    engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
+    engine.start(background=False)
+    runner = engine.runner
+    address = engine_address(private_dir(tmp_path / "run"))
+    server = EngineServer(runner, address, state=lambda: engine.state, metrics=engine.metrics,
+                          card={"info": describe(runner.info), "text": text_spec(encoder)})
+    stop = threading.Event()
+    loop = threading.Thread(target=server.run, args=(stop,), name="test-engine-loop")
+    loop.start()
+    front = Service(Settings(), engine_address=address)
+    front.start(background=True)
+    try:
+        assert front.ready(10) is not None
+        yield engine, front, encoder
+    finally:
+        front.drain(2)
+        engine.drain(2)
+        stop.set()
+        loop.join(5)
+
+
+def test_rows_through_the_engine_equal_the_encoders(pair):
+    engine, front, encoder = pair
+    texts = ["hello world", "a second text", "x " * 40]
+    out = front.ready().run(Work(EMBED, texts, deadline=time.monotonic() + 5))
+    want = np.stack([encoder.expected(t) for t in texts[:2]])
+    np.testing.assert_allclose(out.vectors[:2], want, rtol=1e-6)
+    assert out.tokens == sum(map(len, front.ready().tokens(texts)))
+    tokens = front.ready().run(Work(TOKENS, ["a b c"], deadline=time.monotonic() + 5))
+    assert [t.shape for t in tokens.token_vectors] == [(5, 6)]
+    assert front.engine_pid == engine.pid and front.state == "ready"
+
+
+def test_an_error_of_the_model_side_is_raised_in_the_front_as_its_own_class():
+    err = error_of(failed(3, Overloaded("busy", retry_after_s=4)))
+    assert isinstance(err, Overloaded) and err.headers == {"Retry-After": "4"}
+    err = error_of(failed(3, InvalidRequest("bad", param="input", code="x")))
+    assert type(err) is InvalidRequest and (err.param, err.code) == ("input", "x")
+
+
+def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
+    import zmq
+
+    engine, front, _ = pair
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(front.engine_address)
+    try:
+        for ids in ([[1, 5000, 2]], [[1, *range(3, 30), 2]]):  # past the vocabulary, the limit
+            sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids))))
+            answer = wire.decode_to_front(sock.recv())
+            assert isinstance(answer, wire.Failed) and answer.status == 400, answer
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_front_serves_without_importing_pytorch(tmp_path):
+    """The front side of every kind of work imports no torch, so fronts never hold a CUDA
+    context (the engine process holds the only one)."""
+    code = textwrap.dedent(f"""
+        import sys, threading, time
+        from pathlib import Path
+        from embedsvc.model.fake import FakeEncoder
+        from embedsvc.model.text import describe, text_spec
+        from embedsvc.remote.place import engine_address, private_dir
+        from embedsvc.remote.server import EngineServer
+        from embedsvc.service import Service
+        from embedsvc.settings import Settings
+        from embedsvc.api.wsgi import create_app
+        enc = FakeEncoder(dimension=4)
+        engine = Service(Settings(), encoder=enc)
+        engine.start(background=False)
+        address = engine_address(private_dir(Path({str(tmp_path)!r}) / "run"))
+        server = EngineServer(engine.runner, address, state=lambda: engine.state,
+                              metrics=engine.metrics,
+                              card={{"info": describe(enc.info), "text": text_spec(enc)}})
+        stop = threading.Event()
+        threading.Thread(target=server.run, args=(stop,), daemon=True).start()
+        settings = Settings(cache_dir={str(tmp_path / "cache")!r})
+        front = Service(settings, engine_address=address)
+        app = create_app(settings, service=front)
+        front.start()
+        front.ready(10)
+        client = app.test_client()
+        for path, body in (("/embed", {{"inputs": "hi"}}), ("/tokenize", {{"inputs": "hi"}}),
+                           ("/v2/embed", {{"texts": ["hi"], "embedding_types": ["int8"]}})):
+            assert client.post(path, json=body).status_code == 200, path
+        assert client.get("/metrics").status_code == 200
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
