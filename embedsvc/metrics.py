@@ -130,6 +130,16 @@ class Metrics:
             "embedsvc_open_connections", "Client connections open on the serving port",
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "embedsvc_tenant_requests", "Requests by tenant (its API key's name) and status",
+            ["tenant", "status"], registry=r,
+        )
+        self.tenant_inputs = Counter(
+            "embedsvc_tenant_inputs", "Inputs answered, by tenant", ["tenant"], registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "embedsvc_tenant_tokens", "Tokens computed, by tenant", ["tenant"], registry=r,
+        )
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)
@@ -156,6 +166,14 @@ class Metrics:
             self._request_children[(route, status)] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def count_tenant(self, tenant: str, status: int, inputs: int, tokens: int) -> None:
+        """One answered request of ``tenant`` (a name of the keys file: a bounded label)."""
+        self.tenant_requests.labels(tenant=tenant, status=str(status)).inc()
+        if inputs:
+            self.tenant_inputs.labels(tenant=tenant).inc(inputs)
+        if tokens:
+            self.tenant_tokens.labels(tenant=tenant).inc(tokens)
 
     def count_rejection(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()

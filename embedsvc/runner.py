@@ -85,7 +85,8 @@ class Runner:
         as ``Batcher.submit`` takes it."""
         assert work.deadline is not None
         return self.batcher.submit(work.ids, work.deadline, work.disconnected, ticket=ticket,
-                                   flow=work.flow, on_done=on_done, origin=work.front)
+                                   flow=work.flow, on_done=on_done, origin=work.front,
+                                   tenant=work.tenant)
 
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""
@@ -168,7 +169,7 @@ class LocalPort:
         self.runner.check(work)
         assert work.deadline is not None
         return self.admission.admit(work.count, tokens, work.deadline, work.disconnected,
-                                    work.flow)
+                                    work.flow, work.tenant)
 
     def cancel(self, ticket: Ticket) -> None:
         self.admission.cancel(ticket)  # a no-op once the batcher took it over

@@ -31,6 +31,7 @@ from .model.encoder import Encoder, ModelInfo
 from .model.st_encoder import SentenceTransformerEncoder
 from .runner import LocalPort, Runner
 from .settings import Settings
+from .tenants import Keyring, Quotas
 
 if TYPE_CHECKING:
     from .remote.client import Link
@@ -80,6 +81,8 @@ class Service:
         self._runner: Runner | None = None
         self._given = encoder
         self._loader = loader or (lambda: load_encoder(settings))
+        self.keyring = Keyring(settings.keys_file, settings.api_key)  # who may ask, and how much
+        self.quotas = Quotas(self.keyring)
         self.engine_address = engine_address
         self._keeper = keeper  # starts the engine process when there is none (gunicorn)
         self._link: Link | None = None
@@ -195,6 +198,7 @@ class Service:
             self._loaded.set()
             return
         port = local_port(self.settings, encoder, self.metrics)
+        port.admission.quotas = self.quotas
         self._runner = port.runner
         batcher = port.runner.batcher
         self._engine = Engine(self.settings, encoder, port, self.metrics)

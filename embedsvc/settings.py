@@ -114,6 +114,10 @@ def _text(text: str) -> str:
     return text
 
 
+def _optional_text(text: str) -> str | None:
+    return text or None
+
+
 def _api_key(text: str) -> str | None:
     """A key clients can send in an ``Authorization`` header: printable ASCII, no spaces."""
     if text and not all("!" <= c <= "~" for c in text):
@@ -207,6 +211,13 @@ class Settings:
         "when set, 'Authorization: Bearer <key>' is required; printable ASCII, no spaces",
         help_for={"embed": "with --url: the server's key, sent as 'Authorization: Bearer <key>'"},
         secret=True,
+    )
+    keys_file: str | None = _setting(
+        None, _optional_text,
+        "a TOML file of API keys, each with its tenant's name and optional quotas "
+        "(requests_per_second, tokens_per_minute, inputs_in_flight); read at start, on SIGHUP "
+        "and when it changes (docs/operations.md, tenants)",
+        serve_only=True,
     )
     host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'", serve_only=True)
     port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)",

@@ -26,3 +26,8 @@ def get(url: str, **kwargs: Any) -> httpx.Response:
 def post(url: str, **kwargs: Any) -> httpx.Response:
     with Client() as client:
         return client.post(url, **kwargs)
+
+
+def request(method: str, url: str, **kwargs: Any) -> httpx.Response:
+    with Client() as client:
+        return client.request(method, url, **kwargs)

@@ -53,6 +53,7 @@ class Call:
     flow: Hashable | None = None  # the client's connection: its turn among others' (batcher)
     params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
     lane: BodyLane | None = None  # large bodies' turns (lane.py); None: parsed at once
+    tenant: str | None = None  # whose API key it presented (tenants.py)
     _engine: Engine | None = None
 
     @property
@@ -63,8 +64,9 @@ class Call:
         """The one value a handler builds: what to compute (``Work``'s fields as
         ``options``), with what the pipeline knows of this request (deadline, client,
         connection)."""
+        # tenants take turns for the device, and their clients within each one's turns
         return Work(kind, inputs, deadline=self.deadline, disconnected=self.disconnected,
-                    flow=self.flow, **options)
+                    flow=self.tenant or self.flow, tenant=self.tenant, **options)
 
     def run(self, work: Work) -> Embedded:
         """``work``'s answer from the engine (its rows, in input order)."""

@@ -22,7 +22,6 @@ objects cost more CPU per request than the rest of the server outside the model
 
 from __future__ import annotations
 
-import hmac
 import io
 import logging
 import time
@@ -41,7 +40,6 @@ from ..errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
-    Unauthorized,
     body_too_large,
     internal_error,
 )
@@ -127,14 +125,15 @@ class Pipeline:
         pattern, params = self._match(path)
         methods = self.table.get(pattern)
         label = pattern if methods is not None else OTHER_ROUTE
+        tenant: str | None = None
         try:
-            route = self._route(environ, path, method, methods)
+            route, tenant = self._route(environ, path, method, methods)
             body = read_body(environ, self.service.settings.max_body_bytes)
             if route is None:
                 environ["wsgi.input"] = io.BytesIO(body)
                 return self._to_flask(environ, start_response, started)
             call = Call(self.service, body, started, environ.get("waitress.client_disconnected"),
-                        _flow(environ), params, self.lane)
+                        _flow(environ), params, self.lane, tenant)
             if route.kinds is not None:
                 check_kind(route, call)
             reply = route.handler(call)
@@ -143,25 +142,28 @@ class Pipeline:
         except Exception:
             log.exception("unexpected error on %s %s", method, path)
             reply = self.error(internal_error(), path)
-        self.record(method, label, reply.status, started, reply.inputs, reply.tokens)
+        self.record(method, label, reply.status, started, reply.inputs, reply.tokens, tenant)
         return respond(start_response, reply, head=method == "HEAD")
 
     def _route(self, environ: dict[str, Any], path: str, method: str,
-               methods: dict[str, Route] | None) -> Route | None:
-        """The table's route for this request (None: Flask's), after the key and method."""
+               methods: dict[str, Route] | None) -> tuple[Route | None, str | None]:
+        """The table's route for this request (None: Flask's), after the key and method, and
+        the tenant whose key it presented (None: no key is needed)."""
         route = methods.get("GET" if method == "HEAD" else method) if methods else None
         # A path may be open for one method only (GET / is TEI's health check, POST / is not).
         is_open = route.open if route is not None else (
             methods is not None and all(r.open for r in methods.values()))
+        tenant = None
         if not is_open:
-            check_api_key(self.service.settings.api_key, environ.get("HTTP_AUTHORIZATION"))
+            found = self.service.keyring.authenticate(environ.get("HTTP_AUTHORIZATION"))
+            tenant = found.name if found is not None else None
         if methods is None:
-            return None
+            return None, tenant
         if route is None:
             allow = ", ".join(sorted(methods))
             raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allow}",
                                    code="method_not_allowed", headers={"Allow": allow})
-        return route
+        return route, tenant
 
     def _to_flask(self, environ: dict[str, Any], start_response: Callable[..., Any],
                   started: float) -> Iterable[bytes]:
@@ -188,24 +190,18 @@ class Pipeline:
                         content_type=reply.content_type)
 
     def record(self, method: str, route: str, status: int, started: float,
-               inputs: int = 0, tokens: int = 0) -> None:
-        """Count one answered request and write its access-log line."""
+               inputs: int = 0, tokens: int = 0, tenant: str | None = None) -> None:
+        """Count one answered request and write its access-log line (the tenant's name,
+        never its key)."""
         seconds = time.monotonic() - started
-        self.service.metrics.count_request(route, status, seconds)
+        metrics = self.service.metrics
+        metrics.count_request(route, status, seconds)
+        if tenant is not None:
+            metrics.count_tenant(tenant, status, inputs, tokens)
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f", method, route, status,
-                            inputs, tokens, seconds * 1000)
-
-
-def check_api_key(key: str | None, authorization: str | None) -> None:
-    """401 unless no key is set or ``Authorization: Bearer <API_KEY>`` matches."""
-    if not key:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized(
-            "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
-        )
+            access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f%s", method, route, status,
+                            inputs, tokens, seconds * 1000,
+                            "" if tenant is None else f" tenant={tenant}")
 
 
 def check_kind(route: Route, call: Call) -> None:

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import (
     ApiError,
@@ -43,6 +44,9 @@ from ..errors import (
     shutting_down,
 )
 from ..metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..tenants import Quotas
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
 _RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured inputs per second
@@ -67,6 +71,8 @@ class Ticket:
     tokens: int
     deadline: float
     flow: Hashable = None
+    tenant: str | None = None
+    estimate: int = 0  # the tokens its tenant's quota was charged (tenants.py)
     open: bool = False
     waiting: bool = False
     notify: Callable[[Ticket], None] | None = None
@@ -90,6 +96,7 @@ class Admission:
         self.floor_inputs = floor_inputs
         self.metrics = metrics or Metrics()
         self.queue = queue
+        self.quotas: Quotas | None = None  # the tenants' limits (tenants.py), when keys have any
         self.used_inputs = 0
         self.used_tokens = 0
         self._waiting: deque[Ticket] = deque()
@@ -122,22 +129,24 @@ class Admission:
         return len(self._waiting)
 
     def admit(self, inputs: int, tokens: int, deadline: float,
-              disconnected: Callable[[], bool] | None = None, flow: Hashable = None
-              ) -> Ticket:
+              disconnected: Callable[[], bool] | None = None, flow: Hashable = None,
+              tenant: str | None = None) -> Ticket:
         """Reserve ``inputs`` and about ``tokens``; waits in FIFO order for room.
 
         Raises 413 (larger than MAX_QUEUE), 429 (cannot reach the model before
         ``deadline``), 503 (draining), 504 (still waiting at ``deadline``), 499 (the client
         left while waiting). ``flow`` (the client's connection) is the queue where its work
-        will take turns with others' (``Batcher.start_tag``), which says what is ahead of it.
+        will take turns with others' (``Batcher.start_tag``), which says what is ahead of it;
+        ``tenant`` (the API key's) is charged against its quotas first (429 when over one).
         """
-        ticket = self.request(inputs, tokens, deadline, flow)
+        ticket = self.request(inputs, tokens, deadline, flow, tenant=tenant)
         if not ticket.open:
             self._wait_granted(ticket, disconnected)
         return ticket
 
     def request(self, inputs: int, tokens: int, deadline: float, flow: Hashable = None,
-                notify: Callable[[Ticket], None] | None = None) -> Ticket:
+                notify: Callable[[Ticket], None] | None = None, tenant: str | None = None
+                ) -> Ticket:
         """``admit`` without waiting: the ticket is open, or stands in the FIFO (``waiting``)
         until room frees, when ``notify`` is called with it (or with ``refused`` set, when
         draining). 413, 429 and 503 are raised as by ``admit``."""
@@ -148,7 +157,20 @@ class Admission:
                 "once (MAX_QUEUE); split it into smaller requests",
                 param="input", code="too_many_inputs",
             )
-        ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow)
+        ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow, tenant, tokens)
+        quotas = self.quotas if tenant is not None else None
+        if quotas is not None:
+            quotas.take(tenant, inputs=inputs, tokens=tokens)
+        try:
+            self._enter(ticket, flow, notify)
+        except BaseException:
+            if quotas is not None:
+                quotas.refund(tenant, inputs, tokens)
+            raise
+        return ticket
+
+    def _enter(self, ticket: Ticket, flow: Hashable,
+               notify: Callable[[Ticket], None] | None) -> None:
         ahead = self.queue(flow) if self.queue is not None else None  # before our lock
         with self._cond:
             if ahead is not None:  # and the work admitted, still tokenizing
@@ -163,7 +185,6 @@ class Admission:
             else:  # in line behind others, or no room
                 ticket.waiting, ticket.notify = True, notify
                 self._waiting.append(ticket)
-        return ticket
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the FIFO (its deadline passed, its client left);
@@ -179,6 +200,8 @@ class Admission:
                 self.used_tokens += tokens - ticket.tokens
                 ticket.tokens = tokens
                 self._grant()
+        if self.quotas is not None and ticket.tenant is not None:
+            self.quotas.settle(ticket.tenant, ticket.estimate, tokens)
 
     def cancel(self, ticket: Ticket) -> None:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
@@ -188,11 +211,15 @@ class Admission:
             if ticket.open:
                 self._close(ticket)
                 self._free(ticket.inputs, ticket.tokens)
+                if self.quotas is not None:
+                    self.quotas.give_back(ticket.tenant, ticket.inputs)
 
-    def release(self, inputs: int, tokens: int) -> None:
-        """Inputs the batcher has answered or dropped."""
+    def release(self, inputs: int, tokens: int, tenant: str | None = None) -> None:
+        """Inputs the batcher has answered or dropped (of ``tenant``'s)."""
         with self._cond:
             self._free(inputs, tokens)
+        if self.quotas is not None:
+            self.quotas.give_back(tenant, inputs)
 
     def observe(self, tokens: int, inputs: int, seconds: float) -> None:
         """One computed batch, of ``tokens`` in ``inputs`` computed in ``seconds``."""
@@ -211,6 +238,7 @@ class Admission:
             while self._waiting:
                 ticket = self._waiting.popleft()
                 ticket.waiting, ticket.refused = False, shutting_down()
+                self._refund(ticket)
                 if ticket.notify is not None:
                     ticket.notify(ticket)
             self._cond.notify_all()
@@ -312,8 +340,14 @@ class Admission:
             return False
         self._waiting.remove(ticket)
         ticket.waiting = False
+        self._refund(ticket)
         self._grant()  # the next waiter may fit now
         return True
+
+    def _refund(self, ticket: Ticket) -> None:
+        """A ticket that never got in charges its tenant nothing."""
+        if self.quotas is not None:
+            self.quotas.refund(ticket.tenant, ticket.inputs, ticket.estimate)
 
 
 def deadline_error() -> DeadlineExceeded:

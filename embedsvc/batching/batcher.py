@@ -144,6 +144,7 @@ class Job:
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
         self.flow: Hashable = None
         self.origin: int | None = None  # the front it came from (the engine process)
+        self.tenant: str | None = None  # whose quota counts its inputs in flight
         self.on_done: Callable[[Job], None] | None = None  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
@@ -282,8 +283,8 @@ class Batcher:
     def submit(self, inputs: list[list[int]], deadline: float,
                disconnected: Callable[[], bool] | None = None,
                ticket: Ticket | None = None, flow: Hashable | None = None,
-               on_done: Callable[[Job], None] | None = None, origin: int | None = None
-               ) -> Job:
+               on_done: Callable[[Job], None] | None = None, origin: int | None = None,
+               tenant: str | None = None) -> Job:
         """Queue one request's wrapped token ids under its admission ``ticket``.
 
         Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
@@ -292,13 +293,15 @@ class Batcher:
         ``flow`` (the client's connection) decides its turn among other clients'
         (``start_tag``). ``on_done(job)`` is called once the job has its rows or its error
         (from the thread that finishes it: keep it short and never block in it).
-        ``origin``: the HTTP process it came from, when several feed this batcher.
+        ``origin``: the HTTP process it came from, when several feed this batcher;
+        ``tenant``: whose quota its inputs count against until answered.
         """
         n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
-            ticket = self.admission.admit(n, tokens, deadline, disconnected, flow)
+            ticket = self.admission.admit(n, tokens, deadline, disconnected, flow, tenant)
         job = Job(inputs, deadline, disconnected)
         job.flow, job.queued, job.on_done, job.origin = flow, tokens, on_done, origin
+        job.tenant = tenant
         with self._cond:
             if self._stopping:
                 self.admission.cancel(ticket)
@@ -686,7 +689,13 @@ class Batcher:
         """Give back the admission of inputs answered or dropped."""
         for it in items:
             it.answered = True
-        self.admission.release(len(items), sum(len(it.ids) for it in items))
+        tenants = {it.job.tenant for it in items}
+        if len(tenants) == 1:  # usually: one tenant, or none
+            self.admission.release(len(items), sum(len(it.ids) for it in items), tenants.pop())
+        else:
+            for tenant in tenants:
+                mine = [it for it in items if it.job.tenant == tenant]
+                self.admission.release(len(mine), sum(len(it.ids) for it in mine), tenant)
         self._cond.notify_all()
 
     def _cancel_late(self, now: float) -> int:

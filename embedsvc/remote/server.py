@@ -198,7 +198,7 @@ class EngineServer:
             self.runner.check(work)
             ticket = self.runner.admission.request(
                 work.count, sum(map(len, work.ids)), work.deadline or 0.0, work.flow,
-                notify=partial(self._granted, req))
+                notify=partial(self._granted, req), tenant=work.tenant)
         except ApiError as exc:
             self._send(peer, failed(frame.id, exc))
             return

@@ -61,8 +61,9 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
                           card={"info": describe(runner.info), "text": text_spec(runner.encoder)})
     stop = threading.Event()
     drain = _drainer(lambda: service.drain(settings.drain_timeout_s), stop)
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: drain(f"signal {signum}"))
+    signal.signal(signal.SIGHUP, lambda signum, frame: service.keyring.reload())
     abandoned = threading.Event()
 
     def gone(pid: int) -> None:

@@ -37,6 +37,21 @@ def check_serving(settings: Settings) -> None:
     check_kind(settings)
     check_device(settings.device)
     check_listen(settings.host, settings.port)
+    check_keys(settings.keys_file)
+
+
+def check_keys(path: str | None) -> None:
+    """A KEYS_FILE that is there and parses (a reload that fails later keeps the keys)."""
+    from ..tenants import KeysFileError, parse_keys
+
+    if not path:
+        return
+    try:
+        parse_keys(open(path, encoding="utf-8").read())  # noqa: SIM115 - read once
+    except OSError as exc:
+        raise setting_error("KEYS_FILE", path, exc.strerror or str(exc)) from None
+    except KeysFileError as exc:
+        raise setting_error("KEYS_FILE", path, str(exc)) from None
 
 
 def setting_error(name: str, value: object, why: str) -> PreflightError:

@@ -1,4 +1,5 @@
-"""``embedsvc serve``: load the model, serve it with waitress, drain on SIGTERM, SIGINT or SIGHUP.
+"""``embedsvc serve``: load the model, serve it with waitress, drain on SIGTERM or SIGINT,
+reload the keys file on SIGHUP.
 
 Example (loads the model and blocks)::
 
@@ -34,13 +35,13 @@ _POLL_S = 0.05
 # kept alive before the signal, and whose next request is on its way, gets a 503 with
 # "Connection: close" instead of a connection closed under its request.
 _LINGER_S = 2.0
-DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Server:
     """One waitress server around one service, with connection bounds and a graceful stop.
 
-    ``stop()``, or the first SIGTERM, SIGINT or SIGHUP, stops listening (new connections are
+    ``stop()``, or the first SIGTERM or SIGINT, stops listening (new connections are
     refused), lets every request already arriving or running at that moment (an upload in
     progress included) finish, then makes /health answer 503 ``draining`` and new embedding
     requests 503, lets every admitted request finish and its response leave, waits until no
@@ -90,6 +91,7 @@ class Server:
         if install_signals:
             for signum in DRAIN_SIGNALS:
                 signal.signal(signum, self._on_signal)
+            signal.signal(signal.SIGHUP, lambda signum, frame: self.service.keyring.reload())
         if self.probes is not None:
             self.probes.start()
         log.info("serving on http://%s:%d (pid %d, %d threads, %s)", self.settings.host,

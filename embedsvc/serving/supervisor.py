@@ -4,7 +4,8 @@ The supervisor binds the port (and HEALTH_PORT's), makes a private directory for
 socket, and starts the engine and the fronts as new programs (never by forking a process
 that holds a model, a device or an ONNX Runtime session). It replaces any child that dies:
 the fronts reconnect to a new engine by themselves, and the requests that were in the old
-one get 503 with ``Retry-After``. On SIGTERM, SIGINT or SIGHUP it drains as one process
+one get 503 with ``Retry-After``. SIGHUP goes to every child (each reloads the keys file).
+On SIGTERM or SIGINT it drains as one process
 does: the fronts stop accepting and finish what they admitted, then the engine finishes what
 is left and exits, then the supervisor. A second signal ends every child at once.
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.1
 _QUICK_DEATH_S = 5.0  # a child that dies sooner after its start counts towards giving up
 _QUICK_DEATHS = 5  # ...this many times in a row: the supervisor stops with an error
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Supervisor:
     def run(self) -> int:
         for signum in _SIGNALS:
             signal.signal(signum, self._on_signal)
+        signal.signal(signal.SIGHUP, self._pass_on)
         try:
             self.engine = self._start("engine")
             self.fronts = [self._start("front") for _ in range(self.settings.workers)]
@@ -133,6 +135,13 @@ class Supervisor:
         return True
 
     # -- stopping -----------------------------------------------------------------------------
+
+    def _pass_on(self, signum: int, frame: object) -> None:
+        """SIGHUP: every child reloads the keys file (the fronts check keys, the engine
+        enforces their quotas)."""
+        for child in [self.engine, *self.fronts]:
+            if child is not None and child.proc.poll() is None:
+                child.proc.send_signal(signum)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals += 1

@@ -349,7 +349,7 @@ def test_a_second_sigterm_exits_at_once_without_sigabrt(tmp_path):
     assert "terminate called" not in server.output()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_an_upload_and_a_running_request_complete_through_the_drain(tmp_path, signum):
     body = json.dumps({"inputs": ["uploaded across the signal"] * 4}).encode()
     head = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -499,9 +499,9 @@ def slow_release(b: Batcher, seconds: float = 0.2) -> None:
     """The batcher thread's release of an admission takes ``seconds``."""
     release = b.admission.release
 
-    def slow(inputs: int, tokens: int) -> None:
+    def slow(inputs: int, tokens: int, tenant: str | None = None) -> None:
         time.sleep(seconds)
-        release(inputs, tokens)
+        release(inputs, tokens, tenant)
 
     b.admission.release = slow  # type: ignore[method-assign]
 

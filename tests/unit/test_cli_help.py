@@ -10,7 +10,8 @@ from embedsvc.settings import Settings
 SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-bytes",
           "--request-timeout-s", "--header-timeout-s", "--body-timeout-s", "--idle-timeout-s",
           "--send-timeout-s",
-          "--max-connections", "--health-port", "--token-ids", "--workers", "--engine"}
+          "--max-connections", "--health-port", "--token-ids", "--workers", "--engine",
+          "--keys-file"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",
           "--max-wait-ms", "--max-queue", "--max-inputs-per-request", "--max-input-chars",
           "--auto-truncate", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",

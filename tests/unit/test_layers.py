@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).parents[2] / "embedsvc"
 LAYERS = {
     "settings": (0, "foundation"), "errors": (0, "foundation"),
     "metrics": (0, "foundation"), "logs": (0, "foundation"), "work": (0, "foundation"),
+    "tenants": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
     "engine": (2, "engine"), "runner": (2, "runner"),
     "remote": (3, "remote"),

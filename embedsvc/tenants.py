@@ -1,0 +1,343 @@
+"""API keys of several tenants, each with its own quotas, from one file (KEYS_FILE).
+
+The file is TOML, one ``[[keys]]`` table a key::
+
+    [[keys]]
+    tenant = "search"            # the name metrics and logs show (never the key)
+    sha256 = "9f86d0..."         # sha256 of the key, hex; or the key itself: key = "..."
+    requests_per_second = 50     # optional limits; leave one out for none
+    tokens_per_minute = 600000
+    inputs_in_flight = 512
+
+    [[keys]]
+    tenant = "backfill"
+    key = "sk-backfill-..."
+    tokens_per_minute = 2000000
+
+It is read at start, again on SIGHUP, and when it changes (its modification time, looked at
+once a second at most); a file that does not parse, or holds a bad entry, keeps the keys in
+use and logs one line saying why. A presented key is hashed and compared with every
+tenant's hash in constant time. ``API_KEY`` still works: one more key, tenant ``default``,
+with no limits.
+
+``Quotas`` holds each tenant's usage where admission is (batching/admission.py): a request
+over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
+so a burst of up to a second's or a minute's worth passes) or inputs in flight is refused
+with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one
+process, on arrival in the engine process.
+
+>>> ring = Keyring.of([Tenant("search", digest("k1"), Limits(requests_per_second=1))])
+>>> ring.authenticate("Bearer k1").name
+'search'
+>>> quotas = Quotas(ring)
+>>> quotas.take("search", inputs=1, tokens=5, now=100.0)
+>>> try:
+...     quotas.take("search", inputs=1, tokens=5, now=100.1)
+... except Overloaded as exc:
+...     print(exc.status, exc.code, exc.headers)
+429 quota_exceeded {'Retry-After': '1'}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import Overloaded, Unauthorized
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+_CHECK_S = 1.0  # how often the file's modification time is looked at
+_LIMITS = ("requests_per_second", "tokens_per_minute", "inputs_in_flight")
+DEFAULT_TENANT = "default"  # the tenant of API_KEY
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests_per_second: float | None = None
+    tokens_per_minute: float | None = None
+    inputs_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key_digest: bytes = field(repr=False)
+    limits: Limits = Limits()
+
+
+class KeysFileError(ValueError):
+    """The keys file does not parse or holds a bad entry; the message says where."""
+
+
+def parse_keys(text: str) -> list[Tenant]:
+    """The tenants of a keys file's text; KeysFileError for anything wrong in it."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise KeysFileError(f"not TOML: {exc}") from None
+    entries = data.get("keys")
+    if not isinstance(entries, list) or not entries:
+        raise KeysFileError("no [[keys]] entries")
+    tenants, names = [], set()
+    for i, entry in enumerate(entries):
+        tenant = _tenant(i, entry)
+        if tenant.name in names:
+            raise KeysFileError(f"entry {i + 1}: tenant {tenant.name!r} twice")
+        names.add(tenant.name)
+        tenants.append(tenant)
+    return tenants
+
+
+def _tenant(i: int, entry: object) -> Tenant:
+    where = f"entry {i + 1}"
+    if not isinstance(entry, dict):
+        raise KeysFileError(f"{where} is not a table")
+    unknown = set(entry) - {"tenant", "key", "sha256", *_LIMITS}
+    if unknown:
+        raise KeysFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    name = entry.get("tenant")
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise KeysFileError(f"{where}: 'tenant' must be a name")
+    if ("key" in entry) == ("sha256" in entry):
+        raise KeysFileError(f"{where} ({name}): give 'key' or 'sha256', one of them")
+    if "key" in entry:
+        key = entry["key"]
+        if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
+            raise KeysFileError(f"{where} ({name}): a key is printable ASCII without spaces")
+        found = digest(key)
+    else:
+        try:
+            found = bytes.fromhex(str(entry["sha256"]))
+        except ValueError:
+            found = b""
+        if len(found) != 32:
+            raise KeysFileError(f"{where} ({name}): 'sha256' is 64 hex digits")
+    limits: dict[str, Any] = {}
+    for limit in _LIMITS:
+        value = entry.get(limit)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 < value < 1e12):
+            raise KeysFileError(f"{where} ({name}): {limit!r} is a number above 0")
+        limits[limit] = value
+    return Tenant(name, found, Limits(**limits))
+
+
+class Keyring:
+    """The keys in use: who a presented key belongs to; reloaded when its file changes."""
+
+    def __init__(self, path: str | None = None, api_key: str | None = None) -> None:
+        self.path = Path(path) if path else None
+        self._api_key = Tenant(DEFAULT_TENANT, digest(api_key)) if api_key else None
+        self._tenants: tuple[Tenant, ...] = ()
+        self._by_name: dict[str, Tenant] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self._install(parse_keys(self.path.read_text(encoding="utf-8")))
+            self._stamp = self._file_stamp()
+            log.info("keys file %s: %d tenants (%s)", self.path, len(self._tenants),
+                     ", ".join(self.names))
+        else:
+            self._install([])
+
+    @classmethod
+    def of(cls, tenants: Iterable[Tenant]) -> Keyring:
+        ring = cls()
+        ring._install(list(tenants))
+        return ring
+
+    @property
+    def required(self) -> bool:
+        """Whether a request must present a key."""
+        return bool(self._tenants)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self._tenants]
+
+    def tenant(self, name: str | None) -> Tenant | None:
+        self._maybe_reload()
+        return self._by_name.get(name) if name else None
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of ``Authorization: Bearer <key>`` (None when no key is required);
+        401 for a missing or unknown key. Every tenant's hash is compared, in constant time,
+        so the time taken says nothing of which key came near."""
+        self._maybe_reload()
+        tenants = self._tenants
+        if not tenants:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = digest(token)
+        found = None
+        for tenant in tenants:
+            if hmac.compare_digest(presented, tenant.key_digest):
+                found = tenant
+        if scheme.lower() != "bearer" or found is None:
+            raise Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        return found
+
+    def reload(self, why: str = "SIGHUP") -> bool:
+        """Read the file again; keep the keys in use (one log line) if it is wrong."""
+        if self.path is None:
+            return False
+        try:
+            tenants = parse_keys(self.path.read_text(encoding="utf-8"))
+        except (OSError, KeysFileError) as exc:
+            log.error("keys file %s not reloaded (%s): %s; the %d keys in use stay", self.path,
+                      why, exc, len(self._tenants) - (self._api_key is not None))
+            self._stamp = self._file_stamp()  # not again until it changes again
+            return False
+        before = set(self.names)
+        self._install(tenants)
+        self._stamp = self._file_stamp()
+        after = set(self.names)
+        log.info("keys file %s reloaded (%s): %d tenants; added %s; removed %s", self.path, why,
+                 len(tenants), sorted(after - before) or "none", sorted(before - after) or "none")
+        return True
+
+    def _install(self, tenants: list[Tenant]) -> None:
+        if self._api_key is not None and all(t.name != DEFAULT_TENANT for t in tenants):
+            tenants = [*tenants, self._api_key]
+        with self._lock:
+            self._tenants = tuple(tenants)
+            self._by_name = {t.name: t for t in tenants}
+
+    def _maybe_reload(self) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic()
+        if now - self._checked < _CHECK_S:
+            return
+        self._checked = now
+        if self._file_stamp() != self._stamp:
+            self.reload("the file changed")
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        try:
+            found = os.stat(self.path)  # type: ignore[arg-type]
+        except OSError:
+            return None
+        return found.st_mtime_ns, found.st_size
+
+
+@dataclass
+class _Usage:
+    requests: float = 0.0  # tokens of the requests-a-second bucket
+    tokens: float = 0.0  # of the tokens-a-minute bucket
+    updated: float = 0.0
+    in_flight: int = 0
+    primed: bool = False
+
+
+class Quotas:
+    """Each tenant's usage against its limits; thread-safe. ``take`` before admission,
+    ``settle`` with the exact tokens, ``give_back`` as its inputs are answered."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+        self._usage: dict[str, _Usage] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str | None, *, inputs: int, tokens: int,
+             now: float | None = None) -> None:
+        """Charge one request of ``inputs`` and about ``tokens``; 429 if over a limit."""
+        tenant = self.keyring.tenant(name)
+        if tenant is None:
+            return
+        limits = tenant.limits
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            usage = self._refilled(tenant, now)
+            if limits.requests_per_second is not None and usage.requests < 1:
+                wait = (1 - usage.requests) / limits.requests_per_second
+                raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait)
+            if limits.tokens_per_minute is not None and usage.tokens <= 0:
+                wait = -usage.tokens / (limits.tokens_per_minute / 60) + 1e-3
+                raise _over(tenant, f"{limits.tokens_per_minute:g} tokens a minute", wait)
+            if limits.inputs_in_flight is not None and usage.in_flight \
+                    and usage.in_flight + inputs > limits.inputs_in_flight:
+                raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0)
+            usage.requests -= 1
+            usage.tokens -= tokens
+            usage.in_flight += inputs
+
+    def settle(self, name: str | None, estimate: int, tokens: int) -> None:
+        """The request's exact tokens, once tokenized, in place of its estimate."""
+        if name is None:
+            return
+        with self._lock:
+            usage = self._usage.get(name)
+            if usage is not None:
+                usage.tokens -= tokens - estimate
+
+    def refund(self, name: str | None, inputs: int, tokens: int) -> None:
+        """A request charged by ``take`` and then refused or withdrawn: as if never sent."""
+        if name is None:
+            return
+        with self._lock:
+            usage = self._usage.get(name)
+            if usage is not None:
+                usage.requests += 1
+                usage.tokens += tokens
+                usage.in_flight = max(0, usage.in_flight - inputs)
+
+    def give_back(self, name: str | None, inputs: int) -> None:
+        """Inputs answered, dropped or never queued: no longer in flight."""
+        if name is None:
+            return
+        with self._lock:
+            usage = self._usage.get(name)
+            if usage is not None:
+                usage.in_flight = max(0, usage.in_flight - inputs)
+
+    def _refilled(self, tenant: Tenant, now: float) -> _Usage:
+        usage = self._usage.setdefault(tenant.name, _Usage())
+        limits = tenant.limits
+        if not usage.primed:  # full buckets at first sight
+            usage.requests = _burst(limits.requests_per_second)
+            usage.tokens = limits.tokens_per_minute or 0.0
+            usage.updated, usage.primed = now, True
+        elapsed = max(0.0, now - usage.updated)
+        usage.updated = now
+        if limits.requests_per_second is not None:
+            usage.requests = min(_burst(limits.requests_per_second),
+                                 usage.requests + elapsed * limits.requests_per_second)
+        if limits.tokens_per_minute is not None:
+            usage.tokens = min(limits.tokens_per_minute,
+                               usage.tokens + elapsed * limits.tokens_per_minute / 60)
+        return usage
+
+
+def _burst(per_second: float | None) -> float:
+    """A requests-a-second bucket holds a second's worth, and at least one request."""
+    return max(1.0, per_second or 0.0)
+
+
+def _over(tenant: Tenant, what: str, wait_s: float) -> Overloaded:
+    error = Overloaded(f"tenant {tenant.name!r} is over its quota of {what}; retry after the "
+                       "time in Retry-After", retry_after_s=max(1, math.ceil(wait_s)))
+    error.code = "quota_exceeded"
+    return error

@@ -1,0 +1,164 @@
+"""Tenants on live servers (issue 42): API keys from a file, each with its quotas, on
+`embedsvc serve` and with an engine process behind two fronts, around the fake encoder
+(tests/integration/fake_serve.py), whose device time is a sleep per padded token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from embedsvc.api.routes import ROUTES
+
+from .. import loopback
+from .servers import FAKE_EMBEDSVC, Server, running
+
+KEYS = {"search": "sk-search-7f3a", "flood": "sk-flood-19bc", "limited": "sk-limited-c04e"}
+FILE = f"""
+[[keys]]
+tenant = "search"
+key = "{KEYS['search']}"
+
+[[keys]]
+tenant = "flood"
+key = "{KEYS['flood']}"
+
+[[keys]]
+tenant = "limited"
+key = "{KEYS['limited']}"
+requests_per_second = 2
+"""
+ADDED = "sk-added-5d21"  # a key a reload adds
+LAUNCHES = {"serve": [], "workers": ["--workers", "2"]}
+
+
+def auth(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(text)
+    stamp = time.time_ns() + 10**9
+    os.utime(path, ns=(stamp, stamp))
+
+
+@contextmanager
+def tenants_server(tmp_path: Path, launch: str, per_token_s: float = 0.0) -> Iterator[Server]:
+    keys = tmp_path / "keys.toml"
+    write(keys, FILE)
+    cmd = [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "32", "--keys-file", str(keys),
+           "--request-timeout-s", "5", "--max-batch-tokens", "2048", *LAUNCHES[launch]]
+    env = {"FAKE_SERVE_PER_TOKEN_S": str(per_token_s)}
+    with running(cmd, tmp_path / "server.log", env=env) as server:
+        server.keys = keys  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60  # with fronts: until each front is ready
+        while time.monotonic() < deadline and not all(
+                loopback.post(server.url + "/embed", json={"inputs": "warm"}, timeout=30,
+                              headers=auth("search")).status_code == 200 for _ in range(6)):
+            time.sleep(0.2)
+        yield server
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_a_flooding_tenant_cannot_push_another_past_its_deadline(tmp_path, launch):
+    """Three tenants: one floods the device from 12 connections with no quota, one sends ten
+    a second against a quota of two (429s with the quota's Retry-After), and one sends a
+    light stream: every light request is answered within its deadline, in about two
+    batches."""
+    results: dict[str, list] = {"flood": [], "limited": [], "search": []}
+    stop = threading.Event()
+
+    def client(tenant: str, texts: list[str], pause: float) -> None:
+        with loopback.Client(base_url=server.url, timeout=60, headers=auth(tenant)) as c:
+            while not stop.is_set():
+                resp = c.post("/embed", json={"inputs": texts})
+                results[tenant].append(resp)
+                time.sleep(pause)
+
+    with tenants_server(tmp_path, launch, per_token_s=2e-5) as server:
+        flood = ["a flood of words " * 12] * 64  # about 50 ms of device a request
+        threads = [threading.Thread(target=client, args=("flood", flood, 0.0))
+                   for _ in range(12)]
+        threads += [threading.Thread(target=client, args=("limited", ["hello"], 0.1)),
+                    threading.Thread(target=client, args=("search", ["a query"], 0.05))]
+        for t in threads:
+            t.start()
+        time.sleep(4.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        metrics = loopback.get(server.url + "/metrics", timeout=30).text
+    search = results["search"]
+    assert len(search) >= 10 and {r.status_code for r in search} == {200}
+    assert max(float(r.headers["x-queue-time"]) for r in search) < 5000  # its deadline
+    limited = [r.status_code for r in results["limited"]]
+    assert 200 in limited and 429 in limited, limited
+    refused = next(r for r in results["limited"] if r.status_code == 429)
+    error = refused.json()["error"]
+    assert refused.headers["Retry-After"] == "1" and error["code"] == "quota_exceeded"
+    assert "'limited'" in error["message"] and KEYS["limited"] not in refused.text
+    assert 'embedsvc_tenant_requests_total{status="429",tenant="limited"}' in metrics or \
+        'embedsvc_tenant_requests_total{tenant="limited",status="429"}' in metrics
+    assert all(key not in metrics and key not in server.output() for key in KEYS.values())
+
+
+def test_sighup_reloads_the_keys_without_dropping_a_request_and_a_bad_file_keeps_them(
+        tmp_path):
+    with tenants_server(tmp_path, "serve", per_token_s=1e-4) as server:
+        answers: list = []
+        stop = threading.Event()
+
+        def client() -> None:
+            with loopback.Client(base_url=server.url, timeout=60, headers=auth("search")) as c:
+                while not stop.is_set():
+                    answers.append(c.post("/embed", json={"inputs": ["across the reload"] * 8}))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        write(server.keys, FILE.replace('tenant = "flood"', 'tenant = "added"')
+              .replace(KEYS["flood"], ADDED))
+        os.kill(server.pid, signal.SIGHUP)
+        time.sleep(0.5)
+        added = {"Authorization": f"Bearer {ADDED}"}
+        assert loopback.post(server.url + "/embed", json={"inputs": "new"},
+                             headers=added).status_code == 200
+        assert loopback.post(server.url + "/embed", json={"inputs": "old"},
+                             headers=auth("flood")).status_code == 401
+        write(server.keys, "[[keys]]\ntenant = 'broken'\n")  # no key: refused, old keys stay
+        os.kill(server.pid, signal.SIGHUP)
+        time.sleep(0.5)
+        assert loopback.post(server.url + "/embed", json={"inputs": "still"},
+                             headers=added).status_code == 200
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert server.alive()
+        log = server.output()
+    assert len(answers) >= 4 and {r.status_code for r in answers} == {200}
+    assert "reloaded (SIGHUP)" in log and log.count("not reloaded") >= 1
+    assert all(key not in log for key in [*KEYS.values(), ADDED])
+
+
+def test_a_wrong_key_gets_401_on_every_route_that_needs_one(tmp_path):
+    with tenants_server(tmp_path, "serve") as server:
+        for route in ROUTES:
+            if route.open or route.listed is False:
+                continue
+            path = route.path.replace("{model}", "fake")
+            for headers in ({"Authorization": "Bearer sk-wrong"}, {}):
+                resp = loopback.request(route.method, server.url + path, headers=headers,
+                                        json={} if route.method == "POST" else None,
+                                        timeout=30)
+                assert resp.status_code == 401, (route.method, path, resp.text[:200])
+                body = resp.json()
+                message = body["error"] if isinstance(body["error"], str) \
+                    else body["error"]["message"]
+                assert "API key" in message

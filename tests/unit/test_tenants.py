@@ -1,0 +1,138 @@
+"""tenants.py: keys from a file, checked in constant time, reloaded safely; quotas with exact
+Retry-After; admission charges a tenant before its request is tokenized."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from embedsvc.batching.admission import Admission
+from embedsvc.errors import Overloaded, Unauthorized
+from embedsvc.metrics import Metrics
+from embedsvc.tenants import (
+    DEFAULT_TENANT,
+    Keyring,
+    KeysFileError,
+    Limits,
+    Quotas,
+    Tenant,
+    digest,
+    parse_keys,
+)
+
+KEYS = """
+[[keys]]
+tenant = "search"
+key = "sk-search"
+requests_per_second = 2
+
+[[keys]]
+tenant = "backfill"
+sha256 = "{sha}"
+tokens_per_minute = 600
+inputs_in_flight = 4
+""".replace("{sha}", digest("sk-backfill").hex())
+
+
+def write(path, text: str) -> None:
+    path.write_text(text)
+    stamp = time.time_ns() + 10**9  # a modification time that differs, however fast
+    os.utime(path, ns=(stamp, stamp))
+
+
+def test_a_key_or_its_hash_names_its_tenant_and_anything_else_is_401(tmp_path):
+    path = tmp_path / "keys.toml"
+    write(path, KEYS)
+    ring = Keyring(str(path), api_key="sk-old")
+    assert ring.authenticate("Bearer sk-search").name == "search"
+    assert ring.authenticate("bearer sk-backfill").limits.inputs_in_flight == 4
+    assert ring.authenticate("Bearer sk-old").name == DEFAULT_TENANT  # API_KEY still works
+    for header in (None, "", "Bearer", "Bearer sk-searc", "Basic sk-search", "sk-search"):
+        with pytest.raises(Unauthorized):
+            ring.authenticate(header)
+    assert Keyring().authenticate(None) is None  # no keys: nothing is required
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("not toml [", "not TOML"),
+    ("[[keys]]\ntenant = 'a'\n", "give 'key' or 'sha256'"),
+    ("[[keys]]\ntenant = 'a'\nkey = 'has space'\n", "printable ASCII"),
+    ("[[keys]]\ntenant = 'a'\nsha256 = 'abc'\n", "64 hex digits"),
+    ("[[keys]]\ntenant = 'a'\nkey = 'k'\nrequests_per_second = 0\n", "above 0"),
+    ("[[keys]]\ntenant = 'a'\nkey = 'k'\nrps = 1\n", "unknown field 'rps'"),
+    ("[[keys]]\ntenant = 'a'\nkey = 'k'\n[[keys]]\ntenant = 'a'\nkey = 'j'\n", "twice"),
+    ("", "no [[keys]]"),
+])
+def test_a_bad_keys_file_says_where(text, says):
+    with pytest.raises(KeysFileError, match=said(says)):
+        parse_keys(text)
+
+
+def said(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_keys(tmp_path, caplog, monkeypatch):
+    from embedsvc import tenants
+
+    monkeypatch.setattr(tenants, "_CHECK_S", 0.0)
+    path = tmp_path / "keys.toml"
+    write(path, KEYS)
+    ring = Keyring(str(path))
+    write(path, "[[keys]]\ntenant = 'new'\nkey = 'sk-new'\n")
+    assert ring.authenticate("Bearer sk-new").name == "new"  # seen at the next request
+    with pytest.raises(Unauthorized):
+        ring.authenticate("Bearer sk-search")  # removed
+    with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
+        write(path, "[[keys]]\ntenant = 'broken'\n")
+        assert ring.authenticate("Bearer sk-new").name == "new"  # the keys in use stay
+        assert not ring.reload()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 2 and all("not reloaded" in line for line in lines), lines
+    assert all("sk-" not in line for line in caplog.text.splitlines())
+
+
+def test_quotas_refuse_with_the_wait_the_quota_gives():
+    ring = Keyring.of([Tenant("a", digest("k"), Limits(requests_per_second=2)),
+                       Tenant("t", digest("j"), Limits(tokens_per_minute=600)),
+                       Tenant("f", digest("f"), Limits(inputs_in_flight=4))])
+    q = Quotas(ring)
+    q.take("a", inputs=1, tokens=1, now=10.0)
+    q.take("a", inputs=1, tokens=1, now=10.0)  # a second's worth: two
+    with pytest.raises(Overloaded) as info:
+        q.take("a", inputs=1, tokens=1, now=10.1)
+    assert info.value.headers["Retry-After"] == "1" and info.value.code == "quota_exceeded"
+    q.take("a", inputs=1, tokens=1, now=10.6)  # refilled at 2 a second
+    q.take("t", inputs=1, tokens=900, now=0.0)  # a burst past the bucket: its debt, 300
+    with pytest.raises(Overloaded) as info:
+        q.take("t", inputs=1, tokens=1, now=0.0)
+    assert info.value.headers["Retry-After"] == "31"  # 300 tokens at 10 a second, then 1
+    q.take("f", inputs=3, tokens=1, now=0.0)
+    with pytest.raises(Overloaded):
+        q.take("f", inputs=2, tokens=1, now=0.0)  # 5 in flight > 4
+    q.give_back("f", 3)
+    q.take("f", inputs=4, tokens=1, now=0.0)
+    q.take(None, inputs=10**6, tokens=10**9)  # no tenant: no quota
+    q.take("unknown", inputs=1, tokens=1)  # a name not in the file (removed): no quota
+
+
+def test_admission_charges_the_tenant_first_and_a_refused_request_costs_it_nothing():
+    ring = Keyring.of([Tenant("a", digest("k"), Limits(requests_per_second=1,
+                                                       inputs_in_flight=3))])
+    a = Admission(max_inputs=2, max_tokens=100, timeout_s=30, floor_inputs=2,
+                  metrics=Metrics())
+    a.quotas = Quotas(ring)
+    later = time.monotonic() + 10
+    with pytest.raises(Exception, match="at most 2"):  # 413 from admission
+        a.admit(3, 3, later, tenant="a")
+    ticket = a.admit(2, 10, later, tenant="a")  # the refused one did not spend the second
+    with pytest.raises(Overloaded, match="quota"):
+        a.admit(1, 1, later, tenant="a")
+    a.settle(ticket, 12)
+    a.release(2, 12, "a")
+    assert a.quotas._usage["a"].in_flight == 0
