@@ -238,3 +238,52 @@ def test_a_malformed_or_oversized_frame_is_dropped_and_the_engine_serves_on(tmp_
 
 
         assert len(info(server)["front_pids"]) == 1  # ENGINE=process, with one front
+
+
+def connection_on(server: Server, front: int | None, other_than: int | None = None):
+    """A kept-alive client whose connection one front serves (the one named, or any but
+    ``other_than``): new connections go to either front, so it tries a few."""
+    for _ in range(50):
+        c = loopback.Client(base_url=server.url, timeout=60)
+        pid = c.get("/info").json()["pid"]
+        if (front is None or pid == front) and pid != other_than:
+            return c, pid
+        c.close()
+    raise AssertionError("no connection reached the front wanted")
+
+
+def test_one_fronts_flood_cannot_starve_another_fronts_client(tmp_path):
+    """Twelve connections on one front flood the engine with large requests; a client on
+    the other front is answered within about two batches each time (batches take turns by
+    connection in the engine's one batcher, whichever front a request came through)."""
+    cmd_flags = ("--max-batch-tokens", "2048")
+    env_per_token = "FAKE_SERVE_PER_TOKEN_S"
+    with running([*FAKE_EMBEDSVC, "serve", "--port", "0", "--workers", "2", "--threads", "32",
+                  *cmd_flags], tmp_path / "fair.log", env={env_per_token: "2e-5"}) as server:
+        all_ready(server, 2)
+        light, light_front = connection_on(server, None)
+        floods = [connection_on(server, None, other_than=light_front)[0] for _ in range(12)]
+        stop, answers, flooded = threading.Event(), [], []
+
+        def flood(c) -> None:
+            while not stop.is_set():
+                flooded.append(c.post("/embed", json={"inputs": ["a flood " * 30] * 64}))
+
+        threads = [threading.Thread(target=flood, args=(c,)) for c in floods]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        for i in range(20):
+            answers.append(light.post("/embed", json={"inputs": [f"light {i}"]}))
+        stop.set()
+        for t in threads:
+            t.join(60)
+        for c in [light, *floods]:
+            c.close()
+        batch_s = metric(server, "embedsvc_inference_seconds_sum") / metric(
+            server, "embedsvc_inference_seconds_count")
+    assert flooded and {r.status_code for r in flooded} == {200}
+    for i, resp in enumerate(answers):
+        assert_vectors(resp, [f"light {i}"])
+    worst = max(float(r.headers["x-queue-time"]) for r in answers) / 1000
+    assert worst < 4 * batch_s + 0.25, (worst, batch_s)
