@@ -6,11 +6,13 @@ One worker with many threads: the model is loaded once and the micro-batcher see
 request, so concurrent requests share device batches. PyTorch releases the GIL while it
 computes, so the request threads keep parsing and serialising meanwhile.
 
-Several workers (-w N) each hold their own copy of the model and their own batcher: N times
-the memory (on a GPU, N copies in device memory) and smaller batches, for no more device
-throughput. Use them only on the CPU when one process cannot keep the cores busy, and then
-with --preload so that the workers share the weights' pages. For several GPUs, run one
-embedsvc per GPU (CUDA_VISIBLE_DEVICES=0, 1, ...) behind a load balancer instead.
+Several workers (-w N on the command line) share one engine process, which alone holds the
+model, its device and the batcher: one copy of the model, batches formed from every worker's
+requests, and N processes to parse, tokenize and serialise. The first worker starts the
+engine (in post_worker_init below), and it exits when the master does, even by SIGKILL; the
+master preloads nothing, with or without --preload (docs/deployment.md, "One model, many
+HTTP processes"). EMBEDSVC_ENGINE=inline gives each worker its own copy instead. For several
+GPUs, run one embedsvc per GPU (CUDA_VISIBLE_DEVICES=0, 1, ...) behind a load balancer.
 
 Settings of embedsvc itself come from EMBEDSVC_* variables; the bind address, threads,
 connection limit, keep-alive and the worker's deadlines read the same variables as
@@ -55,11 +57,12 @@ limit_request_field_size = 8190
 # gunicorn's runtime control socket defaults to one path per user, so a second gunicorn on
 # the machine takes over the first one's; embedsvc does not use it.
 control_socket_disable = True
-# A preloaded app loads the weights in the master (on the CPU only) for workers to share.
-# With one worker there is nothing to share, so the model loads in the worker.
+# With one worker there is nothing to share, so the model loads in the worker; with -w N the
+# workers share the engine process, and a preloading master would load nothing anyway.
 preload_app = False
 
 
 def post_worker_init(worker):
-    """Load and warm the model before the worker takes requests, so the first one is fast."""
+    """Load and warm the model before the worker takes requests, so the first one is fast
+    (with -w N: start the shared engine process, or wait for it, and connect)."""
     worker.wsgi.warm(timeout=timeout)

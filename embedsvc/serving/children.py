@@ -4,7 +4,7 @@ model, its device and the batcher) and a front (an HTTP process in front of it).
 Both are the same program as their parent, started with a subcommand users do not type
 (``embedsvc engine``, ``embedsvc front``): ``embedsvc serve --workers N`` starts them
 (serving/supervisor.py), and gunicorn's first worker starts the engine
-(serving/process.py). Each watches the processes it serves (``watch``) and drains when they
+(serving/shared_engine.py). Each watches the processes it serves (``watch``) and drains when they
 are gone, so that no engine is left behind when its supervisor or gunicorn's master dies,
 even by SIGKILL.
 """

@@ -1,15 +1,20 @@
-"""The process model: the engine belongs to the process that serves, and fork() is handled.
+"""The process model: where the model lives for the process that serves, and fork() handled.
 
 ``embedsvc:app`` is a ``LazyApp``. Importing it loads nothing and touches no accelerator.
-In each process that serves, the first request of any kind builds that process's engine.
+In each process that serves, the first request of any kind builds that process's engine:
+the model itself, or, under ``gunicorn -w N`` (N > 1) and ENGINE=process, a front of the
+one engine process that the workers share (serving/shared_engine.py starts it).
 
 Around ``fork()``:
 - a child never uses its parent's engine, batcher, queue or locks: it builds its own;
-- under ``gunicorn --preload`` the master loads the weights onto the CPU (no device
-  probing) while it loads the app, so that its forked workers share those pages
-  copy-on-write; each worker then places them on its device itself, so the master never
-  initialises CUDA. A model that serves from its export record (model/lean.py) is not
-  preloaded: the master holds no ONNX Runtime session, whose threads a fork would break;
+- when the workers share an engine process, the master preloads nothing, even with
+  ``--preload``: no worker is forked from a process that holds a model;
+- otherwise (one worker, ENGINE=inline), under ``gunicorn --preload`` the master loads the
+  weights onto the CPU (no device probing) while it loads the app, so that its forked
+  workers share those pages copy-on-write; each worker then places them on its device
+  itself, so the master never initialises CUDA. A model that serves from its export record
+  (model/lean.py) is not preloaded: the master holds no ONNX Runtime session, whose threads
+  a fork would break;
 - a child whose parent had initialised CUDA cannot use it: it stops at boot with one line
   that says why and what to do.
 """

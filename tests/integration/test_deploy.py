@@ -1,18 +1,27 @@
-"""deploy/: manifests validate offline and agree with each other and with the app."""
+"""deploy/: manifests validate offline and agree with each other and with the app; the pod's
+settings, run here around the fake encoder, serve the metrics the HPA scales on."""
 
 import configparser
+import json
 import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedsvc.metrics import Metrics
 from embedsvc.settings import Settings
+
+from .. import loopback
+from .servers import FAKE_EMBEDSVC, Server, running
+from .test_observability import DASHBOARD, PROMETHEUS, metric_names
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -77,6 +86,8 @@ def test_deployment_agrees_with_the_app_settings(rendered):
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + settings.drain_timeout_s + 5
     assert "nvidia.com/gpu" not in {**c["resources"]["limits"], **c["resources"]["requests"]}
     assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+    # several HTTP processes in front of one engine process: one per CPU the pod requests
+    assert settings.workers > 1 and settings.workers == int(c["resources"]["requests"]["cpu"])
 
 
 def test_the_gpu_overlay_runs_the_cuda_image_one_replica_per_gpu(rendered):
@@ -89,6 +100,9 @@ def test_the_gpu_overlay_runs_the_cuda_image_one_replica_per_gpu(rendered):
     assert c["image"].endswith("-cuda") and Settings.from_env(env_of(c)).device == "cuda"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    # one model copy on the GPU (the engine's) whatever the HTTP processes, one per CPU
+    workers = Settings.from_env(env_of(c)).workers
+    assert workers > 1 and workers == int(c["resources"]["requests"]["cpu"])
     base = container(rendered)  # everything else as the base has it
     for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
         assert c[key] == base[key], key
@@ -164,7 +178,63 @@ def test_systemd_unit_drains_within_its_stop_timeout():
                if line and not line.startswith("#"))
     settings = Settings.from_env(env)
     assert int(service["TimeoutStopSec"]) > settings.drain_timeout_s
+    # SIGTERM to the main process alone, which drains its HTTP processes, then the engine: a
+    # signal to every process of the unit would reach each HTTP process twice
+    assert settings.workers > 1 and service["KillMode"] == "mixed"
     # ProtectSystem=strict leaves only the CacheDirectory writable for the ONNX graph
     assert service["ProtectSystem"] == "strict"
     assert f"EMBEDSVC_CACHE_DIR=/var/cache/{service['CacheDirectory']}" in service["Environment"]
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+# -- the pod's settings, served ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pod(rendered, tmp_path_factory) -> Iterator[Server]:
+    """The Deployment's container as a process here: its EMBEDSVC_* settings (WORKERS HTTP
+    processes in front of one engine process, JSON logs, the probe port) on loopback port 0,
+    around the fake encoder."""
+    env = {**env_of(container(rendered)), "EMBEDSVC_HOST": "127.0.0.1", "EMBEDSVC_PORT": "0",
+           "EMBEDSVC_HEALTH_PORT": "0"}
+    log = tmp_path_factory.mktemp("pod") / "pod.log"
+    with running([*FAKE_EMBEDSVC, "serve"], log, env=env) as server:
+        yield server
+
+
+def every_front_ready(probes: str, workers: int, timeout: float = 60) -> dict:
+    """/info once the engine has heard from ``workers`` HTTP processes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        about = loopback.get(probes + "/info", timeout=10).json()
+        if len(about["front_pids"]) >= workers or time.monotonic() > deadline:
+            return about
+        time.sleep(0.2)
+
+
+def scrape(url: str) -> dict[str, list]:
+    text = loopback.get(url + "/metrics", timeout=10).text
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_the_hpa_metric_is_the_engines_from_any_of_the_pods_http_processes(rendered, pod):
+    """What the ServiceMonitor scrapes (the probe port's /metrics), whichever HTTP process
+    answers: the HPA's queue depth and every metric the alerts and the dashboard name, the
+    engine's among them, one series per pod (no per-process label that would split it)."""
+    workers = Settings.from_env(env_of(container(rendered))).workers
+    probes = pod.probe_url()
+    about = every_front_ready(probes, workers)
+    assert about["engine_pid"] not in about["front_pids"]
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    named = metric_names("\n".join(exprs)) | metric_names((PROMETHEUS / "alerts.yml").read_text())
+    processes = {str(about["engine_pid"]), *map(str, about["front_pids"])}
+    for _ in range(3 * workers):  # a new connection each: the kernel picks the process
+        live = scrape(probes)
+        assert [(s.name, s.labels) for s in live[hpa]] == [(hpa, {})]
+        assert named <= set(live), sorted(named - set(live))
+        # the engine's own: only it runs a batcher and holds the admission limit
+        assert live["embedsvc_batcher_alive"][0].value == 1
+        assert live["embedsvc_admission_limit_inputs"][0].value > 0
+        pids = {s.labels["pid"] for s in live["process_resident_memory_bytes"]}
+        assert pids == processes
