@@ -36,26 +36,18 @@ MISSING_EXTRA = ("traces are asked for (OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_END
 _STAGES = ("embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute")
 
 
-def _sdk() -> Any:
-    """OpenTelemetry's SDK and OTLP/HTTP exporter, imported only when traces are asked for;
-    SettingsError naming the extra when they are not installed."""
-    try:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-    except ImportError:
-        raise SettingsError(MISSING_EXTRA) from None
-    return trace, OTLPSpanExporter, Resource, TracerProvider, BatchSpanProcessor, \
-        TraceContextTextMapPropagator
-
-
 def check_installed(endpoint: str) -> None:
     """SettingsError (one line, naming the extra) when traces are asked for without it."""
     if endpoint:
-        _sdk()
+        _require_sdk()
+
+
+def _require_sdk() -> None:
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        raise SettingsError(MISSING_EXTRA) from None
 
 
 def tracing_for(endpoint: str) -> Tracing | None:
@@ -95,17 +87,25 @@ class Tracing:
     """
 
     def __init__(self, endpoint: str, exporter: Any = None) -> None:
+        _require_sdk()
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
         from .. import __version__
 
-        trace, exporter_class, resource, provider_class, batch, propagator = _sdk()
         self._trace = trace
-        found = resource.create({"service.version": __version__, "process.pid": os.getpid()})
+        found = Resource.create({"service.version": __version__, "process.pid": os.getpid()})
         if str(found.attributes.get("service.name", "")).startswith("unknown_service"):
-            found = found.merge(resource({"service.name": "embedsvc"}))  # OTEL_SERVICE_NAME wins
-        self.provider = provider_class(resource=found)
-        self.provider.add_span_processor(batch(exporter or exporter_class(endpoint=endpoint)))
+            found = found.merge(Resource({"service.name": "embedsvc"}))  # OTEL_SERVICE_NAME wins
+        self.provider = TracerProvider(resource=found)
+        exporter = exporter or OTLPSpanExporter(endpoint=endpoint)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("embedsvc", __version__)
-        self.propagator = propagator()
+        self.propagator = TraceContextTextMapPropagator()
         self.server = trace.SpanKind.SERVER
 
     def handle(self, route: Route, call: Call, environ: dict[str, Any]) -> Reply:
