@@ -10,7 +10,7 @@ they are the same whether the model is in this process or in the engine process 
 timings come back in its answer frames). Spans leave through the SDK's batch processor and
 the OTLP/HTTP exporter, on the processor's thread, never the request's.
 
-Without an endpoint nothing here is imported: the pipeline's only cost is one look at
+Without an endpoint nothing of OpenTelemetry is imported: the pipeline's only cost is one look at
 ``Pipeline.tracing`` (bench/RESULTS.md, 2026-12-03). Each process that serves builds its own
 exporter when it builds its app, after gunicorn's fork (serving/process.py).
 """
@@ -20,15 +20,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ApiError
 from ..settings import SettingsError
 from ..work import Embedded, Work
-from .web import Call, Reply
-
-if TYPE_CHECKING:
-    from .web import Route
+from .web import Call, Reply, Route
 
 MISSING_EXTRA = ("traces are asked for (OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_ENDPOINT or "
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, is set) but the OpenTelemetry packages "
