@@ -267,7 +267,8 @@ class Engine:
         out = answer.result()
         out.tokens = sum(map(len, work.ids))
         out.tokenize_s = tokenize_s
-        out.queue_s += tokenizing - asked
+        out.admit_s = tokenizing - asked
+        out.queue_s += out.admit_s
         return out
 
     # -- what does not reach the model --------------------------------------------------------

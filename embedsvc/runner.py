@@ -111,9 +111,11 @@ class Runner:
         turn = min(limits.max_batch_tokens, self.encoder.info.max_input_tokens)
         started = time.monotonic()
         inference = 0.0
+        largest = 0
         for part in slices(ids, limits.max_batch_size, turn):
             self._device_turn(len(ids) - len(rows), work.deadline, work.disconnected, tag)
             tag += sum(map(len, part))
+            largest = max(largest, len(part))
             computing = time.monotonic()
             try:
                 rows.extend(encode_tokens(part))
@@ -122,7 +124,7 @@ class Runner:
             inference += time.monotonic() - computing
         waited = time.monotonic() - started - inference
         return Embedded(np.empty((len(ids), 0), np.float32), 0, queue_s=waited,
-                        inference_s=inference, token_vectors=rows)
+                        inference_s=inference, batch_size=largest, token_vectors=rows)
 
     def shutdown(self, timeout: float) -> ShutdownReport:
         """Refuse new work (503), finish what was admitted within ``timeout``."""
@@ -187,7 +189,8 @@ class LocalPort:
     def _answer(self, work: Work, job: Job) -> Embedded:
         rows = job.result()  # no timeout: the watchdog fails it at its deadline while queued
         out = self.runner.finish(work, rows)
-        out.queue_s, out.inference_s = job.queue_s, job.inference_s
+        out.queue_s, out.inference_s, out.batch_size = job.queue_s, job.inference_s, \
+            job.batch_size
         return out
 
 

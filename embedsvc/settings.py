@@ -127,6 +127,30 @@ def _api_key(text: str) -> str | None:
     return text or None
 
 
+def _otlp_endpoint(text: str) -> str:
+    """An OTLP/HTTP collector (``http://host:4318``: spans go to its ``/v1/traces``) or the
+    full URL that takes its traces; empty: no traces."""
+    value = text.strip()
+    if not value:
+        return ""
+    scheme, sep, rest = value.partition("://")
+    if scheme.lower() not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
+        raise ValueError("expected an http:// or https:// URL of an OTLP/HTTP collector, "
+                         "such as http://localhost:4318")
+    host, slash, path = rest.partition("/")
+    return value if slash and path.strip("/") else f"{scheme}://{host}/v1/traces"
+
+
+def standard_otlp_endpoint(env: Mapping[str, str]) -> str:
+    """OpenTelemetry's own variables, as its exporters read them: the traces URL, else the
+    collector's, with ``/v1/traces`` added to it."""
+    traces = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if traces:
+        return traces
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    return base.rstrip("/") + "/v1/traces" if base else ""
+
+
 def _optional_port(text: str) -> int | None:
     value = text.strip().lower()
     if value in ("", "off", "none"):
@@ -233,6 +257,14 @@ class Settings:
                               commands=COMMANDS)
     log_format: str = _setting("plain", _choice("plain", "json"), "log lines as text or JSON",
                                commands=COMMANDS)
+    otlp_endpoint: str = _setting(
+        "", _otlp_endpoint,
+        "where each request's trace goes (OpenTelemetry, OTLP/HTTP; needs the 'otel' extra): "
+        "a collector, http://host:4318, or its traces URL; empty: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT; none of them: "
+        "no traces",
+        serve_only=True,
+    )
     header_timeout_s: float = _setting(
         10.0, _positive(float, _HOUR),
         "a connection's request head must arrive in full within this long (from accept, or "
@@ -369,6 +401,8 @@ class Settings:
             raw = env.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
                 values[f.name] = _parse(f, raw)
+        if "otlp_endpoint" not in values and standard_otlp_endpoint(env):
+            values["otlp_endpoint"] = standard_otlp_endpoint(env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -98,14 +98,18 @@ class Embedded:
     ``vectors``: one row per input (``EMBED``: the vector; ``SCORE``: a score per label);
     ``sparse``: ``SPARSE``'s active pairs per input; ``token_vectors``: ``TOKENS``' per-token
     vectors per input. ``tokens``: the real tokens computed (special tokens included).
+    ``queue_s`` is the wait for admission (``admit_s``) and then in the batcher's queue;
+    ``batch_size``: the inputs of the largest device batch that held some of this work's.
     """
 
     vectors: np.ndarray
     tokens: int
     tokenize_s: float = 0.0
     queue_s: float = 0.0
+    admit_s: float = 0.0
     inference_s: float = 0.0
     total_s: float = 0.0
+    batch_size: int = 0
     sparse: list[SparseRow] | None = None
     token_vectors: list[np.ndarray] | None = None
 

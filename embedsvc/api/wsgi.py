@@ -49,6 +49,7 @@ from ..service import Service
 from ..settings import Settings
 from .lane import BodyLane
 from .routes import ROUTES
+from .tracing import tracing_for
 from .web import Call, Reply, Route, json_reply
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Pipeline:
                 self.ending[route.path[:route.path.rindex("{")]] = (route.path, route.parameter)
         self.error_shape = ErrorShapes(routes)
         self.lane = BodyLane()  # large bodies' parsing, one at a time (lane.py)
+        self.tracing = tracing_for(service.settings.otlp_endpoint)  # this process's (tracing.py)
 
     def _match(self, path: str) -> tuple[str, dict[str, str]]:
         """The table's path for ``path``, and the value of its parameter if it ends in one."""
@@ -136,7 +138,10 @@ class Pipeline:
                         _flow(environ), params, self.lane, tenant)
             if route.kinds is not None:
                 check_kind(route, call)
-            reply = route.handler(call)
+            if self.tracing is None:  # no OTLP_ENDPOINT: this look is all tracing costs
+                reply = route.handler(call)
+            else:
+                reply = self.tracing.handle(route, call, environ)
         except ApiError as exc:
             reply = self.error(exc, path)
         except Exception:

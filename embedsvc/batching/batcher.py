@@ -140,6 +140,7 @@ class Job:
         self.submitted = time.monotonic()
         self.finished_at = 0.0
         self.inference_s = 0.0
+        self.batch_size = 0  # inputs of the largest batch that held some of its inputs
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
         self.flow: Hashable = None
@@ -631,6 +632,7 @@ class Batcher:
                 if id(job) not in seen:
                     seen.add(id(job))
                     job.inference_s += elapsed
+                    job.batch_size = max(job.batch_size, len(batch))
                 if job.done:  # failed meanwhile (another of its batches), or its client left
                     continue
                 self._computed += 1

@@ -324,7 +324,7 @@ def embedded(frame: Any) -> Embedded:
         raise error_of(frame)
     if isinstance(frame, wire.Rows):
         return Embedded(wire.float_rows(frame.rows, frame.shape), 0, queue_s=frame.queue_s,
-                        inference_s=frame.inference_s)
+                        inference_s=frame.inference_s, batch_size=frame.batch_size)
     if isinstance(frame, wire.Sparse):
         counts = np.frombuffer(frame.counts, dtype="<i4")
         bounds = np.concatenate(([0], np.cumsum(counts)))
@@ -333,13 +333,15 @@ def embedded(frame: Any) -> Embedded:
         pairs = [(indices[a:b].astype(np.int64), values[a:b])
                  for a, b in itertools.pairwise(bounds.tolist())]
         return Embedded(np.empty((len(pairs), 0), np.float32), 0, sparse=pairs,
-                        queue_s=frame.queue_s, inference_s=frame.inference_s)
+                        queue_s=frame.queue_s, inference_s=frame.inference_s,
+                        batch_size=frame.batch_size)
     if isinstance(frame, wire.TokenRows):
         counts = np.frombuffer(frame.counts, dtype="<i4")
         rows = np.frombuffer(frame.rows, dtype="<f4").reshape(-1, frame.width)
         bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
         vectors = [rows[a:b] for a, b in itertools.pairwise(bounds)]
         return Embedded(np.empty((len(vectors), 0), np.float32), 0, token_vectors=vectors,
-                        queue_s=frame.queue_s, inference_s=frame.inference_s)
+                        queue_s=frame.queue_s, inference_s=frame.inference_s,
+                        batch_size=frame.batch_size)
     raise Unavailable(f"the engine answered with {type(frame).__name__}",
                       code="engine_protocol")

@@ -325,6 +325,7 @@ class EngineServer:
                 return failed(req.id, ApiError("the batch that held this request failed; "
                                                "retry it", code="batch_failed"))
             result.queue_s, result.inference_s = job.queue_s, job.inference_s
+            result.batch_size = job.batch_size
         if isinstance(result, ApiError):
             return failed(req.id, result)
         return answer_frame(req.id, req.work.kind, result)
@@ -355,17 +356,17 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
         indices = np.concatenate([i for i, _ in out.sparse] or [np.empty(0)]).astype("<i4")
         values = np.concatenate([v for _, v in out.sparse] or [np.empty(0)]).astype("<f4")
         return wire.Sparse(request_id, counts.tobytes(), indices.tobytes(), values.tobytes(),
-                           out.queue_s, out.inference_s)
+                           out.queue_s, out.inference_s, out.batch_size)
     if kind == TOKENS:
         rows = out.token_vectors or []
         counts = np.array([len(r) for r in rows], dtype="<i4")
         width = rows[0].shape[1] if rows else 0
         flat = np.concatenate(rows).astype("<f4") if rows else np.empty((0, 0), "<f4")
         return wire.TokenRows(request_id, counts.tobytes(), flat.tobytes(), width,
-                              out.queue_s, out.inference_s)
+                              out.queue_s, out.inference_s, out.batch_size)
     vectors = np.ascontiguousarray(out.vectors, dtype="<f4")
-    return wire.Rows(request_id, vectors.tobytes(),
-                     (int(vectors.shape[0]), int(vectors.shape[1])), out.queue_s, out.inference_s)
+    return wire.Rows(request_id, vectors.tobytes(), (int(vectors.shape[0]),
+                     int(vectors.shape[1])), out.queue_s, out.inference_s, out.batch_size)
 
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:

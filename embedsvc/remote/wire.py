@@ -92,6 +92,7 @@ class Rows(Frame):
     shape: tuple[int, int]
     queue_s: float
     inference_s: float
+    batch_size: int = 0  # the inputs of the largest batch that held this request's
 
 
 class Sparse(Frame):
@@ -101,6 +102,7 @@ class Sparse(Frame):
     values: bytes  # float32
     queue_s: float
     inference_s: float
+    batch_size: int = 0  # the inputs of the largest batch that held this request's
 
 
 class TokenRows(Frame):
@@ -110,6 +112,7 @@ class TokenRows(Frame):
     width: int
     queue_s: float
     inference_s: float
+    batch_size: int = 0  # the inputs of the largest batch that held this request's
 
 
 class Failed(Frame):

@@ -17,7 +17,7 @@ import errno
 import os
 import socket
 
-from ..settings import ENV_PREFIX, Settings
+from ..settings import ENV_PREFIX, Settings, SettingsError
 
 USAGE, FAILURE = 2, 1
 
@@ -36,6 +36,7 @@ def check_serving(settings: Settings) -> None:
     check_hub(settings)
     check_kind(settings)
     check_device(settings.device)
+    check_tracing(settings.otlp_endpoint)
     check_listen(settings.host, settings.port)
     check_keys(settings.keys_file)
 
@@ -125,6 +126,18 @@ def check_device(device: str) -> None:
         seen = f"{count} CUDA device(s)" if count else "no CUDA device"
         raise PreflightError(f"DEVICE is {device!r} but torch sees {seen}: check the driver and "
                              "CUDA_VISIBLE_DEVICES, or set EMBEDSVC_DEVICE=auto or cpu", FAILURE)
+
+
+def check_tracing(endpoint: str) -> None:
+    """Traces asked for need the OpenTelemetry packages (the ``otel`` extra)."""
+    if not endpoint:
+        return
+    from ..api.tracing import check_installed
+
+    try:
+        check_installed(endpoint)
+    except SettingsError as exc:
+        raise PreflightError(str(exc), USAGE) from None
 
 
 def check_listen(host: str, port: int) -> None:

@@ -38,6 +38,7 @@ from ..logs import configure_logging, quiet_model_libraries
 from ..model.encoder import Encoder
 from ..service import Service, load_encoder
 from ..settings import Settings
+from .preflight import check_tracing
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ class LazyApp:
         self._preloaded: Any = None
         settings = Settings.from_env(self._env)
         check_fork(settings)
+        check_tracing(settings.otlp_endpoint)  # when the app loads, not at its first request
         os.register_at_fork(after_in_child=self._after_fork_in_child)
         if preloading_in_gunicorn_master():
             self._preload(settings)

@@ -83,6 +83,22 @@ def test_each_request_gets_exactly_its_rows_in_order(metrics):
     b.shutdown(1)
 
 
+def test_a_job_knows_the_largest_batch_that_held_its_inputs(metrics):
+    """What a request's trace reports as its batch size (api/tracing.py)."""
+    enc = GatedEncoder()
+    b = start(enc, metrics, max_batch_tokens=40)  # 4 inputs of 10 tokens a batch
+    first = occupy(b, enc)
+    jobs = [b.submit([ids(*range(10 + i, 18 + i))], later()) for i in range(3)]
+    enc.gate.set()
+    for job in [first, *jobs]:
+        job.result(5)
+    split = b.submit([ids(*range(100, 108)) for _ in range(6)], later())  # 4 + 2
+    split.result(5)
+    assert [len(batch) for batch in enc.batches] == [1, 3, 4, 2]
+    assert [job.batch_size for job in [first, *jobs, split]] == [1, 3, 3, 3, 4]
+    b.shutdown(1)
+
+
 def test_item_cap_and_token_budget_hold(metrics):
     enc = GatedEncoder()
     b = start(enc, metrics, max_batch_size=4, max_batch_tokens=24)

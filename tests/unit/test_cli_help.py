@@ -10,6 +10,7 @@ from embedsvc.settings import Settings
 SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-bytes",
           "--request-timeout-s", "--header-timeout-s", "--body-timeout-s", "--idle-timeout-s",
           "--send-timeout-s",
+          "--otlp-endpoint",
           "--max-connections", "--health-port", "--token-ids", "--workers", "--engine",
           "--keys-file"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",

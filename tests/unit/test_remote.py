@@ -19,12 +19,12 @@ from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
 from embedsvc.remote import wire
-from embedsvc.remote.client import error_of
+from embedsvc.remote.client import embedded, error_of
 from embedsvc.remote.place import engine_address, private_dir
-from embedsvc.remote.server import EngineServer, failed
+from embedsvc.remote.server import EngineServer, answer_frame, failed
 from embedsvc.service import Service
 from embedsvc.settings import Settings
-from embedsvc.work import EMBED, TOKENS, Work
+from embedsvc.work import EMBED, SPARSE, TOKENS, Embedded, Work
 
 
 @pytest.fixture
@@ -62,6 +62,25 @@ def test_rows_through_the_engine_equal_the_encoders(pair):
     tokens = front.ready().run(Work(TOKENS, ["a b c"], deadline=time.monotonic() + 5))
     assert [t.shape for t in tokens.token_vectors] == [(5, 6)]
     assert front.engine_pid == engine.pid and front.state == "ready"
+
+
+def test_the_batch_size_comes_back_from_the_engine_as_in_one_process(pair):
+    engine, front, encoder = pair
+    texts = ["one", "two", "three"]
+    for service in (engine, front):
+        out = service.ready().run(Work(EMBED, texts, deadline=time.monotonic() + 5))
+        assert out.batch_size == 3
+        tokens = service.ready().run(Work(TOKENS, texts, deadline=time.monotonic() + 5))
+        assert tokens.batch_size == 3  # /embed_all's largest slice
+
+
+@pytest.mark.parametrize("kind", [EMBED, SPARSE, TOKENS])
+def test_every_answer_frame_carries_the_batch_size(kind):
+    out = Embedded(np.ones((2, 3), np.float32), 0, queue_s=0.5, inference_s=0.25, batch_size=7,
+                   sparse=[(np.array([1]), np.array([0.5], np.float32))] * 2,
+                   token_vectors=[np.ones((2, 3), np.float32)] * 2)
+    back = embedded(wire.decode_to_front(wire.encode(answer_frame(9, kind, out))))
+    assert (back.batch_size, back.queue_s, back.inference_s) == (7, 0.5, 0.25)
 
 
 def test_an_error_of_the_model_side_is_raised_in_the_front_as_its_own_class():

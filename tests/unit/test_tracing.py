@@ -1,0 +1,195 @@
+"""api/tracing.py: the span of each request (the caller's trace continued, the stages as its
+children, the attributes), OTLP_ENDPOINT and OpenTelemetry's own variables, and nothing of
+OpenTelemetry imported or done while no endpoint is set. tests/integration/test_traces.py
+receives the spans over OTLP/HTTP from real servers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from embedsvc.api.tracing import MISSING_EXTRA, Tracing
+from embedsvc.api.web import Call, Reply, Route, embedded_reply
+from embedsvc.api.wsgi import Pipeline
+from embedsvc.cli import main
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.serving.preflight import PreflightError
+from embedsvc.serving.process import LazyApp
+from embedsvc.settings import Settings, SettingsError
+from embedsvc.work import EMBED
+
+from .conftest import make_app
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+CALLER = "b7ad6b7169203331"
+PARENT = {"traceparent": f"00-{TRACE}-{CALLER}-01", "tracestate": "vendor=1"}
+STAGES = ["embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute",
+          "embedsvc.serialize"]
+
+
+def traced(app) -> InMemorySpanExporter:
+    """Spans of ``app``'s requests, kept in memory instead of sent."""
+    exporter = InMemorySpanExporter()
+    app.wsgi_app.tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=exporter)
+    return exporter
+
+
+def finished(app, exporter: InMemorySpanExporter) -> dict:
+    app.wsgi_app.tracing.provider.force_flush()
+    spans = exporter.get_finished_spans()
+    app.wsgi_app.tracing.shutdown()
+    return {s.name: s for s in spans}
+
+
+def test_a_request_continues_the_callers_trace_with_its_stages_as_children(registry):
+    app = make_app(FakeEncoder(dimension=8, delay_s=0.02), registry)
+    exporter = traced(app)
+    resp = app.test_client().post("/v1/embeddings", headers=PARENT,
+                                  json={"input": ["one text", "and another"], "model": "m"})
+    assert resp.status_code == 200
+    spans = finished(app, exporter)
+    server = spans.pop("POST /v1/embeddings")
+    assert format(server.context.trace_id, "032x") == TRACE
+    assert format(server.parent.span_id, "016x") == CALLER and server.parent.is_remote
+    assert server.context.trace_state.get("vendor") == "1"
+    assert server.kind.name == "SERVER"
+    assert dict(server.attributes) == {
+        "http.request.method": "POST", "http.route": "/v1/embeddings",
+        "url.path": "/v1/embeddings", "http.response.status_code": 200,
+        "embedsvc.model": "fake", "embedsvc.kind": "embed", "embedsvc.inputs": 2,
+        "embedsvc.tokens": int(resp.headers["x-compute-tokens"]), "embedsvc.batch_size": 2}
+    assert sorted(spans) == sorted(STAGES)
+    for child in spans.values():
+        assert child.context.trace_id == server.context.trace_id
+        assert child.parent.span_id == server.context.span_id
+        assert server.start_time <= child.start_time <= child.end_time <= server.end_time
+    ordered = [spans[name] for name in STAGES]
+    assert all(a.end_time <= b.start_time for a, b in zip(ordered, ordered[1:], strict=False))
+    assert spans["embedsvc.compute"].attributes["embedsvc.batch_size"] == 2
+    # their lengths are the timings the answer reports
+    ms = {name: (s.end_time - s.start_time) / 1e6 for name, s in spans.items()}
+    assert ms["embedsvc.compute"] == pytest.approx(float(resp.headers["x-inference-time"]),
+                                                   abs=0.01)
+    assert ms["embedsvc.compute"] >= 20  # the fake device's 20 ms
+    assert ms["embedsvc.admission"] + ms["embedsvc.queue"] == pytest.approx(
+        float(resp.headers["x-queue-time"]), abs=0.01)
+    assert ms["embedsvc.tokenize"] == pytest.approx(
+        float(resp.headers["x-tokenization-time"]), abs=0.01)
+
+
+def test_a_request_without_traceparent_starts_a_trace(registry):
+    app = make_app(FakeEncoder(dimension=8), registry)
+    exporter = traced(app)
+    assert app.test_client().post("/embed", json={"inputs": "hi"}).status_code == 200
+    spans = finished(app, exporter)
+    server = spans["POST /embed"]
+    assert server.parent is None and server.context.trace_id != int(TRACE, 16)
+    assert {s.context.trace_id for s in spans.values()} == {server.context.trace_id}
+
+
+def test_an_error_is_recorded_on_the_span_with_its_status(registry):
+    app = make_app(FakeEncoder(dimension=8), registry)
+    exporter = traced(app)
+    resp = app.test_client().post("/v1/embeddings", headers=PARENT,
+                                  json={"input": [], "model": "m"})
+    assert resp.status_code == 400
+    (server,) = finished(app, exporter).values()  # no stage ran
+    assert server.attributes["http.response.status_code"] == 400
+    assert server.attributes["error.type"] == "empty_input"
+    assert [e.name for e in server.events] == ["exception"]
+    assert server.status.status_code.name == "UNSET"  # a client's error, not the server's
+
+
+def test_an_unexpected_error_is_a_500_and_an_error_span(registry):
+    def broken(call: Call) -> Reply:
+        raise RuntimeError("boom")
+
+    app = make_app(FakeEncoder(dimension=8), registry)
+    pipeline = Pipeline(app.extensions["embedsvc"], app.wsgi_app.fallback,
+                        [Route("/broken", "POST", broken, "fails")])
+    app.wsgi_app = pipeline
+    exporter = traced(app)
+    assert app.test_client().post("/broken", json={}).status_code == 500
+    (server,) = finished(app, exporter).values()
+    assert server.status.status_code.name == "ERROR"
+    assert server.attributes["error.type"] == "RuntimeError"
+    assert server.attributes["http.response.status_code"] == 500
+
+
+def test_the_tenant_of_the_work_is_an_attribute(registry):
+    def embed(call: Call) -> Reply:
+        out = call.run(call.work(EMBED, ["x", "y", "z"], tenant="search-team"))
+        return embedded_reply({}, out, 3)
+
+    app = make_app(FakeEncoder(dimension=8), registry)
+    app.wsgi_app = Pipeline(app.extensions["embedsvc"], app.wsgi_app.fallback,
+                            [Route("/tenant", "POST", embed, "tenant")])
+    exporter = traced(app)
+    assert app.test_client().post("/tenant", json={}).status_code == 200
+    server = finished(app, exporter)["POST /tenant"]
+    assert server.attributes["embedsvc.tenant"] == "search-team"
+    assert server.attributes["embedsvc.inputs"] == 3
+    assert server.attributes["embedsvc.batch_size"] == 3
+
+
+def test_a_caller_that_does_not_sample_gets_no_span(registry):
+    app = make_app(FakeEncoder(dimension=8), registry)
+    exporter = traced(app)
+    unsampled = {"traceparent": f"00-{TRACE}-{CALLER}-00"}
+    assert app.test_client().post("/embed", json={"inputs": "hi"},
+                                  headers=unsampled).status_code == 200
+    assert finished(app, exporter) == {}
+
+
+def test_the_endpoint_setting_and_opentelemetrys_own_variables():
+    assert Settings().otlp_endpoint == ""
+    assert Settings(otlp_endpoint="http://collector:4318").otlp_endpoint == \
+        "http://collector:4318/v1/traces"
+    assert Settings(otlp_endpoint="https://c/otlp/v1/traces/").otlp_endpoint == \
+        "https://c/otlp/v1/traces/"
+    for bad in ("collector:4318", "grpc://c:4317", "http://"):
+        with pytest.raises(SettingsError, match="OTLP_ENDPOINT"):
+            Settings(otlp_endpoint=bad)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318/"}
+    assert Settings.from_env(env).otlp_endpoint == "http://base:4318/v1/traces"
+    env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = "http://traces:4318/custom"
+    assert Settings.from_env(env).otlp_endpoint == "http://traces:4318/custom"
+    env["EMBEDSVC_OTLP_ENDPOINT"] = "http://own:4318"
+    assert Settings.from_env(env).otlp_endpoint == "http://own:4318/v1/traces"
+    # a child process (engine, front) reads back the same endpoint
+    again = Settings.from_env(Settings.from_env(env).to_env())
+    assert again.otlp_endpoint == "http://own:4318/v1/traces"
+
+
+def test_without_an_endpoint_nothing_of_opentelemetry_is_imported():
+    code = textwrap.dedent("""
+        import sys
+        from embedsvc.api.wsgi import create_app
+        from embedsvc.model.fake import FakeEncoder
+        from embedsvc.serving.process import LazyApp
+        from embedsvc.settings import Settings
+        app = create_app(Settings(), encoder=FakeEncoder(dimension=4))
+        app.extensions["embedsvc"].start(background=False)
+        assert app.test_client().post("/embed", json={"inputs": "hi"}).status_code == 200
+        LazyApp(env={})
+        assert app.wsgi_app.tracing is None
+        print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PATH": "", "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_traces_asked_for_without_the_extra_is_one_line(monkeypatch, capsys, registry):
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    assert main(["serve", "--port", "0", "--otlp-endpoint", "http://127.0.0.1:4318"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"embedsvc: {MISSING_EXTRA}\n" and "embedsvc[otel]" in err
+    with pytest.raises(PreflightError, match=r"embedsvc\[otel\]"):
+        LazyApp(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    with pytest.raises(SettingsError, match=r"embedsvc\[otel\]"):
+        make_app(FakeEncoder(dimension=8), registry, otlp_endpoint="http://127.0.0.1:4318")
