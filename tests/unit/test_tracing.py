@@ -13,14 +13,13 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from embedsvc.api.tracing import MISSING_EXTRA, Tracing
-from embedsvc.api.web import Call, Reply, Route, embedded_reply
+from embedsvc.api.web import Call, Reply, Route
 from embedsvc.api.wsgi import Pipeline
 from embedsvc.cli import main
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.serving.preflight import PreflightError
 from embedsvc.serving.process import LazyApp
 from embedsvc.settings import Settings, SettingsError
-from embedsvc.work import EMBED
 
 from .conftest import make_app
 
@@ -120,20 +119,19 @@ def test_an_unexpected_error_is_a_500_and_an_error_span(registry):
     assert server.attributes["http.response.status_code"] == 500
 
 
-def test_the_tenant_of_the_work_is_an_attribute(registry):
-    def embed(call: Call) -> Reply:
-        out = call.run(call.work(EMBED, ["x", "y", "z"], tenant="search-team"))
-        return embedded_reply({}, out, 3)
-
-    app = make_app(FakeEncoder(dimension=8), registry)
-    app.wsgi_app = Pipeline(app.extensions["embedsvc"], app.wsgi_app.fallback,
-                            [Route("/tenant", "POST", embed, "tenant")])
+def test_the_tenant_of_the_key_is_an_attribute(registry, tmp_path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\ntenant = "search-team"\nkey = "sk-search"\n')
+    app = make_app(FakeEncoder(dimension=8), registry, keys_file=str(keys))
     exporter = traced(app)
-    assert app.test_client().post("/tenant", json={}).status_code == 200
-    server = finished(app, exporter)["POST /tenant"]
+    resp = app.test_client().post("/embed", json={"inputs": ["x", "y", "z"]},
+                                  headers={"Authorization": "Bearer sk-search"})
+    assert resp.status_code == 200
+    server = finished(app, exporter)["POST /embed"]
     assert server.attributes["embedsvc.tenant"] == "search-team"
     assert server.attributes["embedsvc.inputs"] == 3
     assert server.attributes["embedsvc.batch_size"] == 3
+    assert all("sk-search" not in str(v) for v in server.attributes.values())
 
 
 def test_a_caller_that_does_not_sample_gets_no_span(registry):
