@@ -70,7 +70,7 @@ class Service:
         loader: Callable[[], Encoder] | None = None,
         metrics: Metrics | None = None,
         engine_address: str | None = None,
-        keeper: Callable[[], None] | None = None,
+        keeper: Callable[[], str | None] | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -112,7 +112,9 @@ class Service:
         engine = self._engine
         if self.failure:
             return "unhealthy"
-        return engine.port.state if engine is not None else "loading"
+        if engine is None:  # no card yet: the link says whether an engine is coming
+            return self._link.state if self._link is not None else "loading"
+        return engine.port.state
 
     @property
     def engine_pid(self) -> int | None:

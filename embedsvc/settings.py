@@ -371,6 +371,11 @@ class Settings:
             if value is not None:
                 text = str(value).lower() if isinstance(value, bool) else str(value)
                 object.__setattr__(self, f.name, _parse(f, text))
+        if self.workers > 1 and self.engine == "inline":
+            raise SettingsError(
+                f"WORKERS={self.workers} puts one engine process behind the HTTP processes, "
+                "and ENGINE=inline asks for a model in each: set EMBEDSVC_ENGINE=auto (or "
+                "--engine auto), or run one process per model copy with gunicorn -w N")
         if self.max_inputs_per_request is None:
             object.__setattr__(self, "max_inputs_per_request", min(2048, self.max_queue or 2048))
         elif self.max_queue is not None and self.max_inputs_per_request > self.max_queue:

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.1  # how often a waiting request looks at the engine's liveness and its client
 _PING_S = 0.5
 _SNAPSHOT_S = 1.0
-LOST_AFTER_S = 1.5  # an engine silent this long is gone (a SIGKILL closes the socket sooner)
+# An engine silent this long is gone: one that dies closes its socket, which tells sooner;
+# this is for one that hangs, and is long enough for a front whose interpreter is busy
+# (building its tokenizer from the card held it 1.7 s once) not to mistake its own pause.
+LOST_AFTER_S = 3.0
 _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engine's 499
 _CONNECT_S = 1.0  # how long a send waits for its socket to connect
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
@@ -73,7 +76,7 @@ class Link:
     """
 
     def __init__(self, address: str, snapshot: Callable[[], list[Any]] | None = None,
-                 keeper: Callable[[], None] | None = None) -> None:
+                 keeper: Callable[[], str | None] | None = None) -> None:
         self.address = address
         self._keeper = keeper  # starts an engine when there is none (gunicorn's workers)
         self.card: wire.Card | None = None
@@ -180,9 +183,10 @@ class Link:
                 if self.card is not None and self.state != "loading" \
                         and now - heard > LOST_AFTER_S:
                     self._lost(f"no answer for {LOST_AFTER_S}s")
-                if self._keeper is not None and self.state == "loading" and now >= next_keep:
+                if self._keeper is not None and self.state in ("loading", "unhealthy") \
+                        and now >= next_keep:
                     next_keep = now + LOST_AFTER_S  # none has answered: start one if needed
-                    self._keeper()
+                    self._failed(self._keeper())
                 if now >= next_ping:
                     next_ping = now + _PING_S
                     hello = wire.Ping(os.getpid()) if self.state != "loading" \
@@ -215,6 +219,12 @@ class Link:
                 return
             self.state, self.queue_limit, self.fronts = frame.state, frame.queue_limit, \
                 frame.fronts
+
+    def _failed(self, why: str | None) -> None:
+        """The keeper could not start an engine: unhealthy, and why, until one answers."""
+        if why is not None and self.state != "unhealthy":
+            self.state = "unhealthy"
+            log.error("%s", why)
 
     def _lost(self, why: str) -> None:
         if self.state == "loading":

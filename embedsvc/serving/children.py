@@ -14,13 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -30,12 +28,11 @@ from ..remote.place import engine_address
 from ..remote.server import EngineServer
 from ..service import Service
 from ..settings import Settings
+from .lifeline import ENGINE_BOOT_ERROR, alive, watch
 from .process import serving_process
 
 log = logging.getLogger(__name__)
 
-ENGINE_BOOT_ERROR = 3  # the model did not load: restarting it would fail the same way
-_WATCH_S = 0.5
 
 
 def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -> int:
@@ -43,7 +40,7 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
     until a watched process is gone (then the directory goes too); the exit code."""
     watch_pids = list(watch_pids)
     serving_process(settings)
-    orphaned = [pid for pid in watch_pids if not _alive(pid, None)]
+    orphaned = [pid for pid in watch_pids if not alive(pid)]
     if orphaned:
         log.info("engine not started: process %d, which it would serve, is gone", orphaned[0])
         return 0
@@ -117,50 +114,6 @@ def _drainer(drain: Callable[[], Any], stop: threading.Event) -> Callable[[str],
         threading.Thread(target=run, name="embedsvc-engine-drain", daemon=True).start()
 
     return begin
-
-
-def watch(pids: Iterable[int], on_gone: Callable[[int], None]) -> threading.Thread | None:
-    """Call ``on_gone(pid)`` when any of ``pids`` has exited (a pidfd where the system has
-    them, so that a reused pid is never mistaken for the process), from a daemon thread."""
-    watched = [pid for pid in pids if pid > 1]
-    if not watched:
-        return None
-    handles = {pid: _pidfd(pid) for pid in watched}
-
-    def run() -> None:
-        while True:
-            for pid, fd in handles.items():
-                if not _alive(pid, fd):
-                    on_gone(pid)
-                    return
-            time.sleep(_WATCH_S)
-
-    thread = threading.Thread(target=run, name="embedsvc-lifeline", daemon=True)
-    thread.start()
-    return thread
-
-
-def _pidfd(pid: int) -> int | None:
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return int(opener(pid))
-    except OSError:  # already gone, or not allowed: the pid itself is watched
-        return None
-
-
-def _alive(pid: int, fd: int | None) -> bool:
-    if fd is not None:
-        readable, _, _ = select.select([fd], [], [], 0)
-        return not readable  # a pidfd turns readable when its process exits
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process with that pid: ours has gone
-        return False
-    return True
 
 
 def child_command(subcommand: str, *args: str) -> list[str]:

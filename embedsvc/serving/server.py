@@ -80,6 +80,8 @@ class Server:
         self.probes = (ProbeListener(self.app, settings, probe_sock)
                        if settings.health_port is not None else None)
         self._signals = 0
+        self._drain_lock = threading.Lock()
+        self._drain_started = False
         self.drain_report: ShutdownReport | None = None
 
     @property
@@ -92,6 +94,10 @@ class Server:
             for signum in DRAIN_SIGNALS:
                 signal.signal(signum, self._on_signal)
             signal.signal(signal.SIGHUP, lambda signum, frame: self.service.keyring.reload())
+            # the supervisor's word to drain (embedsvc serve --workers N): a front that got a
+            # SIGTERM of its own as well drains once, rather than exiting at the second
+            signal.signal(signal.SIGUSR1, lambda signum, frame: threading.Thread(
+                target=self._drain, name="embedsvc-drain", daemon=True).start())
         if self.probes is not None:
             self.probes.start()
         log.info("serving on http://%s:%d (pid %d, %d threads, %s)", self.settings.host,
@@ -120,6 +126,10 @@ class Server:
         threading.Thread(target=self._drain, name="embedsvc-drain", daemon=True).start()
 
     def _drain(self) -> None:
+        with self._drain_lock:  # once, whoever asks first (a signal, stop(), the supervisor)
+            if self._drain_started:
+                return
+            self._drain_started = True
         started = time.monotonic()
         deadline = started + self.settings.drain_timeout_s
         computed_before = drain.inputs_computed(self.service)

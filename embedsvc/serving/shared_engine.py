@@ -30,11 +30,13 @@ from pathlib import Path
 
 from ..remote.place import owner_dir
 from ..settings import Settings
+from .lifeline import ENGINE_BOOT_ERROR, alive
 
 log = logging.getLogger(__name__)
 
 _PID_FILE = "engine.pid"
 _LOCK_FILE = "engine.lock"
+_FAILED_FILE = "engine.failed"  # the engine could not load the model: no restart
 
 
 def gunicorn_workers() -> int | None:
@@ -77,13 +79,18 @@ class SharedEngine:
         self.master_pid = master_pid
         self.directory = owner_dir(master_pid)
 
-    def ensure(self) -> None:
-        """Start the engine unless one is running (any worker may call it, at any time)."""
-        if not _alive(self.master_pid):  # its master is gone: this worker is about to go too
-            return
+    def ensure(self) -> str | None:
+        """Start the engine unless one is running (any worker may call it, at any time);
+        why not, when the last one could not load the model (it is not started again:
+        gunicorn must be restarted once the model is fixed)."""
+        if not alive(self.master_pid):  # its master is gone: this worker is about to go too
+            return None
         with self._locked():
+            failed = self.directory / _FAILED_FILE
+            if failed.exists():
+                return failed.read_text()
             if _running(self.directory / _PID_FILE):
-                return
+                return None
             cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
                    str(self.directory), "--watch-pid", str(self.master_pid)]
             env = {**os.environ, **self.settings.to_env()}
@@ -92,7 +99,15 @@ class SharedEngine:
             log.info("process %d started the engine process (pid %d), shared while process "
                      "%d lives", os.getpid(), proc.pid, self.master_pid)
         # reap it when it exits (its parent is this process), so that it leaves no zombie
-        threading.Thread(target=proc.wait, name="embedsvc-engine-reaper", daemon=True).start()
+        threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
+                         daemon=True).start()
+        return None
+
+    def _reap(self, proc: subprocess.Popen) -> None:
+        if proc.wait() == ENGINE_BOOT_ERROR:
+            (self.directory / _FAILED_FILE).write_text(
+                "the engine process could not load the model (the server log says why); fix "
+                "it, then restart gunicorn")
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -102,16 +117,6 @@ class SharedEngine:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _running(pid_file: Path) -> bool:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from ..remote.place import fresh_dir
 from ..settings import Settings
-from .children import ENGINE_BOOT_ERROR, child_command
+from .children import child_command
+from .lifeline import ENGINE_BOOT_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,10 @@ class Supervisor:
                 fds.append(self.probes.fileno())
                 args += ["--probe-fd", str(self.probes.fileno())]
         env = {**os.environ, **self.settings.to_env()}
-        proc = subprocess.Popen(child_command(role, *args), env=env, pass_fds=fds)
+        # a session of its own: a terminal's Ctrl-C or a signal to the process group reaches
+        # the supervisor alone, which stops the children in order
+        proc = subprocess.Popen(child_command(role, *args), env=env, pass_fds=fds,
+                                start_new_session=True)
         return Child(role, proc)
 
     def _watch(self) -> int:
@@ -154,20 +158,23 @@ class Supervisor:
         log.info("signal %d: draining the fronts, then the engine (up to %.0fs)", signum,
                  self.settings.drain_timeout_s)
         self._draining = True
+        # the fronts stop accepting as they drain; this copy of the listening socket must
+        # close too, or the kernel would queue new connections and reset them at the exit
+        self.listener.close()
 
     def _stop_all(self) -> None:
         """The fronts first (they finish what they admitted, which needs the engine), then
         the engine."""
         deadline = time.monotonic() + self.settings.drain_timeout_s + 5
-        _stop([f.proc for f in self.fronts], deadline)
+        _stop([f.proc for f in self.fronts], deadline, signal.SIGUSR1)  # a front's "drain"
         if self.engine is not None:
-            _stop([self.engine.proc], deadline + 5)
+            _stop([self.engine.proc], deadline + 5, signal.SIGTERM)
 
 
-def _stop(procs: list[subprocess.Popen], deadline: float) -> None:
+def _stop(procs: list[subprocess.Popen], deadline: float, signum: int) -> None:
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
     for proc in procs:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))

@@ -82,3 +82,22 @@ def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, 
         assert "is gone" in server.output()
         with contextlib.suppress(ProcessLookupError):  # the workers notice in a few seconds
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_an_engine_that_cannot_load_the_model_is_not_restarted_for_ever(tmp_path):
+    """Its workers say unhealthy, and why, once; gunicorn must be restarted with a model
+    that loads."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = {"EMBEDSVC_MODEL": str(model)}
+    cmd = ["gunicorn", "-w", "2", "-b", "127.0.0.1:0", "--no-control-socket", "embedsvc:app"]
+    with running(cmd, tmp_path / "broken.log", env=env, healthy=False) as server:
+        deadline, code = time.monotonic() + 90, None
+        while time.monotonic() < deadline and code != "unhealthy":
+            resp = loopback.get(server.url + "/health", timeout=30)
+            code = resp.json()["error"]["code"] if resp.status_code != 200 else "ok"
+            time.sleep(0.3)
+        assert code == "unhealthy", server.output()[-3000:]
+        time.sleep(4)  # longer than a keeper's look: no new engine
+        assert server.output().count("started the engine process") == 1, server.output()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 
 from embedsvc.model.fake import FakeEncoder
@@ -202,7 +204,10 @@ def test_sigterm_drains_the_fronts_then_the_engine_and_cuts_nothing_admitted(tmp
             t.start()
         time.sleep(0.3)  # admitted, the first batch computing
         kids = children(server.pid)
-        server.proc.send_signal(signal.SIGTERM)
+        os.killpg(server.pid, signal.SIGTERM)  # the whole group, as systemd's default does
+        time.sleep(0.3)
+        with pytest.raises(ConnectionRefusedError):  # refused, never queued and then reset
+            socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
         for t in threads:
             t.join(60)
         assert server.proc.wait(60) == 0

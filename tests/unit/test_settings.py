@@ -124,3 +124,9 @@ def test_an_api_key_clients_cannot_send_is_refused_without_repeating_it(key):
 def test_an_api_key_of_printable_ascii_is_taken():
     assert Settings(api_key="sk-A1_b2.C3~!").api_key == "sk-A1_b2.C3~!"
     assert Settings.from_env({"EMBEDSVC_API_KEY": ""}).api_key is None
+
+
+def test_several_workers_with_a_model_in_each_is_refused_with_the_fix():
+    with pytest.raises(SettingsError, match="EMBEDSVC_ENGINE=auto"):
+        Settings(workers=2, engine="inline")
+    assert Settings(workers=2, engine="process").workers == 2

@@ -1,0 +1,61 @@
+"""Processes that must not outlive others, and how the engine process says it cannot start.
+
+The engine process and the fronts watch the processes they serve (their supervisor,
+gunicorn's master) and drain when those are gone, whatever ended them, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+ENGINE_BOOT_ERROR = 3  # the model did not load: restarting the engine would fail the same way
+_WATCH_S = 0.5
+
+
+def watch(pids: Iterable[int], on_gone: Callable[[int], None]) -> threading.Thread | None:
+    """Call ``on_gone(pid)`` when any of ``pids`` has exited (a pidfd where the system has
+    them, so that a reused pid is never mistaken for the process), from a daemon thread."""
+    watched = [pid for pid in pids if pid > 1]
+    if not watched:
+        return None
+    handles = {pid: _pidfd(pid) for pid in watched}
+
+    def run() -> None:
+        while True:
+            for pid, fd in handles.items():
+                if not alive(pid, fd):
+                    on_gone(pid)
+                    return
+            time.sleep(_WATCH_S)
+
+    thread = threading.Thread(target=run, name="embedsvc-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pidfd(pid: int) -> int | None:
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:  # already gone, or not allowed: the pid itself is watched
+        return None
+
+
+def alive(pid: int, fd: int | None = None) -> bool:
+    """Whether ``pid`` runs (through its pidfd ``fd``, when there is one)."""
+    if fd is not None:
+        readable, _, _ = select.select([fd], [], [], 0)
+        return not readable  # a pidfd turns readable when its process exits
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has its pid now: ours has gone
+        return False
+    return True
