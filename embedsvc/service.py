@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -207,6 +208,7 @@ class Service:
         threading.Thread(target=self._watch, args=(batcher,), name="embedsvc-watchdog",
                          daemon=True).start()
         self._announce(encoder.info, time.monotonic() - started)
+        _settle()
         self._loaded.set()
         for callback in self.on_ready:
             callback(encoder.info)
@@ -232,6 +234,7 @@ class Service:
                 self._engine = Engine(self.settings, text, RemotePort(link), self.metrics)
                 log.info("front ready: pid=%d, the model in the engine process (pid %d)",
                          self.pid, card.pid)
+                _settle()
             break
         self._loaded.set()
 
@@ -289,6 +292,15 @@ def batch_limits(settings: Settings, encoder: Encoder) -> BatchLimits:
     if cap is None:
         return limits
     return dataclasses.replace(limits, max_batch_tokens=cap(limits.max_batch_tokens))
+
+
+def _settle() -> None:
+    """Move what starting built (modules, the web stack, the tokenizer, the model's graph)
+    out of the garbage collector's generations: it lives as long as the process, and each
+    full collection walked all of it again. A request that builds many containers (a 2 MB
+    body of 350,000 one-item lists) triggers such collections while it parses: measured,
+    its parse took 0.35 CPU-s with the startup's objects in the generations, 0.15 frozen."""
+    gc.freeze()
 
 
 def _reason(exc: BaseException) -> str:

@@ -160,7 +160,6 @@ class Link:
         control.setsockopt(zmq.LINGER, 0)
         control.setsockopt(zmq.IMMEDIATE, 1)
         events = control.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        control.connect(self.address)
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(events, zmq.POLLIN)
@@ -168,6 +167,7 @@ class Link:
         next_ping = next_snapshot = 0.0
         next_keep = time.monotonic() + LOST_AFTER_S
         try:
+            control.connect(self.address)
             while not self._stop.is_set():
                 found = dict(poller.poll(int(_TICK_S * 1000)))
                 if events in found:

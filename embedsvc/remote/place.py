@@ -20,6 +20,11 @@ import tempfile
 from pathlib import Path
 
 ENGINE_SOCKET = "engine.sock"
+# the bytes of a Unix socket's path: sun_path holds 108 on Linux, 104 on macOS and the BSDs,
+# the terminating NUL included; a longer path fails to bind ("File name too long")
+SOCKET_PATH_MAX = 103
+# the longest name a run's directory gets: fresh_dir's mkdtemp, or owner_dir's largest pid
+_LONGEST_RUN_DIR = "engine-4194304"
 
 
 def private_dir(path: Path) -> Path:
@@ -38,10 +43,20 @@ def private_dir(path: Path) -> Path:
 
 def runtime_base() -> Path:
     """This user's directory for the engine's sockets: $XDG_RUNTIME_DIR (a tmpfs only the
-    user can enter) when set, else ``embedsvc-<uid>`` in the temporary directory."""
+    user can enter) when set, else the temporary directory, else /tmp: the first of them
+    short enough for a Unix socket's path (``SOCKET_PATH_MAX``), with ``embedsvc-<uid>`` in
+    it. RuntimeError when none is."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
-    return private_dir(base / f"embedsvc-{os.getuid()}")
+    candidates = [Path(runtime)] if runtime and os.path.isdir(runtime) else []
+    candidates += [Path(tempfile.gettempdir()), Path("/tmp")]
+    for base in candidates:
+        mine = base / f"embedsvc-{os.getuid()}"
+        if _fits(mine / _LONGEST_RUN_DIR / ENGINE_SOCKET):
+            return private_dir(mine)
+    raise RuntimeError(
+        f"no directory for the engine's socket has a path short enough for a Unix socket "
+        f"({SOCKET_PATH_MAX} bytes at most; tried {', '.join(map(str, candidates))}): set "
+        "XDG_RUNTIME_DIR or TMPDIR to a shorter directory")
 
 
 def fresh_dir() -> Path:
@@ -56,4 +71,12 @@ def owner_dir(pid: int) -> Path:
 
 
 def engine_address(directory: Path) -> str:
-    return f"ipc://{directory / ENGINE_SOCKET}"
+    path = directory / ENGINE_SOCKET
+    if not _fits(path):
+        raise RuntimeError(f"{path} is longer than a Unix socket's path may be "
+                           f"({SOCKET_PATH_MAX} bytes): use a shorter directory")
+    return f"ipc://{path}"
+
+
+def _fits(path: Path) -> bool:
+    return len(os.fsencode(path)) <= SOCKET_PATH_MAX

@@ -30,6 +30,7 @@ _PORT_LINES = re.compile(
 # `embedsvc` around the fake encoder (tests/integration/fake_serve.py); run from the checkout
 FAKE_EMBEDSVC = ["python", "-m", "tests.integration.fake_serve"]
 _PROBES = re.compile(r"probes on http://127\.0\.0\.1:(\d+)")
+_FRONT_READY = re.compile(r"engine ready: pid=(\d+) .*\(this front: pid (\d+)\)")
 
 
 @dataclass
@@ -79,6 +80,19 @@ class Server:
             assert self.alive(), f"server exited:\n{self.output()}"
             time.sleep(0.2)
         raise AssertionError(f"not healthy after {timeout}s:\n{self.output()}")
+
+    def wait_fronts(self, fronts: int, timeout: float = 60) -> None:
+        """Until ``fronts`` HTTP processes have the current engine's card: /health says ok as
+        soon as one front has it, and a connection the other takes meanwhile gets 503."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = [found.groups() for found in _FRONT_READY.finditer(self.output())]
+            latest = ready[-1][0] if ready else None
+            if len({front for engine, front in ready if engine == latest}) >= fronts:
+                return
+            assert self.alive(), f"server exited:\n{self.output()}"
+            time.sleep(0.1)
+        raise AssertionError(f"not {fronts} fronts ready after {timeout}s:\n{self.output()}")
 
 
 def _wait_port(proc: subprocess.Popen, log: Path, timeout: float) -> int:

@@ -46,6 +46,7 @@ def info(server: Server) -> dict:
 def all_ready(server: Server, n: int, timeout: float = 60) -> None:
     """Until the engine knows ``n`` fronts and each answers /health (new connections go
     to either front, so a few in a row reach both)."""
+    server.wait_fronts(n, timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(len(info(server)["front_pids"]) == n and

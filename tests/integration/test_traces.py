@@ -131,6 +131,8 @@ def test_each_way_of_serving_exports_the_callers_trace_with_its_stages(launch, t
         env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
                "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": f"embedsvc-{launch}"}
         with running(cmd, tmp_path / "server.log", env=env, cwd=str(REPO)) as server:
+            if launch in ("gunicorn-preload", "workers-2"):
+                server.wait_fronts(2)  # /info from either names the model
             texts = ["the first text", "a second one", "and a third"]
             resp = loopback.post(server.url + "/v1/embeddings", timeout=60, json={
                 "input": texts, "model": "m"}, headers={

@@ -144,3 +144,26 @@ def test_a_front_serves_without_importing_pytorch(tmp_path):
                          timeout=120, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_sockets_directory_is_one_whose_path_a_unix_socket_can_take(tmp_path, monkeypatch):
+    """A Unix socket's path holds 104-108 bytes: under a long XDG_RUNTIME_DIR (a test's
+    temporary directory, a deep home) binding failed with "File name too long" and the fronts
+    waited for an engine for ever. The base falls back to a shorter directory."""
+    from embedsvc.remote.place import SOCKET_PATH_MAX, fresh_dir, owner_dir
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    for directory in (fresh_dir(), owner_dir(4194304)):
+        address = engine_address(directory)
+        assert len(address.removeprefix("ipc://").encode()) <= SOCKET_PATH_MAX
+        assert not directory.is_relative_to(deep)
+        assert directory.stat().st_mode & 0o777 == 0o700
+        directory.rmdir()
+
+
+def test_a_socket_path_too_long_is_refused_with_what_to_do(tmp_path):
+    deep = private_dir(tmp_path / ("d" * 120))
+    with pytest.raises(RuntimeError, match="shorter directory"):
+        engine_address(deep)
