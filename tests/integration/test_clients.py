@@ -176,6 +176,9 @@ def check_hub_client(out: dict, server: Server) -> None:
     assert info["max_input_length"] == 256 and info["model_dtype"] == "float32"
 
 
+# The TEI clients, one launcher each: what they send is the same to both (the OpenAI
+# clients above run against each), and each run of them costs a few CPU-seconds of imports.
+@pytest.mark.parametrize("live", ["waitress-serve"], indirect=True)
 def test_huggingface_hub_2_and_haystack_tei_clients(live):
     out = run_tei_clients(Path(sys.executable), live,
                           ["hub", "hub-async", "haystack-text", "haystack-document"])
@@ -187,6 +190,7 @@ def test_huggingface_hub_2_and_haystack_tei_clients(live):
     assert_same(out["haystack-document"]["vectors"], live, TEXTS, normalize=False)
 
 
+@pytest.mark.parametrize("live", ["embedsvc-serve"], indirect=True)
 def test_huggingface_hub_1_and_langchain_huggingface(live):
     out = run_tei_clients(HUB1_PYTHON, live, ["hub", "hub-async", "langchain-huggingface"])
     assert out["huggingface_hub"].startswith("1.")

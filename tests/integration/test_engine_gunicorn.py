@@ -46,6 +46,14 @@ def maps_onnxruntime(pid: int) -> bool:
         return False
 
 
+def exited(pid: int) -> bool:
+    """``pid`` is gone or a zombie (it may go between any two looks at /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 def engine_ready(url: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,12 +81,9 @@ def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, 
         assert mapped == [engine], (mapped, engine)
         os.kill(server.pid, signal.SIGKILL)  # the master
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and Path(f"/proc/{engine}").exists() \
-                and "Z" not in Path(f"/proc/{engine}/stat").read_text().split(")")[1][:3]:
+        while time.monotonic() < deadline and not exited(engine):
             time.sleep(0.1)
-        gone = not Path(f"/proc/{engine}").exists() or \
-            "Z" in Path(f"/proc/{engine}/stat").read_text().split(")")[1][:3]
-        assert gone, f"the engine (pid {engine}) outlived its master"
+        assert exited(engine), f"the engine (pid {engine}) outlived its master"
         assert "is gone" in server.output()
         with contextlib.suppress(ProcessLookupError):  # the workers notice in a few seconds
             os.killpg(server.pid, signal.SIGKILL)

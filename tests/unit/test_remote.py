@@ -106,11 +106,14 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
         context.destroy(linger=0)
 
 
-def test_a_front_serves_without_importing_pytorch(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_front_serves_without_importing_pytorch(tmp_path, device):
     """The front side of every kind of work imports no torch, so fronts never hold a CUDA
-    context (the engine process holds the only one)."""
+    context (the engine process holds the only one): also when the engine's card says its
+    model is on a GPU (a stand-in here), which /info and /metrics then report without
+    touching torch.cuda."""
     code = textwrap.dedent(f"""
-        import sys, threading, time
+        import dataclasses, sys, threading, time
         from pathlib import Path
         from embedsvc.model.fake import FakeEncoder
         from embedsvc.model.text import describe, text_spec
@@ -125,7 +128,8 @@ def test_a_front_serves_without_importing_pytorch(tmp_path):
         address = engine_address(private_dir(Path({str(tmp_path)!r}) / "run"))
         server = EngineServer(engine.runner, address, state=lambda: engine.state,
                               metrics=engine.metrics,
-                              card={{"info": describe(enc.info), "text": text_spec(enc)}})
+                              card={{"info": describe(dataclasses.replace(
+                                  enc.info, device={device!r})), "text": text_spec(enc)}})
         stop = threading.Event()
         threading.Thread(target=server.run, args=(stop,), daemon=True).start()
         settings = Settings(cache_dir={str(tmp_path / "cache")!r})
@@ -138,6 +142,7 @@ def test_a_front_serves_without_importing_pytorch(tmp_path):
                            ("/v2/embed", {{"texts": ["hi"], "embedding_types": ["int8"]}})):
             assert client.post(path, json=body).status_code == 200, path
         assert client.get("/metrics").status_code == 200
+        assert client.get("/info").get_json()["device"] == {device!r}
         print("torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
