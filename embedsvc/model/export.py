@@ -16,6 +16,7 @@ record that says it cannot be served this way, and why.
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import warnings
@@ -32,6 +33,16 @@ from .sparse import SparseEmbedder
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
+
+# The record's weights of more than HALF_FROM values are stored as float16, each followed by a
+# Cast to float32 under its old name: ONNX Runtime folds the casts when it builds the session,
+# so the graph computes in float32 as before, on weights rounded to float16's 11 bits. That
+# halves the record (all-MiniLM-L6-v2's: 87 to 44 MiB), which the install without PyTorch
+# carries beside its packages (bench/RESULTS.md, issue 39). Biases and LayerNorm weights
+# stay float32: they weigh little. The probe decides: a model whose outputs the rounded
+# weights do not reproduce to record.TOLERANCE and PARITY keeps them as float32.
+HALF_FROM = 1000
+HALF_ERROR = 1e-3  # float16 rounds by at most 2**-11 (4.9e-4) of a value in its normal range
 
 # The probe: shapes unlike the trace's, padding, a pair for cross-encoders, non-ASCII text.
 _TRACE = ["trace", "a second trace text"]
@@ -51,7 +62,6 @@ def build_record(encoder: SentenceTransformerEncoder, key: str, path: Path,
     if reason is None:
         try:
             _write(encoder, {"fingerprint": key, "kind_setting": kind_setting}, path)
-            open_record(path, threads=1)  # what the export gives must be what PyTorch gives
         except RecordError as exc:
             reason = f"its ONNX export does not reproduce PyTorch's outputs ({exc})"
         except Exception as exc:  # noqa: BLE001 - any failure: this model takes PyTorch's path
@@ -85,7 +95,7 @@ def _write(encoder: SentenceTransformerEncoder, names: dict[str, str], path: Pat
     _export_graph(encoder, outputs, path / GRAPH)
     np.savez(path / PROBE, **probe)  # type: ignore[arg-type]  # numpy's stub types allow_pickle only
     encoder._tokenizer.save(str(path / TOKENIZER))
-    write_record(path, {
+    _store(path, {
         **names, "lean": True, "kind": encoder.kind,
         "info": _info(encoder),
         "tokenizer": {"pad_id": encoder._pad_id, "token_types": encoder._with_token_types,
@@ -97,9 +107,75 @@ def _write(encoder: SentenceTransformerEncoder, names: dict[str, str], path: Pat
                      "activation": _activation(encoder),
                      "max_active_dims": getattr(encoder, "max_active_dims", None)},
         "probe": {"inputs": inputs, "ids": [list(ids) for ids in batch]},
-        "files": {GRAPH: describe_file(path / GRAPH),
-                  TOKENIZER: describe_file(path / TOKENIZER), PROBE: describe_file(path / PROBE)},
     })
+
+
+def _store(path: Path, fields: dict[str, Any]) -> None:
+    """Write ``record.json`` with ``fields`` over the graph that ``path`` holds, its weights
+    stored as float16 where the probe allows it (``half_weights``), else as exported;
+    RecordError when not even that reproduces PyTorch's outputs."""
+    import onnx
+
+    exported = onnx.load(str(path / GRAPH))
+    half, count = half_weights(exported)
+    for storage, graph in (("float16", half), ("float32", exported)):
+        if storage == "float16" and not count:
+            continue
+        onnx.save(graph, str(path / GRAPH))
+        write_record(path, {**fields, "weights": storage, "files": {
+            name: describe_file(path / name) for name in (GRAPH, TOKENIZER, PROBE)}})
+        try:
+            open_record(path, threads=1)  # what the export gives must be what PyTorch gives
+        except RecordError as exc:
+            if storage == "float32":
+                raise
+            log.info("exported %s: its float16 weights miss PyTorch's probe outputs (%s); "
+                     "storing them as float32", fields["info"]["name"], exc)
+            continue
+        which = f" ({count} tensors of more than {HALF_FROM} values)" if graph is half else ""
+        log.info("exported %s: weights stored as %s%s, computed in float32; %s %.1f MiB",
+                 fields["info"]["name"], storage, which, GRAPH,
+                 (path / GRAPH).stat().st_size / 2**20)
+        return
+
+
+def half_weights(model: Any) -> tuple[Any, int]:
+    """A copy of the ONNX ``model`` whose float32 initializers of more than HALF_FROM values
+    are float16, each cast back to float32 under its own name, and how many it converted;
+    a tensor float16 does not hold to HALF_ERROR of its largest value stays float32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    half = copy.deepcopy(model)
+    graph = half.graph
+    inputs = {i.name for i in graph.input}  # an initializer a caller may override stays
+    initializers, casts = [], []
+    for tensor in graph.initializer:
+        values = (numpy_helper.to_array(tensor) if tensor.data_type == TensorProto.FLOAT
+                  and np.prod(tensor.dims) > HALF_FROM and tensor.name not in inputs else None)
+        rounded = None if values is None else _rounded(values)
+        if rounded is None:
+            initializers.append(tensor)
+            continue
+        initializers.append(numpy_helper.from_array(rounded, f"{tensor.name}.float16"))
+        casts.append(helper.make_node("Cast", [f"{tensor.name}.float16"], [tensor.name],
+                                      to=TensorProto.FLOAT, name=f"{tensor.name}.float32"))
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    nodes = [*casts, *graph.node]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return half, len(casts)
+
+
+def _rounded(values: np.ndarray) -> np.ndarray | None:
+    """``values`` as float16, or None where they do not hold there (past 65,504, or rounded
+    by more than HALF_ERROR of the largest value: an embedding table's rows that the probe
+    does not reach would otherwise go unchecked)."""
+    with np.errstate(over="ignore"):
+        rounded = values.astype(np.float16)
+    scale = float(np.abs(values).max(initial=0.0))
+    error = np.abs(rounded.astype(np.float32) - values).max(initial=0.0)
+    return rounded if np.isfinite(rounded).all() and error <= HALF_ERROR * scale else None
 
 
 def _batch(encoder: SentenceTransformerEncoder, inputs: list[Any]) -> list[list[int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import platform
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +97,7 @@ class LeanEncoder(TextSide):
         self._token_types = bool(tok["token_types"])
         self._session = session
         self.graph = path / GRAPH
+        self.weights: str = record["weights"]  # float16 where export.py could store them so
         self.probe_inputs: list[Any] = []
         info = record["info"]
         self.info = ModelInfo(**{**info, "labels": tuple(info["labels"])}, kind=record["kind"],
@@ -338,7 +340,7 @@ def gate(encoder: LeanEncoder, floor: float) -> None:
 
 def startup_line(encoder: LeanEncoder, path: Path) -> str:
     quality = getattr(encoder, "quality", None)
-    precision = "float32" if quality is None else (
+    precision = f"float32 (weights stored as {encoder.weights})" if quality is None else (
         f"int8 (QUANTIZE=int8; recall@10 against float32 {quality.recall:.3f} on "
         f"{quality.texts} calibration texts, cosine mean {quality.mean:.4f})")
     return (f"backend: ONNX Runtime {precision} on the CPU without PyTorch, "
@@ -357,7 +359,8 @@ def build_int8(fp32: LeanEncoder, path: Path) -> None:
     level = root.level
     root.setLevel(logging.ERROR)  # it advises pre-processing through the root logger
     try:
-        quantize_dynamic(fp32.graph, path / GRAPH, per_channel=True, weight_type=QuantType.QInt8)
+        quantize_dynamic(float_weights(fp32.graph), path / GRAPH, per_channel=True,
+                         weight_type=QuantType.QInt8)
     finally:
         root.setLevel(level)
     int8 = fp32.quantized(path / GRAPH, runtime.session(path / GRAPH, 1))
@@ -370,6 +373,34 @@ def build_int8(fp32: LeanEncoder, path: Path) -> None:
         "files": {GRAPH: describe_file(path / GRAPH),
                   PROBE: describe_file(path / PROBE)},
     })
+
+
+def float_weights(graph: Path) -> Any:
+    """The ONNX model at ``graph`` with the weights that export.py stored as float16 back as
+    float32 initializers (the values it serves), their Cast nodes gone: onnxruntime's
+    quantization takes a MatMul's weight for a weight only when it is an initializer, and
+    would otherwise quantize it again on every run, per tensor."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.load(str(graph))
+    uses = Counter(name for node in model.graph.node for name in node.input)
+    halves = {t.name: t for t in model.graph.initializer
+              if t.data_type == TensorProto.FLOAT16 and uses[t.name] == 1}
+    for cast in [n for n in model.graph.node if n.op_type == "Cast" and n.input[0] in halves
+                 and _cast_to(n) == TensorProto.FLOAT]:
+        half = halves[cast.input[0]]
+        model.graph.initializer.remove(half)
+        model.graph.initializer.append(numpy_helper.from_array(
+            numpy_helper.to_array(half).astype(np.float32), cast.output[0]))
+        model.graph.node.remove(cast)
+    return model
+
+
+def _cast_to(node: Any) -> int:
+    import onnx
+
+    return int(next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "to"))
 
 
 def open_int8(fp32: LeanEncoder, threads: int, path: Path) -> LeanEncoder:

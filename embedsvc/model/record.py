@@ -4,7 +4,9 @@ A record is a directory in the graph cache, ``<model>-<fingerprint>.lean/``, tha
 writes (with PyTorch) and lean.py reads (without it):
 
 - ``model.onnx``: the model's whole pipeline (transformer, pooling, Dense layers; a
-  cross-encoder's logits; SPLADE's MLM head and pooling) as one graph;
+  cross-encoder's logits; SPLADE's MLM head and pooling) as one graph, computing in float32;
+  its large weights stored as float16 and cast to float32 as the session loads, where that
+  still reproduces the probe (``weights`` says which; export.py's ``half_weights``);
 - ``tokenizer.json``: the fast tokenizer exactly as the encoder uses it (no padding, no
   truncation; ``token_window`` cuts);
 - ``probe.npz``: probe inputs' PyTorch outputs, which the graph must reproduce on every start;
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = 2  # bump whenever what a record holds, or means, changes
+FORMAT = 3  # bump whenever what a record holds, or means, changes
 RECORD = "record.json"
 GRAPH = "model.onnx"
 TOKENIZER = "tokenizer.json"

@@ -139,6 +139,43 @@ def test_a_model_the_graph_cannot_express_takes_pytorchs_path_and_says_why(tmp_p
     assert lean.warm_start(settings).reason.startswith("its activation is Softplus")
 
 
+def test_weights_float16_cannot_hold_are_stored_as_float32(tiny, tmp_path, caplog):
+    """Word vectors 100 off zero and about 0.3 apart: float16, 0.06 apart there, rounds each
+    by a few hundredths (within HALF_ERROR of the table's largest value, so the table is
+    converted), and the LayerNorm after them magnifies that past the probe's tolerance. The
+    same model without the offset (``tiny``) keeps its float16 weights."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    _, plain = tiny
+    assert _stored(plain / GRAPH) == {"float16", "float32"}
+    assert json.loads((plain / RECORD).read_text())["weights"] == "float16"
+    path = build_embedding(tmp_path / "offset")
+    model = SentenceTransformer(str(path), device="cpu")
+    with torch.no_grad():
+        model[0].auto_model.embeddings.word_embeddings.weight += 100.0
+    model.save_pretrained(str(path))
+    caplog.set_level(logging.INFO, logger="embedsvc")
+    settings = settings_for(str(path), tmp_path / "cache")
+    served = load_encoder(settings)
+    assert isinstance(served, lean.LeanEncoder) and served.weights == "float32"
+    assert "its float16 weights miss PyTorch's probe outputs" in caplog.text
+    assert "offset: weights stored as float32, computed in float32" in caplog.text
+    assert _stored(lean.record_path(settings)[0] / GRAPH) == {"float32"}
+    reference = load_model(str(path))
+    reference.place("cpu", "float32")
+    _same_embeddings(served, reference)
+
+
+def _stored(graph: Path) -> set[str]:
+    """The floating-point types of a graph's weights."""
+    import onnx
+
+    types = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
+    return {types[t.data_type] for t in onnx.load(graph).graph.initializer
+            if t.data_type in types}
+
+
 def _tamper_graph(record: Path) -> None:
     data = bytearray((record / GRAPH).read_bytes())
     middle = len(data) // 2
@@ -246,11 +283,21 @@ def test_int8_serves_from_its_own_record_with_its_gate(bundled, tmp_path):
     int8 = lean.warm_start(accepting).encoder  # read back from its record
     fp32 = lean.warm_start(settings_for("", cache)).encoder
     assert int8.info.dtype == "int8" and int8.quality.mean >= 0.99
+    assert fp32.weights == "float16" and _quantized_matmuls(int8.graph) == 36  # 6 per layer
     assert int8.quality.recall >= 0.85 and int8.quality.texts == 287
     batch = [fp32.wrap(i) for i in fp32.tokenize(TEXTS[:4])]
     assert (cosine(int8.encode(batch), fp32.encode(batch)) > 0.95).all()
     again = lean.warm_start(accepting).encoder
     np.testing.assert_array_equal(again.encode(batch), int8.encode(batch))
+
+
+def _quantized_matmuls(graph: Path) -> int:
+    """The int8 graph's MatMuls whose weights were quantized once, as initializers."""
+    import onnx
+
+    model = onnx.load(graph)
+    int8 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    return sum(n.op_type == "MatMulInteger" and n.input[1] in int8 for n in model.graph.node)
 
 
 GUARD = f"""
