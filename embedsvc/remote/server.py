@@ -133,21 +133,22 @@ class EngineServer:
     # -- frames in ----------------------------------------------------------------------------
 
     def _read(self) -> None:
-        for _ in range(_READ_BATCH):
-            try:
-                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(parts) != 2:
-                self._refuse_frame(f"a frame of {len(parts)} parts")
-                continue
-            peer, payload = parts
-            try:
-                frame = wire.decode_to_engine(payload)
-            except ValueError as exc:  # msgspec's DecodeError and ValidationError
-                self._refuse_frame(str(exc))
-                continue
-            self._dispatch(peer, frame)
+        with self.runner.batcher.gathering():  # the burst read here: one batcher wake-up
+            for _ in range(_READ_BATCH):
+                try:
+                    parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    return
+                if len(parts) != 2:
+                    self._refuse_frame(f"a frame of {len(parts)} parts")
+                    continue
+                peer, payload = parts
+                try:
+                    frame = wire.decode_to_engine(payload)
+                except ValueError as exc:  # msgspec's DecodeError and ValidationError
+                    self._refuse_frame(str(exc))
+                    continue
+                self._dispatch(peer, frame)
 
     def _refuse_frame(self, why: str) -> None:
         self._malformed += 1
@@ -294,15 +295,18 @@ class EngineServer:
                 os.write(self._wake_w, b"\0")
 
     def _start_granted(self) -> None:
-        while self._ready:
-            req = self._ready.popleft()
-            if self._parked.pop((req.peer, req.id), None) is None:
-                continue  # withdrawn meanwhile
-            ticket = req.ticket
-            if ticket is not None and ticket.refused is not None:
-                self._send(req.peer, failed(req.id, ticket.refused))
-            else:
-                self._start(req)
+        if not self._ready:
+            return
+        with self.runner.batcher.gathering():
+            while self._ready:
+                req = self._ready.popleft()
+                if self._parked.pop((req.peer, req.id), None) is None:
+                    continue  # withdrawn meanwhile
+                ticket = req.ticket
+                if ticket is not None and ticket.refused is not None:
+                    self._send(req.peer, failed(req.id, ticket.refused))
+                else:
+                    self._start(req)
 
     def _answer_done(self) -> None:
         while self._done:
