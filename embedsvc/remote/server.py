@@ -219,10 +219,10 @@ class EngineServer:
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="invalid_frame") from None
         info, s = self.runner.info, self.runner.settings
-        flat = np.frombuffer(frame.ids, dtype="<i4")
         if not ids or len(ids) > s.max_inputs_per_request:
             raise InvalidRequest(f"{len(ids)} inputs in one frame", code="invalid_frame")
-        if flat.size and (flat.min() < 0 or flat.max() >= info.vocab_size):
+        rows = [row for row in ids if row]
+        if rows and (min(map(min, rows)) < 0 or max(map(max, rows)) >= info.vocab_size):
             raise InvalidRequest("a token id outside the vocabulary", code="invalid_frame")
         if max(map(len, ids)) > info.max_input_tokens:
             raise InvalidRequest("an input longer than the model's limit", code="invalid_frame")
