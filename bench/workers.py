@@ -177,8 +177,10 @@ def server_table(results: list[Measured], labels: dict[str, str]) -> str:
 
 def ratio_line(results: list[Measured], sc: str, top: str, bottom: str) -> str:
     """``top`` / ``bottom``'s rate, round by round (each pair measured within one round)."""
-    pairs = [(a.rps / b.rps) for a, b in zip(_of(results, top, sc), _of(results, bottom, sc),
-                                             strict=True) if b.rps]
+    tops, bottoms = _of(results, top, sc), _of(results, bottom, sc)
+    if not tops or not bottoms:
+        return f"{top} / {bottom}: not measured"
+    pairs = [a.rps / b.rps for a, b in zip(tops, bottoms, strict=True) if b.rps]
     if not pairs:
         return f"{top} / {bottom}: not measured"
     return (f"{top} / {bottom} ({sc}): median {median(pairs):.2f}x (rounds: "
