@@ -51,6 +51,13 @@ STOP = -1  # a Cancel of this id ends the engine
 BIGGEST = 1 << 20  # the largest answer read in one receive (32 rows are 49 KB)
 
 
+def receive_packet(sock: socket.socket, buffer: bytearray) -> bytes:
+    """One datagram, read into ``buffer`` (a ``recv(BIGGEST)`` would map and unmap a
+    megabyte at each call) and copied out once."""
+    size = sock.recv_into(buffer)
+    return bytes(memoryview(buffer)[:size])
+
+
 # -- the engine side, in its own process ----------------------------------------------------
 
 
@@ -118,10 +125,11 @@ def seqpacket_engine(address: str, conns: int, rows: bytes) -> None:
         poller.register(client, select.POLLIN)
     wake_r, _ = os.pipe()
     poller.register(wake_r, select.POLLIN)
+    buffer = bytearray(BIGGEST)
     while True:
         for fd, _ in poller.poll(TICK_MS):
             client = clients[fd]
-            out = answer(client.recv(BIGGEST), rows)
+            out = answer(receive_packet(client, buffer), rows)
             if out is None:
                 return
             client.sendall(out)
@@ -200,6 +208,7 @@ class SeqpacketFront(Front):
         self.sock = self.socks[0]
         self.poller = select.poll()
         self.poller.register(self.sock, select.POLLIN)
+        self.buffer = bytearray(BIGGEST)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -207,7 +216,7 @@ class SeqpacketFront(Front):
     def receive(self) -> bytes:
         while not self.poller.poll(TICK_MS):
             pass
-        return self.sock.recv(BIGGEST)
+        return receive_packet(self.sock, self.buffer)
 
     def close(self) -> None:
         for sock in self.socks:
