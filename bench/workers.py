@@ -74,6 +74,7 @@ class Measured:
     cpu_s: float  # every process of the server
     engine_cpu_s: float | None  # the engine process's, where it is one of its own
     split: list[int] = field(default_factory=list)  # connections by process (``connections``)
+    engine_threads: dict[str, float] = field(default_factory=dict)  # seconds, by ``thread_role``
 
     def per_request_us(self, seconds: float | None) -> float | None:
         return None if seconds is None or not self.requests else seconds / self.requests * 1e6
@@ -91,6 +92,28 @@ def engine_pid(server: run.Running) -> int | None:
     return None
 
 
+def thread_role(pid: int, tid: int, name: str) -> str:
+    """Which of the engine's threads: its loop (the main thread, ``EngineServer.run``),
+    ZeroMQ's I/O thread, or the others (the batcher's above all, the watchdog's)."""
+    if tid == pid:
+        return "loop"
+    return "ZeroMQ I/O" if name.startswith("ZMQbg") else "batcher and others"
+
+
+def threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s threads by ``thread_role`` (the scheduler's nanoseconds)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except OSError:  # a thread that just ended
+            continue
+        role = thread_role(pid, int(task.name), name)
+        out[role] = out.get(role, 0.0) + ns / 1e9
+    return out
+
+
 def connections(port: int) -> list[int]:
     """The clients' connections to ``port`` held by each process that holds any, most first
     (which front each keep-alive client landed on decides how the load divides)."""
@@ -106,15 +129,18 @@ def measure(server: run.Running, sc: run.Scenario, seconds: float, round_no: int
     engine = engine_pid(server)
     cpu_before = server.cpu_seconds()
     engine_before = run._cpu_ticks(engine) if engine else 0
+    threads_before = threads_cpu_s(engine) if engine else {}
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(run.wrk, server, sc, seconds)
         time.sleep(min(1.0, seconds / 2))
         split = connections(int(server.url.rsplit(":", 1)[1]))
         stats = load.result()
     engine_cpu = (run._cpu_ticks(engine) - engine_before) / run.CLK_TCK if engine else None
+    threads = {role: s - threads_before.get(role, 0.0)
+               for role, s in (threads_cpu_s(engine) if engine else {}).items()}
     return Measured(server.name, sc, round_no, stats["requests"] / stats["seconds"],
                     stats["p50_ms"], stats["p99_ms"], stats["errors"], stats["requests"],
-                    server.cpu_seconds() - cpu_before, engine_cpu, split)
+                    server.cpu_seconds() - cpu_before, engine_cpu, split, threads)
 
 
 def tree_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]] | None:
@@ -200,10 +226,15 @@ def sim_report(results: list[Measured], labels: dict[str, str]) -> str:
         requests = sum(m.requests for m in runs)
         if requests:
             engine = sum(m.engine_cpu_s or 0.0 for m in runs)
+            roles = dict.fromkeys(role for m in runs for role in m.engine_threads)
+            by_thread = ", ".join(
+                f"{role} {sum(m.engine_threads.get(role, 0.0) for m in runs) / requests * 1e6:.1f}"
+                for role in roles)
             lines.append(f"- the engine process's own CPU, {labels[name]}: "
                          f"{engine / requests * 1e6:.1f} us a request, pooled over the rounds "
                          f"(goal at most {ENGINE_GOAL_US:.0f}); each round: " + ", ".join(
-                             f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs))
+                             f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
+                         + f"; by thread (us a request): {by_thread}")
     return "\n".join(lines)
 
 
