@@ -150,6 +150,9 @@ def model_path() -> str:
 
 def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
     """(command, route, extra environment) for one of the servers under test."""
+    workers = re.fullmatch(r"(embedsvc|sim|bare-gunicorn)-w(\d+)", name)
+    if workers:  # N HTTP processes: embedsvc's around one engine process, gunicorn's
+        return workers_command(workers.group(1), int(workers.group(2)), port)
     if name in ("embedsvc", "embedsvc-onnx-torch") or name.startswith("embedsvc-tokens-"):
         # embedsvc-onnx-torch: the CPU path before the PyTorch-free one, for comparison
         env = {"EMBEDSVC_BACKEND": "onnx-torch"} if name == "embedsvc-onnx-torch" else {}
@@ -187,6 +190,21 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     raise ValueError(name)
 
 
+def workers_command(name: str, workers: int, port: int
+                    ) -> tuple[list[str], str, dict[str, str]]:
+    """embedsvc serve --workers N (on the model, or the simulated device), or the bare app
+    under gunicorn -w N (gthread, 32 threads a worker)."""
+    if name == "embedsvc":
+        return [str(VENV_BIN / "embedsvc"), "serve", "--port", str(port), "--threads", "64",
+                "--workers", str(workers), "--log-level", "warning"], "/v1/embeddings", {}
+    if name == "sim":
+        return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port),
+                "--workers", str(workers)], "/v1/embeddings", {}
+    return [str(VENV_BIN / "gunicorn"), "-w", str(workers), "-k", "gthread", "--threads", "32",
+            "-b", f"127.0.0.1:{port}", "--log-level", "warning", "--no-control-socket",
+            "bench.bare_server:make_app()"], "/v1/embeddings", {}
+
+
 _baseline: str | None = None
 
 
@@ -217,8 +235,12 @@ def ensure_infinity() -> bool:
 
 
 class Running:
-    def __init__(self, name: str, port: int) -> None:
-        cmd, self.route, env = server_command(name, port)
+    """Server ``name`` on ``port``, ready; ``command``: (argv, route, environment) in place
+    of ``server_command``'s."""
+
+    def __init__(self, name: str, port: int,
+                 command: tuple[list[str], str, dict[str, str]] | None = None) -> None:
+        cmd, self.route, env = command or server_command(name, port)
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = OUT / f"{name}.log"
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **env}

@@ -1,31 +1,46 @@
 """embedsvc over a simulated device: the server's own cost, without the model's.
 
     .venv/bin/python bench/sim_server.py --port 8091 --fixed-ms 0 --per-token-us 0
+    .venv/bin/python bench/sim_server.py --port 8091 --workers 2
 
 The encoder spends ``fixed_ms + per_token_us x padded tokens`` in time.sleep (the GIL
 released, as during CUDA kernels) and returns deterministic 384-dimensional vectors, so all
 CPU the process uses is the server's: HTTP, parsing, validation, batching, serialising.
+
+With ``--workers N`` it is ``embedsvc serve --workers N`` itself: one engine process holding
+the simulated device and the batcher, N HTTP fronts. The engine and the fronts are this
+program again (``serving/children.py``'s ``child_command``) with the subcommand ``engine`` or
+``front``; the device's costs reach them in the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from flask import Flask
 
+from embedsvc import service as service_module
 from embedsvc.api.wsgi import create_app
+from embedsvc.cli import main as embedsvc_main
 from embedsvc.logs import configure_logging
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import Service
 from embedsvc.serving.server import Server
 from embedsvc.settings import Settings
 
+_COSTS = ("BENCH_SIM_FIXED_MS", "BENCH_SIM_PER_TOKEN_US")  # to the engine process
+
+
+def fake_encoder(fixed_ms: float = 0.0, per_token_us: float = 0.0) -> FakeEncoder:
+    return FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
+                       per_token_s=per_token_us / 1e6, record=False)
+
 
 def build_service(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0
                   ) -> Service:
-    encoder = FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
-                          per_token_s=per_token_us / 1e6, record=False)
-    service = Service(settings, encoder=encoder)
+    service = Service(settings, encoder=fake_encoder(fixed_ms, per_token_us))
     service.start(background=False)
     return service
 
@@ -38,17 +53,36 @@ def make_app() -> Flask:
     return create_app(settings, service=build_service(settings))
 
 
-def main() -> None:
+def as_embedsvc(argv: list[str]) -> int:
+    """``embedsvc`` with ``argv``, every model it loads the simulated device (as
+    tests/integration/fake_serve.py does for the tests)."""
+    encoder = fake_encoder(*(float(os.environ.get(name, "0")) for name in _COSTS))
+    service_module.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
+    return embedsvc_main(argv)
+
+
+def main() -> int:
+    if sys.argv[1:2] in (["engine"], ["front"]):  # a process of --workers N
+        return as_embedsvc(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument("--threads", type=int, default=64)
     parser.add_argument("--fixed-ms", type=float, default=0.0, help="cost of each batch")
     parser.add_argument("--per-token-us", type=float, default=0.0, help="cost per padded token")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="HTTP processes in front of one engine process (embedsvc serve "
+                        "--workers N); 1: one process")
     args = parser.parse_args()
+    if args.workers > 1:
+        os.environ.update(zip(_COSTS, (str(args.fixed_ms), str(args.per_token_us)),
+                              strict=True))
+        return as_embedsvc(["serve", "--port", str(args.port), "--threads", str(args.threads),
+                            "--workers", str(args.workers), "--log-level", "warning"])
     settings = Settings(port=args.port, threads=args.threads, log_level="warning")
     configure_logging(settings.log_level, settings.log_format)
     Server(settings, build_service(settings, args.fixed_ms, args.per_token_us)).run()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

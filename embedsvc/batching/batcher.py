@@ -17,13 +17,14 @@ the device frees up, runs it under the device lock and writes each row back to i
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,6 +275,7 @@ class Batcher:
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
         self._died = False  # set by a dying thread before it fails its requests
+        self._gathering = False  # submissions wait for the end of ``gathering`` to wake it
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -320,8 +322,28 @@ class Batcher:
                 tag += len(ids)
             self._earliest_deadline = min(self._earliest_deadline, deadline)
             self._warn_if_deep(now)
-            self._cond.notify()
+            if not self._gathering:
+                self._cond.notify()
         return job
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[None]:
+        """The submissions of the block wake the batcher thread once, at its end.
+
+        For a caller that has many requests at hand at once (the engine process's loop,
+        reading a burst of frames): woken at each, the thread took each batch as soon as it
+        could and formed batches of two or three inputs, paying a batch's cost and two
+        thread switches for each; one wake-up lets the burst form one batch. Only one thread
+        may gather at a time.
+        """
+        self._gathering = True
+        try:
+            yield
+        finally:
+            self._gathering = False
+            with self._cond:
+                if self._pending:
+                    self._cond.notify()
 
     def start_tag(self, flow: Hashable | None, tokens: int) -> float:
         """The virtual start of new work of ``tokens`` from ``flow``: start-time fair queueing.

@@ -133,21 +133,22 @@ class EngineServer:
     # -- frames in ----------------------------------------------------------------------------
 
     def _read(self) -> None:
-        for _ in range(_READ_BATCH):
-            try:
-                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(parts) != 2:
-                self._refuse_frame(f"a frame of {len(parts)} parts")
-                continue
-            peer, payload = parts
-            try:
-                frame = wire.decode_to_engine(payload)
-            except ValueError as exc:  # msgspec's DecodeError and ValidationError
-                self._refuse_frame(str(exc))
-                continue
-            self._dispatch(peer, frame)
+        with self.runner.batcher.gathering():  # the burst read here: one batcher wake-up
+            for _ in range(_READ_BATCH):
+                try:
+                    parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    return
+                if len(parts) != 2:
+                    self._refuse_frame(f"a frame of {len(parts)} parts")
+                    continue
+                peer, payload = parts
+                try:
+                    frame = wire.decode_to_engine(payload)
+                except ValueError as exc:  # msgspec's DecodeError and ValidationError
+                    self._refuse_frame(str(exc))
+                    continue
+                self._dispatch(peer, frame)
 
     def _refuse_frame(self, why: str) -> None:
         self._malformed += 1
@@ -218,10 +219,10 @@ class EngineServer:
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="invalid_frame") from None
         info, s = self.runner.info, self.runner.settings
-        flat = np.frombuffer(frame.ids, dtype="<i4")
         if not ids or len(ids) > s.max_inputs_per_request:
             raise InvalidRequest(f"{len(ids)} inputs in one frame", code="invalid_frame")
-        if flat.size and (flat.min() < 0 or flat.max() >= info.vocab_size):
+        rows = [row for row in ids if row]
+        if rows and (min(map(min, rows)) < 0 or max(map(max, rows)) >= info.vocab_size):
             raise InvalidRequest("a token id outside the vocabulary", code="invalid_frame")
         if max(map(len, ids)) > info.max_input_tokens:
             raise InvalidRequest("an input longer than the model's limit", code="invalid_frame")
@@ -294,15 +295,18 @@ class EngineServer:
                 os.write(self._wake_w, b"\0")
 
     def _start_granted(self) -> None:
-        while self._ready:
-            req = self._ready.popleft()
-            if self._parked.pop((req.peer, req.id), None) is None:
-                continue  # withdrawn meanwhile
-            ticket = req.ticket
-            if ticket is not None and ticket.refused is not None:
-                self._send(req.peer, failed(req.id, ticket.refused))
-            else:
-                self._start(req)
+        if not self._ready:
+            return
+        with self.runner.batcher.gathering():
+            while self._ready:
+                req = self._ready.popleft()
+                if self._parked.pop((req.peer, req.id), None) is None:
+                    continue  # withdrawn meanwhile
+                ticket = req.ticket
+                if ticket is not None and ticket.refused is not None:
+                    self._send(req.peer, failed(req.id, ticket.refused))
+                else:
+                    self._start(req)
 
     def _answer_done(self) -> None:
         while self._done:

@@ -15,7 +15,7 @@ into exactly these types or refused: nothing on the socket is ever unpickled or 
 
 from __future__ import annotations
 
-import itertools
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,30 +162,40 @@ def max_frame_bytes(inputs: int, tokens: int) -> int:
 
 def pack_ids(ids: Sequence[Sequence[int]]) -> tuple[bytes, bytes, bytes]:
     """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments."""
-    total = sum(map(len, ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype="<i4", count=total)
-    lengths = np.fromiter(map(len, ids), dtype="<i4", count=len(ids))
     seconds = b""
     if ids and isinstance(ids[0], Pair):
-        seconds = np.array([p.second for p in ids], dtype="<i4").tobytes()  # type: ignore[attr-defined]
-    return flat.tobytes(), lengths.tobytes(), seconds
+        seconds = _int32_bytes([p.second for p in ids])  # type: ignore[attr-defined]
+    flat = _int32_bytes([i for row in ids for i in row])
+    return flat, _int32_bytes([len(row) for row in ids]), seconds
 
 
 def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"") -> list[list[int]]:
     """``pack_ids``' inverse; ValueError for arrays that do not add up."""
-    ids = np.frombuffer(flat, dtype="<i4")
-    sizes = np.frombuffer(lengths, dtype="<i4")
-    if len(flat) % 4 or len(lengths) % 4 or (sizes < 0).any() or int(sizes.sum()) != len(ids):
+    values, sizes = _int32s(flat), _int32s(lengths)
+    if min(sizes, default=0) < 0 or sum(sizes) != len(values):
         raise ValueError("the ids and their lengths do not add up")
-    bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
-    values = ids.tolist()
-    rows = [values[a:b] for a, b in itertools.pairwise(bounds)]
+    rows, at = [], 0
+    for size in sizes:
+        rows.append(values[at:at + size])
+        at += size
     if not seconds:
         return rows
-    second = np.frombuffer(seconds, dtype="<i4").tolist()
+    second = _int32s(seconds)
     if len(second) != len(rows):
         raise ValueError("a pair's second segment is missing")
     return [Pair(row, s) for row, s in zip(rows, second, strict=True)]
+
+
+# struct, not numpy: a request's frame holds a few dozen ids, for which numpy's cost per call
+# was most of the engine's work on a frame (and of the front's on a request).
+def _int32_bytes(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def _int32s(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError("the ids and their lengths do not add up")
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
 def float_rows(data: bytes, shape: tuple[int, int]) -> np.ndarray:
