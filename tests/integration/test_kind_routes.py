@@ -285,8 +285,16 @@ def test_similarity_equals_sentence_transformers_cosine(servers, reference):
         return post(servers["embedding"], "/similarity",
                     {"inputs": {"source_sentence": QUERY, "sentences": sentences}})
 
+    # the route's own arithmetic, exactly: the cosines of the vectors this server gives
+    rows = np.array(post(servers["embedding"], "/embed", {"inputs": [QUERY, *sentences]}))
+    served = rows[1:] @ rows[0] / np.linalg.norm(rows[1:], axis=1) / np.linalg.norm(rows[0])
     for got in in_parallel(client, 8):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(got, served, atol=1e-6)
+        # and PyTorch's: the record's weights are stored as float16 and computed in float32
+        # (export.py's half_weights), so its vectors keep a cosine of 0.9999996 to PyTorch's
+        # and a cosine between two of them moves by up to 5e-5 (bench/RESULTS.md, the
+        # float16 record): 1e-4 bounds that, far under the gaps between these scores
+        np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 # -- kinds: one per process -------------------------------------------------------------------
