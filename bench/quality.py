@@ -39,7 +39,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.corpus import passages  # noqa: E402 - the path above makes the repository importable
-from embedsvc.api.typed import encoded  # noqa: E402
 from embedsvc.model.retrieval import K, neighbours, recall  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -87,17 +86,17 @@ def outputs(engine, texts: list[str]) -> dict[str, tuple[np.ndarray, Search, int
     for n in DIMENSIONS:
         cut = floats[:, :n] / np.linalg.norm(floats[:, :n], axis=1, keepdims=True)
         out[f"floats, dimensions={n}"] = (cut, by_dot, 4 * n)
-    int8 = encoded(engine, floats, "int8")
-    uint8 = encoded(engine, floats, "uint8")
+    int8 = engine.codes(floats, "int8")
+    uint8 = engine.codes(floats, "uint8")
     out["int8 codes, dot product"] = (int8, by_dot, width)
     out["uint8 codes, dot product as stored"] = (uint8, by_dot, width)
     out["uint8 codes - 128, dot product"] = (uint8.astype(np.int16) - 128, by_dot, width)
     cut = floats[:, :256] / np.linalg.norm(floats[:, :256], axis=1, keepdims=True)
-    out["int8 codes, dimensions=256"] = (encoded(engine, cut, "int8", dimensions=256),
+    out["int8 codes, dimensions=256"] = (engine.codes(cut, "int8", dimensions=256),
                                          by_dot, 256)
-    out["binary / ubinary, Hamming"] = (encoded(engine, floats, "ubinary"), by_hamming,
+    out["binary / ubinary, Hamming"] = (engine.codes(floats, "ubinary"), by_hamming,
                                         -(-width // 8))
-    binary = encoded(engine, floats, "binary")
+    binary = engine.codes(floats, "binary")
     assert np.array_equal(binary.view(np.uint8) ^ 0x80, out["binary / ubinary, Hamming"][0])
     return out
 
