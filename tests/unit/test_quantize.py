@@ -206,3 +206,23 @@ def test_the_int8_graphs_batch_dependent_probe_is_accepted_a_changed_model_is_no
     assert calls == [8] and np.array_equal(again.rows, TABLE)  # read back after the probe
     redone = quantize.calibrate(tmp_path, INFO, batched_otherwise, batch=8, texts=TEXTS)
     assert not np.array_equal(redone.rows, TABLE)  # float32: a changed model, calibrated again
+
+
+def test_an_int8_graph_whose_rows_depend_on_the_batch_passes_its_own_probe(tmp_path):
+    """The int8 graph's dynamic quantization scales each batch's activations, so a text's row
+    depends on its batch-mates: a probe batched otherwise than the calibration (texts 0-7
+    alone, against the batch of 16 they were calibrated in) refused the unchanged model. The
+    probe embeds the calibration's first batch again, whose rows are the same."""
+    def embed(batch):
+        ids = np.array([int(t.split()[1]) for t in batch])
+        wobble = np.sin(np.outer(ids + 1, np.arange(6)) * len(batch)) * 0.6
+        return TABLE[ids] + wobble.astype(np.float32)
+
+    int8 = dataclasses.replace(INFO, dtype="int8")
+    first = quantize.calibrate(tmp_path, int8, embed, batch=16, texts=TEXTS)
+    again = quantize.calibrate(tmp_path, int8, embed, batch=16, texts=TEXTS)  # read back
+    np.testing.assert_array_equal(again.rows, first.rows)
+    alone = embed(TEXTS[:8])  # what the probe saw before: too far for the int8 floor
+    batched = first.rows[:8]
+    cos = (alone * batched).sum(1) / np.linalg.norm(alone, axis=1) / np.linalg.norm(batched, axis=1)
+    assert cos.min() < 0.98
