@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import socket
 import struct
@@ -350,8 +351,7 @@ class Server(TcpWSGIServer):
                 channel.aborting = True
                 log.info("%s: the client read nothing of its answer for %.0fs "
                          "(SEND_TIMEOUT_S); closing", channel.addr, self.bounds.send_timeout_s)
-                self.trigger.pull_trigger(channel.abort)
-                self.on_close("send_timeout")
+                self.trigger.pull_trigger(functools.partial(self._abort, channel))
                 continue
             reason = channel.expired(mono, self.bounds)
             if reason == "body_timeout":
@@ -360,6 +360,11 @@ class Server(TcpWSGIServer):
                 channel.will_close = True
             if reason:
                 self.on_close(reason)
+
+    def _abort(self, channel: Channel) -> None:
+        """Reset a stalled connection, then count it: the count means its buffers are gone."""
+        channel.abort()
+        self.on_close("send_timeout")
 
     def readable(self) -> bool:
         ready = super().readable()  # runs the maintenance sweep
