@@ -98,7 +98,7 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
     if (warm is None or warm.export) and lean.why_not(settings, device) is None:
         served = _serve_lean(encoder, settings)
         if served is not None:
-            return served
+            return served[0]
     choice = choose_backend(encoder.kind, device, settings.backend, settings.dtype,
                             settings.quantize)
     if choice.backend == "onnx":
@@ -164,9 +164,10 @@ def _check_quantizer(settings: Settings) -> None:
 
 
 def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
-                ) -> lean.LeanEncoder | None:
-    """The encoder of this model's record, exported now if there is none that verifies;
-    None (and the reason, logged) when the model cannot be served that way."""
+                ) -> tuple[lean.LeanEncoder, Path] | None:
+    """The encoder of this model's record, exported now if there is none that verifies, and
+    where the record is published (a record built now was read from its temporary
+    directory); None (and the reason, logged) when the model cannot be served that way."""
     from .export import build_record
 
     found = lean.record_path(settings)
@@ -191,7 +192,7 @@ def _serve_lean(encoder: SentenceTransformerEncoder, settings: Settings
         return None
     lean.gate(served, settings.quantize_min_recall)
     log.info("%s", lean.startup_line(served, path))
-    return served
+    return served, path
 
 
 def record_cache(settings: Settings) -> GraphCache:
@@ -224,7 +225,7 @@ def export(settings: Settings) -> str:
     if lean.why_not(settings, "cpu") is None:
         served = _serve_lean(encoder, settings)
         if served is not None:
-            return lean.startup_line(served, served.graph.parent)
+            return lean.startup_line(*served)
     if encoder.kind not in ONNX_KINDS:
         raise RuntimeError(f"this {encoder.kind} model cannot be exported for the CPU (the log "
                            "says why); it serves with PyTorch")

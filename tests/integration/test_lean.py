@@ -395,6 +395,7 @@ def test_embedsvc_export_builds_the_record_ahead_and_embed_then_runs_without_tor
     assert out.returncode == 0, out.stderr[-3000:]
     assert "without PyTorch" in out.stdout and "first start of all-MiniLM-L6-v2" in out.stderr
     [record] = cache.glob("*.lean")
+    assert f"pipeline from {record} (" in out.stdout  # where it is published, not built
     source, target = tmp_path / "lines.txt", tmp_path / "vectors.npy"
     source.write_text("\n".join(TEXTS) + "\n")
     run = subprocess.run([sys.executable, "-c", GUARD, "embed", str(source), "--output",
