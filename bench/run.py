@@ -114,6 +114,7 @@ def chunk_texts() -> list[str]:
 def bodies_file(sc: Scenario) -> Path:
     """The scenario's request bodies, one a line, for embed.lua (BENCH_BODIES)."""
     pool = texts(sc)
+    OUT.mkdir(exist_ok=True)
     path = OUT / f"bodies-{re.sub(r'[^a-z0-9]+', '-', sc.name)}.jsonl"
     lines = [json.dumps({"model": "bench", "input": [pool[(b * sc.inputs + j) % len(pool)]
                                                      for j in range(sc.inputs)]})
