@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.1  # how often parked requests are checked for their deadline and their client
 _READ_BATCH = 512  # frames read before the loop looks at its other work
 _FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
+_FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose pid is gone died
 
 
 @dataclass(eq=False)
@@ -119,6 +120,7 @@ class EngineServer:
                 self._start_granted()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + _TICK_S
+                    self._sweep_dead_fronts()
                     self._sweep_parked()
         finally:
             self.close()
@@ -334,6 +336,28 @@ class EngineServer:
             return failed(req.id, result)
         return answer_frame(req.id, req.work.kind, result)
 
+    def _sweep_dead_fronts(self) -> None:
+        """The requests of a front that died (SIGKILL, a crash) have no client left to answer:
+        they are dropped as a departed client's are (``gone``: parked ones at the next sweep,
+        queued inputs at the watchdog's next look), instead of computed until their deadline.
+        A front counts as dead when nothing came from it for ``_FRONT_SILENT_S`` and its pid
+        no longer exists: both, so that neither a slow front nor a reused pid loses work."""
+        now = time.monotonic()
+        pending = [r for r in (*self._parked.values(), *self._running.values())
+                   if not r.gone and r.work.front]
+        if not pending:
+            return
+        heard: dict[int, float] = {}
+        for front in self._fronts.values():
+            heard[front.pid] = max(front.seen, heard.get(front.pid, front.seen))
+        dead = {pid for pid in {r.work.front for r in pending if r.work.front is not None}
+                if now - heard.get(pid, 0.0) > _FRONT_SILENT_S and not _alive(pid)}
+        for req in pending:
+            if req.work.front in dead:
+                req.gone = True
+        for pid in sorted(dead):
+            log.warning("front pid %d is gone: the work of its requests is dropped", pid)
+
     def _sweep_parked(self) -> None:
         """Parked requests past their deadline get 504, those whose client left 499."""
         now = time.monotonic()
@@ -384,6 +408,16 @@ def _gone() -> ClientDisconnected:
 
 def _is_gone(req: _Request) -> bool:
     return req.gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
 
 
 def _drain_pipe(fd: int) -> None:

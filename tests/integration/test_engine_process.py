@@ -5,6 +5,7 @@ The real model's round, and gunicorn's, are in test_engine_gunicorn.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -75,6 +76,14 @@ def metric(server: Server, line_start: str) -> float:
               if line.startswith(line_start)]
     assert values, f"no sample {line_start}"
     return sum(values)
+
+
+def dropped(server: Server) -> float:
+    """Inputs the engine dropped because their client left (0 before the first)."""
+    text = loopback.get(server.url + "/metrics", timeout=10).text
+    found = re.search(r'^embedsvc_dropped_inputs_total\{reason="disconnected"\} (\S+)$', text,
+                      re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def embed(url: str, texts: list[str], timeout: float = 60):
@@ -185,6 +194,48 @@ def test_a_killed_front_is_replaced_and_the_other_keeps_serving(tmp_path):
             time.sleep(0.3)
         assert len(now) == 2 and fronts[0] not in now, now
         assert f"the front process (pid {fronts[0]}) exited with signal 9" in server.output()
+
+
+def test_a_killed_fronts_queued_work_is_dropped_in_the_engine(tmp_path):
+    """Its clients are gone with it: the engine drops its queued inputs (counted as
+    ``disconnected``) instead of computing them until their deadline."""
+    with workers(tmp_path, 2, 0.3, "--max-batch-size", "2") as server:
+        sessions: dict[int, loopback.Client] = {}
+        for _ in range(40):  # a kept-alive connection to each front
+            c = loopback.Client(base_url=server.url, timeout=60)
+            pid = c.get("/info").json()["pid"]
+            if pid in sessions:
+                c.close()
+            else:
+                sessions[pid] = c
+            if len(sessions) == 2:
+                break
+        assert len(sessions) == 2, "no connection reached the second front"
+        (doomed, victim), (_, survivor) = sorted(sessions.items())
+        before = dropped(server)
+        texts = [f"queued {i}" for i in range(80)]  # 40 batches of 0.3 s: 12 s of work
+        sent = threading.Thread(target=_post_quietly, args=(victim, texts), daemon=True)
+        sent.start()
+        deadline = time.monotonic() + 10
+        while metric(server, "embedsvc_queue_depth") < 70 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(server, "embedsvc_queue_depth") >= 70
+        os.kill(doomed, signal.SIGKILL)
+        # the engine sees it silent for 2 s with its pid gone; about 8 batches run meanwhile
+        deadline = time.monotonic() + 10
+        while dropped(server) - before < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dropped(server) - before >= 40, server.output()[-3000:]
+        assert metric(server, "embedsvc_queue_depth") == 0
+        assert_vectors(survivor.post("/embed", json={"inputs": ["after"]}), ["after"])
+        survivor.close()
+        sent.join(10)
+        assert f"front pid {doomed} is gone" in server.output()
+
+
+def _post_quietly(client: loopback.Client, texts: list[str]) -> None:
+    with contextlib.suppress(Exception):  # its front is killed under it
+        client.post("/embed", json={"inputs": texts})
 
 
 def test_sigterm_drains_the_fronts_then_the_engine_and_cuts_nothing_admitted(tmp_path):
