@@ -11,6 +11,7 @@ OpenAI's ``{"error": {message, type, param, code}}`` (every family but Ollama's)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 ErrorShape = Literal["openai", "ollama"]
@@ -85,6 +86,18 @@ class Overloaded(ApiError):
 
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message, code="overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+class QuotaExceeded(Overloaded):
+    """429: a tenant over its quota. ``empty_s``: how long its quota stays spent whatever it
+    sends (a rate: requests a second, tokens a minute), so that an HTTP process in front of
+    the engine process refuses its next requests before tokenizing them; 0 where the
+    refusal depends on the request and on answers (inputs in flight)."""
+
+    def __init__(self, message: str, *, wait_s: float, spent: bool) -> None:
+        super().__init__(message, retry_after_s=max(1, math.ceil(wait_s)))
+        self.code = "quota_exceeded"
+        self.empty_s = wait_s if spent else 0.0
 
 
 class ClientDisconnected(ApiError):

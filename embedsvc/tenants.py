@@ -24,7 +24,9 @@ with no limits.
 over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
 so a burst of up to a second's or a minute's worth passes) or inputs in flight is refused
 with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one
-process, on arrival in the engine process.
+process, on arrival in the engine process; there, a refusal of a rate quota says how long
+the quota stays spent (``QuotaExceeded.empty_s``), and the front that sent it refuses the
+tenant's requests until then before tokenizing them (remote/client.py).
 
 >>> ring = Keyring.of([Tenant("search", digest("k1"), Limits(requests_per_second=1))])
 >>> ring.authenticate("Bearer k1").name
@@ -33,9 +35,9 @@ process, on arrival in the engine process.
 >>> quotas.take("search", inputs=1, tokens=5, now=100.0)
 >>> try:
 ...     quotas.take("search", inputs=1, tokens=5, now=100.1)
-... except Overloaded as exc:
-...     print(exc.status, exc.code, exc.headers)
-429 quota_exceeded {'Retry-After': '1'}
+... except QuotaExceeded as exc:
+...     print(exc.status, exc.code, exc.headers, round(exc.empty_s, 2))
+429 quota_exceeded {'Retry-After': '1'} 0.9
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import os
 import sys
 import threading
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import Overloaded, Unauthorized
+from .errors import QuotaExceeded, Unauthorized
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -273,13 +274,16 @@ class Quotas:
             usage = self._refilled(tenant, now)
             if limits.requests_per_second is not None and usage.requests < 1:
                 wait = (1 - usage.requests) / limits.requests_per_second
-                raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait)
+                raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait,
+                            spent=True)
             if limits.tokens_per_minute is not None and usage.tokens <= 0:
                 wait = -usage.tokens / (limits.tokens_per_minute / 60) + 1e-3
-                raise _over(tenant, f"{limits.tokens_per_minute:g} tokens a minute", wait)
+                raise _over(tenant, f"{limits.tokens_per_minute:g} tokens a minute", wait,
+                            spent=True)
             if limits.inputs_in_flight is not None and usage.in_flight \
                     and usage.in_flight + inputs > limits.inputs_in_flight:
-                raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0)
+                raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0,
+                            spent=False)
             usage.requests -= 1
             usage.tokens -= tokens
             usage.in_flight += inputs
@@ -336,8 +340,6 @@ def _burst(per_second: float | None) -> float:
     return max(1.0, per_second or 0.0)
 
 
-def _over(tenant: Tenant, what: str, wait_s: float) -> Overloaded:
-    error = Overloaded(f"tenant {tenant.name!r} is over its quota of {what}; retry after the "
-                       "time in Retry-After", retry_after_s=max(1, math.ceil(wait_s)))
-    error.code = "quota_exceeded"
-    return error
+def _over(tenant: Tenant, what: str, wait_s: float, *, spent: bool) -> QuotaExceeded:
+    return QuotaExceeded(f"tenant {tenant.name!r} is over its quota of {what}; retry after "
+                         "the time in Retry-After", wait_s=wait_s, spent=spent)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -241,7 +242,15 @@ def _send(sock: zmq.Socket, frame: wire.Frame) -> None:
 
 
 class RemotePort:
-    """The engine process as ``Engine``'s port: admission and batching happen there."""
+    """The engine process as ``Engine``'s port: admission and batching happen there.
+
+    Tenants' quotas are charged there too, on arrival, after this process tokenized the
+    request. So that a tenant over a rate quota does not cost its fronts the tokenizing of
+    every refused request, the engine's refusal says how long the quota stays spent
+    (``Failed.empty_s``), and until then ``admit`` refuses the tenant's requests here, with
+    the same error and the Retry-After left: one refused request a refill per front is
+    tokenized, not all of them.
+    """
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -249,6 +258,7 @@ class RemotePort:
         self._draining = False
         self._in_flight = 0
         self._cond = threading.Condition()
+        self._spent: dict[str, tuple[float, wire.Failed]] = {}  # tenant -> (until, refusal)
 
     @property
     def state(self) -> str:
@@ -271,6 +281,22 @@ class RemotePort:
         if state != "ready":
             raise Unavailable("the engine process is starting; retry in a few seconds",
                               code=state, headers={"Retry-After": "1"})
+        if work.tenant is not None and self._spent:
+            self._refuse_if_spent(work.tenant)
+
+    def _refuse_if_spent(self, tenant: str) -> None:
+        """The engine's last refusal of ``tenant``'s rate quota again, while it holds."""
+        held = self._spent.get(tenant)
+        if held is None:
+            return
+        until, refusal = held
+        left = until - time.monotonic()
+        if left <= 0:
+            self._spent.pop(tenant, None)
+            return
+        error = error_of(refusal)
+        error.headers["Retry-After"] = str(max(1, math.ceil(left)))
+        raise error
 
     def cancel(self, ticket: None) -> None:
         """Nothing is reserved on this side."""
@@ -298,6 +324,9 @@ class RemotePort:
                 if sock.poll(int(_TICK_S * 1000)):
                     frame = wire.decode_to_front(sock.recv())
                     if getattr(frame, "id", None) == request_id:
+                        if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
+                                and work.tenant is not None:
+                            self._spent[work.tenant] = (time.monotonic() + frame.empty_s, frame)
                         return embedded(frame)
                     continue  # an answer to an earlier request of this thread
                 if self.link.generation != generation:

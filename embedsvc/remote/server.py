@@ -33,7 +33,7 @@ import zmq
 
 from ..batching.admission import Ticket, deadline_error
 from ..batching.batcher import Job
-from ..errors import ApiError, ClientDisconnected, InvalidRequest
+from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
 from ..metrics import Metrics, Snapshots
 from ..runner import Runner
 from ..work import KINDS, SPARSE, TOKENS, Embedded, Work
@@ -399,7 +399,8 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:
     return wire.Failed(request_id, exc.status, exc.type, exc.reason, exc.message, exc.code,
-                       exc.param, dict(exc.headers))
+                       exc.param, dict(exc.headers),
+                       exc.empty_s if isinstance(exc, QuotaExceeded) else 0.0)
 
 
 def _gone() -> ClientDisconnected:

@@ -126,6 +126,7 @@ class Failed(Frame):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = {}
+    empty_s: float = 0.0  # a tenant's spent rate quota: how long it stays spent
 
 
 class Exposition(Frame):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -106,6 +107,45 @@ def test_a_flooding_tenant_cannot_push_another_past_its_deadline(tmp_path, launc
     assert 'embedsvc_tenant_requests_total{status="429",tenant="limited"}' in metrics or \
         'embedsvc_tenant_requests_total{tenant="limited",status="429"}' in metrics
     assert all(key not in metrics and key not in server.output() for key in KEYS.values())
+
+
+def tokenized(server: Server) -> float:
+    """Requests tokenized for the model, in every HTTP process (fronts report each second)."""
+    text = loopback.get(server.url + "/metrics", timeout=30).text
+    found = re.search(r"^embedsvc_tokenization_seconds_count (\S+)$", text, re.M)
+    assert found, "no embedsvc_tokenization_seconds_count"
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_a_tenant_over_its_rate_quota_is_refused_before_tokenizing(tmp_path, launch):
+    """One process charges the quota before tokenizing. With fronts, the engine charges it on
+    arrival; its refusal says how long the quota stays spent, and the front refuses the
+    tenant's next requests until then without tokenizing them: per refill of the quota, at
+    most one refused request is tokenized, not every one a flooding client sends."""
+    with tenants_server(tmp_path, launch) as server:
+        time.sleep(1.5)  # the warm-up's counts reach the engine
+        before = tokenized(server)
+        codes: list[int] = []
+        retry_after: set[str] = set()
+        with loopback.Client(base_url=server.url, timeout=30, headers=auth("limited")) as c:
+            until = time.monotonic() + 3.0
+            while time.monotonic() < until:
+                resp = c.post("/embed", json={"inputs": ["a limited tenant's words " * 20]})
+                codes.append(resp.status_code)
+                if resp.status_code == 429:
+                    assert resp.json()["error"]["code"] == "quota_exceeded"
+                    retry_after.add(resp.headers["Retry-After"])
+        time.sleep(1.5)
+        spent = tokenized(server) - before
+    ok, refused = codes.count(200), codes.count(429)
+    assert ok + refused == len(codes) and refused >= 20, codes
+    assert 4 <= ok <= 2 + 2 * 3 + 2  # its burst, then two a second
+    assert retry_after == {"1"}
+    if launch == "serve":
+        assert spent == ok
+    else:  # one learning refusal a refill, at most
+        assert ok <= spent <= 2 * ok + 2, (spent, ok, refused)
 
 
 def test_sighup_reloads_the_keys_without_dropping_a_request_and_a_bad_file_keeps_them(
