@@ -97,6 +97,7 @@ class EngineServer:
         self._running: dict[tuple[bytes, int], _Request] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
+        self._next_front_sweep = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -343,6 +344,9 @@ class EngineServer:
         A front counts as dead when nothing came from it for ``_FRONT_SILENT_S`` and its pid
         no longer exists: both, so that neither a slow front nor a reused pid loses work."""
         now = time.monotonic()
+        if now < self._next_front_sweep:  # once a second: it walks every request in flight
+            return
+        self._next_front_sweep = now + 1.0
         pending = [r for r in (*self._parked.values(), *self._running.values())
                    if not r.gone and r.work.front]
         if not pending:
