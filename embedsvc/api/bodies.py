@@ -34,10 +34,8 @@ def _parse(model: type[Request], call: Call) -> Any:
     try:
         body = orjson.loads(call.body)
     except orjson.JSONDecodeError:
-        raise InvalidRequest(
-            "the body is not valid JSON; send a JSON object such as {\"input\": \"some text\"}",
-            code="invalid_json",
-        ) from None
+        raise InvalidRequest(f"the body is not valid JSON; send {_expected(model)}",
+                             code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest(
             f"the body must be a JSON object, not {type(body).__name__}", code="invalid_json"
@@ -49,6 +47,13 @@ def _parse(model: type[Request], call: Call) -> Any:
         return model.model_validate(body, context={"max_inputs": max_inputs, "max_ids": max_ids})
     except ValidationError as exc:
         raise _invalid(exc) from None
+
+
+def _expected(model: type[Request]) -> str:
+    """What this route's body holds, for the 400 of a body that is not JSON."""
+    required = [f"'{field.alias or name}'" for name, field in model.model_fields.items()
+                if field.is_required()]
+    return "a JSON object" + (f" with {' and '.join(required)}" if required else "")
 
 
 def as_list(value: Any) -> list[Any]:

@@ -167,6 +167,17 @@ def test_bad_bodies_get_400_in_the_contract_shape(client, fake, name, body, ctyp
     assert_still_serving(client, fake)
 
 
+@pytest.mark.parametrize(("path", "fields"), [
+    ("/v1/embeddings", "'input'"), ("/embed", "'inputs'"), ("/v2/embed", "'texts'"),
+    ("/api/embed", "'input'"), ("/decode", "'ids'")])
+def test_a_body_that_is_not_json_is_told_the_routes_own_fields(client, path, fields):
+    resp = client.post(path, data=b"{input: 1}", content_type="application/json")
+    assert resp.status_code == 400
+    message = resp.get_json()["error"]
+    message = message if isinstance(message, str) else message["message"]
+    assert message == f"the body is not valid JSON; send a JSON object with {fields}"
+
+
 def test_too_many_inputs_is_400(fake, registry):
     client = make_app(fake, registry, max_inputs_per_request=3).test_client()
     err = assert_error(client.post("/v1/embeddings", json={"input": ["a"] * 4}), 400,
