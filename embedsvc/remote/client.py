@@ -43,6 +43,7 @@ _SNAPSHOT_S = 1.0
 LOST_AFTER_S = 3.0
 _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engine's 499
 _CONNECT_S = 1.0  # how long a send waits for its socket to connect
+_RECHECK_S = 1.0  # the longest a tenant's spent quota is refused here without the engine
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
 _ENGINE_GONE = ("the engine process stopped while this request was in it; retry: a new one "
                 "is starting")
@@ -247,9 +248,11 @@ class RemotePort:
     Tenants' quotas are charged there too, on arrival, after this process tokenized the
     request. So that a tenant over a rate quota does not cost its fronts the tokenizing of
     every refused request, the engine's refusal says how long the quota stays spent
-    (``Failed.empty_s``), and until then ``admit`` refuses the tenant's requests here, with
-    the same error and the Retry-After left: one refused request a refill per front is
-    tokenized, not all of them.
+    (``Failed.empty_s``), and ``admit`` refuses the tenant's requests here, with the same
+    error and the Retry-After left, for that long but at most ``_RECHECK_S``: the engine
+    decides again at least that often, since a reload of the keys file or a refund (a
+    parked request of the tenant withdrawn) can free the quota sooner than it said. So one
+    refused request a second per front is tokenized, not all of them.
     """
 
     def __init__(self, link: Link) -> None:
@@ -258,7 +261,8 @@ class RemotePort:
         self._draining = False
         self._in_flight = 0
         self._cond = threading.Condition()
-        self._spent: dict[str, tuple[float, wire.Failed]] = {}  # tenant -> (until, refusal)
+        # tenant -> (refused here until, the engine's wait ends, its refusal)
+        self._spent: dict[str, tuple[float, float, wire.Failed]] = {}
 
     @property
     def state(self) -> str:
@@ -289,13 +293,13 @@ class RemotePort:
         held = self._spent.get(tenant)
         if held is None:
             return
-        until, refusal = held
-        left = until - time.monotonic()
-        if left <= 0:
+        recheck, until, refusal = held
+        now = time.monotonic()
+        if now >= recheck:
             self._spent.pop(tenant, None)
             return
         error = error_of(refusal)
-        error.headers["Retry-After"] = str(max(1, math.ceil(left)))
+        error.headers["Retry-After"] = str(max(1, math.ceil(until - now)))
         raise error
 
     def cancel(self, ticket: None) -> None:
@@ -326,7 +330,10 @@ class RemotePort:
                     if getattr(frame, "id", None) == request_id:
                         if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
                                 and work.tenant is not None:
-                            self._spent[work.tenant] = (time.monotonic() + frame.empty_s, frame)
+                            now = time.monotonic()
+                            self._spent[work.tenant] = (
+                                now + min(frame.empty_s, _RECHECK_S), now + frame.empty_s,
+                                frame)
                         return embedded(frame)
                     continue  # an answer to an earlier request of this thread
                 if self.link.generation != generation:

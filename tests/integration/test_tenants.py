@@ -148,6 +148,34 @@ def test_a_tenant_over_its_rate_quota_is_refused_before_tokenizing(tmp_path, lau
         assert ok <= spent <= 2 * ok + 2, (spent, ok, refused)
 
 
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_a_reload_that_lifts_a_spent_quota_is_honoured_at_once(tmp_path, launch):
+    """A tenant that spent an hour of its tokens-a-minute quota in one request is refused
+    with that hour in Retry-After; the operator lifts the quota and reloads: the tenant is
+    served again within about a second, also where a front holds the engine's refusal."""
+    limited = '\n[[keys]]\ntenant = "tpm"\nkey = "sk-tpm-83e1"\n'
+    with tenants_server(tmp_path, launch) as server:
+        write(server.keys, FILE + limited + "tokens_per_minute = 60\n")
+        os.kill(server.pid, signal.SIGHUP)
+        time.sleep(1.0)
+        headers = {"Authorization": "Bearer sk-tpm-83e1"}
+        with loopback.Client(base_url=server.url, timeout=30, headers=headers) as c:
+            big = c.post("/embed", json={"inputs": ["word " * 400] * 16, "truncate": True})
+            assert big.status_code == 200, big.text
+            for _ in range(3):  # refused, by the engine and then by the front's copy
+                refused = c.post("/embed", json={"inputs": ["hi"]})
+                assert refused.status_code == 429, refused.text
+                assert int(refused.headers["Retry-After"]) > 600
+            write(server.keys, FILE + limited)
+            os.kill(server.pid, signal.SIGHUP)
+            reloaded = time.monotonic()
+            while (resp := c.post("/embed", json={"inputs": ["hi"]})).status_code == 429 \
+                    and time.monotonic() - reloaded < 10:
+                time.sleep(0.1)
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - reloaded < 5
+
+
 def test_sighup_reloads_the_keys_without_dropping_a_request_and_a_bad_file_keeps_them(
         tmp_path):
     with tenants_server(tmp_path, "serve", per_token_s=1e-4) as server:
