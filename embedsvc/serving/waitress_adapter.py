@@ -175,14 +175,16 @@ class Channel(HTTPChannel):
             self.output_since = now
         return now - max(self.output_since, self.sent_at) > bounds.send_timeout_s
 
-    def abort(self) -> None:
+    def abort(self) -> bool:
         """Reset the connection and free its buffers (in the loop thread, outside the sweep);
-        a request thread still writing to it stops with ClientDisconnected."""
-        if self.socket is None:  # closed meanwhile
-            return
+        a request thread still writing to it stops with ClientDisconnected. False when it
+        was closed meanwhile (by its client)."""
+        if self.socket is None or not self.connected:
+            return False
         with contextlib.suppress(OSError):  # RST: the kernel drops its send buffer too
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.handle_close()
+        return True
 
     def received(self, data: bytes) -> bool:
         now = time.monotonic()
@@ -363,8 +365,8 @@ class Server(TcpWSGIServer):
 
     def _abort(self, channel: Channel) -> None:
         """Reset a stalled connection, then count it: the count means its buffers are gone."""
-        channel.abort()
-        self.on_close("send_timeout")
+        if channel.abort():
+            self.on_close("send_timeout")
 
     def readable(self) -> bool:
         ready = super().readable()  # runs the maintenance sweep

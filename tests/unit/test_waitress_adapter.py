@@ -147,6 +147,20 @@ def test_a_connection_past_the_bound_gets_503_and_is_closed():
             sock.close()
 
 
+def test_a_stalled_connection_its_client_closed_first_is_not_counted_as_reset():
+    """The sweep marks a stalled connection and its reset runs one loop round later; a
+    client that closed in between was not reset, and is not counted as one."""
+    with serving(answering(b"ok")) as server:
+        closed: list[str] = []
+        server.on_close = closed.append
+        with connect(server):
+            wait_for(lambda: len(server.channels()) == 1)
+            [channel] = server.channels()
+        wait_for(lambda: not channel.connected)  # its client's close, seen by the loop
+        server._abort(channel)
+        assert closed == []
+
+
 def answer_files(server) -> list[int]:
     return [sum(1 for b in ch.outbufs if b.overflowed) for ch in server.channels()]
 
