@@ -276,6 +276,10 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._died = False  # set by a dying thread before it fails its requests
         self._gathering = False  # submissions wait for the end of ``gathering`` to wake it
+        # when the last batch's compute ended with work still queued (the next batch then
+        # starts at once): its cycle, compute and the work between batches, is what a queue
+        # drains at, and what admission learns the device's rate from
+        self._queued_since: float | None = None
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -632,16 +636,22 @@ class Batcher:
             log.exception("batch of %d inputs failed; failing its requests", len(batch))
             self._fail_batch(batch, "the batch that held this request failed; retry it")
             return
-        elapsed = time.monotonic() - started
-        self._record(batch, elapsed)
+        ended = time.monotonic()
+        elapsed = ended - started
+        # back to back, a batch costs its compute and the work since the last one ended
+        # (answering it, forming this one: a few ms each under load, which add up over a
+        # queue of small batches); after an idle spell, its compute alone
+        cycle = elapsed if self._queued_since is None else ended - self._queued_since
+        self._record(batch, elapsed, cycle)
         self._scatter(batch, rows, elapsed)
+        self._queued_since = ended if self._pending else None
 
-    def _record(self, batch: list[_Item], elapsed: float) -> None:
+    def _record(self, batch: list[_Item], elapsed: float, cycle: float) -> None:
         lengths = [len(it.ids) for it in batch]
         self.metrics.observe_batch(lengths, elapsed)
         if batch[0].job.origin is not None:  # fed by several HTTP processes
             self.metrics.batch_fronts.observe(len({it.job.origin for it in batch}))
-        self.admission.observe(sum(lengths), len(batch), elapsed)
+        self.admission.observe(sum(lengths), len(batch), cycle)
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
         """Each job its rows; the batch's admission is given back before any job hears, so
