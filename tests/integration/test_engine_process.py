@@ -70,20 +70,21 @@ def engine_socket(server: Server, pid: int) -> str:
     raise AssertionError(f"no engine line for pid {pid}:\n{server.output()[-2000:]}")
 
 
-def metric(server: Server, line_start: str) -> float:
+def metric(server: Server, line_start: str, missing: float | None = None) -> float:
+    """The sum of the samples whose line starts with ``line_start``; ``missing`` when there
+    is none (a labelled counter before its first count), else none is an error."""
     text = loopback.get(server.url + "/metrics", timeout=10).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(line_start)]
+    if not values and missing is not None:
+        return missing
     assert values, f"no sample {line_start}"
     return sum(values)
 
 
 def dropped(server: Server) -> float:
     """Inputs the engine dropped because their client left (0 before the first)."""
-    text = loopback.get(server.url + "/metrics", timeout=10).text
-    found = re.search(r'^embedsvc_dropped_inputs_total\{reason="disconnected"\} (\S+)$', text,
-                      re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric(server, 'embedsvc_dropped_inputs_total{reason="disconnected"}', missing=0.0)
 
 
 def embed(url: str, texts: list[str], timeout: float = 60):
