@@ -115,8 +115,7 @@ class EngineServer:
                 if self._socket in events:
                     self._read()
                 if self._wake_r in events:
-                    self._signalled = False  # before draining: a later append writes again
-                    _drain_pipe(self._wake_r)
+                    self._woken()
                 self._answer_done()
                 self._start_granted()
                 if time.monotonic() >= next_tick:
@@ -290,6 +289,18 @@ class EngineServer:
         """Called as a job finishes (the batcher's thread, the watchdog's)."""
         self._done.append(req)
         self._wake()
+
+    def _woken(self) -> None:
+        """The pipe said a thread appended: drain it, then let the next append write again.
+
+        In this order a thread that appends while the pipe drains finds the flag still set and
+        writes nothing, and its entry is answered by this round (the deques are read after);
+        one that appends after the flag is cleared writes a byte the next poll sees. Cleared
+        before the drain, the byte of an append in between was drained with the flag left
+        set, and no later append wrote again: every answer waited for the tick.
+        """
+        _drain_pipe(self._wake_r)
+        self._signalled = False
 
     def _wake(self) -> None:
         if not self._signalled:

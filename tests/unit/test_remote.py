@@ -4,6 +4,7 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from embedsvc.errors import InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
+from embedsvc.remote import server as server_module
 from embedsvc.remote import wire
 from embedsvc.remote.client import embedded, error_of
 from embedsvc.remote.place import engine_address, private_dir
@@ -28,8 +30,14 @@ from embedsvc.work import EMBED, SPARSE, TOKENS, Embedded, Work
 
 
 @pytest.fixture
-def pair(tmp_path, registry):
+def pair(served):
     """(the engine's service, a front's service) around one fake encoder."""
+    return served[:3]
+
+
+@pytest.fixture
+def served(tmp_path, registry):
+    """(the engine's service, a front's service, the fake encoder, the engine's loop)."""
     encoder = FakeEncoder(dimension=6, max_input_tokens=16)
     engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
     engine.start(background=False)
@@ -44,7 +52,7 @@ def pair(tmp_path, registry):
     front.start(background=True)
     try:
         assert front.ready(10) is not None
-        yield engine, front, encoder
+        yield engine, front, encoder, server
     finally:
         front.drain(2)
         engine.drain(2)
@@ -62,6 +70,57 @@ def test_rows_through_the_engine_equal_the_encoders(pair):
     tokens = front.ready().run(Work(TOKENS, ["a b c"], deadline=time.monotonic() + 5))
     assert [t.shape for t in tokens.token_vectors] == [(5, 6)]
     assert front.engine_pid == engine.pid and front.state == "ready"
+
+
+def _signal_pending(server: EngineServer) -> bool:
+    """Whether the loop's next poll will see a wake-up (a byte in its pipe)."""
+    return bool(select.select([server._wake_r], [], [], 0)[0])
+
+
+def test_a_wake_up_during_the_drain_leaves_the_next_one_written(tmp_path, registry, monkeypatch):
+    """A batcher thread that signals while the loop drains its pipe must not leave the flag
+    set with the pipe empty: then no later signal writes, and every answer waits for the
+    loop's tick."""
+    encoder = FakeEncoder(dimension=4)
+    engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    try:
+        drain = server_module._drain_pipe
+
+        def drain_with_a_signal_in_between(fd: int) -> None:
+            server._wake()  # the batcher's thread, between the loop's wake-up and its drain
+            drain(fd)
+
+        server._wake()  # a finished job: the byte the loop's poll sees
+        monkeypatch.setattr(server_module, "_drain_pipe", drain_with_a_signal_in_between)
+        server._woken()
+        monkeypatch.setattr(server_module, "_drain_pipe", drain)
+        server._wake()  # the next finished job, after the loop read the deques
+        assert _signal_pending(server), "a signal after the wake-up wrote nothing"
+    finally:
+        server.close()
+        engine.drain(2)
+
+
+def test_answers_keep_waking_the_loop_after_a_signal_during_its_drain(served, monkeypatch):
+    engine, front, encoder, server = served
+    drain, interleaved = server_module._drain_pipe, []
+
+    def drain_with_a_signal_in_between(fd: int) -> None:
+        if not interleaved:
+            interleaved.append(fd)
+            server._wake()
+        drain(fd)
+
+    monkeypatch.setattr(server_module, "_drain_pipe", drain_with_a_signal_in_between)
+    for text in ("one", "two", "three"):
+        out = front.ready().run(Work(EMBED, [text], deadline=time.monotonic() + 5))
+        np.testing.assert_allclose(out.vectors[0], encoder.expected(text), rtol=1e-6)
+    assert interleaved
+    # Idle now: a flag still set must have its byte in the pipe, or no signal will wake it.
+    assert not server._signalled or _signal_pending(server)
 
 
 def test_the_batch_size_comes_back_from_the_engine_as_in_one_process(pair):
