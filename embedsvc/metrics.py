@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,7 +27,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -143,6 +148,8 @@ class Metrics:
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)
+        self._engine_load = _EngineLoad()
+        r.register(self._engine_load)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, cpu seconds
 
     def observe_batch(self, lengths: list[int], seconds: float) -> None:
@@ -185,6 +192,10 @@ class Metrics:
     def watch_device_memory(self, read: Callable[[], tuple[int, int]]) -> None:
         """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
         self._device_memory.read = read
+
+    def watch_engine_loop(self, busy_seconds: Callable[[], float]) -> None:
+        """Export this engine process's CPU and its loop's ``busy_seconds()``, at scrape time."""
+        self._engine_load.busy_seconds = busy_seconds
 
 
 # One metric family as plain data: [name, type, help, [[sample name, labels, value], ...]].
@@ -286,6 +297,27 @@ class _DeviceMemory(Collector):
             family.add_metric(["allocated"], allocated)
             family.add_metric(["reserved"], reserved)
         yield family
+
+
+class _EngineLoad(Collector):
+    """The engine process's own load, so that an operator sees the engine saturate before
+    the device does: its CPU (every thread) and the seconds its loop spent working rather
+    than waiting for frames. No samples outside an engine process."""
+
+    busy_seconds: Callable[[], float] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        cpu = CounterMetricFamily(
+            "embedsvc_engine_cpu_seconds", "CPU time of the engine process, every thread")
+        busy = CounterMetricFamily(
+            "embedsvc_engine_loop_busy_seconds",
+            "Time the engine process's loop spent working (reading, admitting, answering) "
+            "rather than waiting; its rate is the loop's busy fraction")
+        if self.busy_seconds is not None:
+            cpu.add_metric([], time.process_time())
+            busy.add_metric([], self.busy_seconds())
+        yield cpu
+        yield busy
 
 
 class BulkHistogram(Collector):

@@ -98,6 +98,8 @@ class EngineServer:
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
         self._next_front_sweep = 0.0
+        self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
+        metrics.watch_engine_loop(lambda: self._busy_s)
 
     @property
     def in_flight(self) -> int:
@@ -112,6 +114,7 @@ class EngineServer:
         try:
             while not (stop.is_set() and not self.in_flight):
                 events = dict(poller.poll(int(_TICK_S * 1000)))
+                woke = time.perf_counter()
                 if self._socket in events:
                     self._read()
                 if self._wake_r in events:
@@ -122,6 +125,7 @@ class EngineServer:
                     next_tick = time.monotonic() + _TICK_S
                     self._sweep_dead_fronts()
                     self._sweep_parked()
+                self._busy_s += time.perf_counter() - woke
         finally:
             self.close()
 

@@ -123,6 +123,9 @@ def test_two_fronts_share_one_engine_whose_batches_mix_their_requests(tmp_path):
         batches = metric(server, "embedsvc_batch_fronts_count")
         single = metric(server, 'embedsvc_batch_fronts_bucket{le="1.0"}')
         assert batches > single, "no batch held inputs from both fronts"
+        # The engine's own load, through a front: its loop worked for these requests.
+        assert metric(server, "embedsvc_engine_loop_busy_seconds_total") > 0
+        assert metric(server, "embedsvc_engine_cpu_seconds_total") > 0
 
 
 def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(tmp_path):

@@ -123,6 +123,18 @@ def test_answers_keep_waking_the_loop_after_a_signal_during_its_drain(served, mo
     assert not server._signalled or _signal_pending(server)
 
 
+def test_the_engine_reports_its_loops_busy_time_and_its_cpu(served):
+    engine, front, encoder, server = served
+    read = engine.metrics.registry.get_sample_value
+    busy = read("embedsvc_engine_loop_busy_seconds_total")
+    for text in ("one", "two", "three"):
+        front.ready().run(Work(EMBED, [text], deadline=time.monotonic() + 5))
+    assert read("embedsvc_engine_loop_busy_seconds_total") > busy
+    assert read("embedsvc_engine_cpu_seconds_total") > 0
+    # In a process without an engine loop (a front, or one process) there is no sample.
+    assert front.metrics.registry.get_sample_value("embedsvc_engine_cpu_seconds_total") is None
+
+
 def test_the_batch_size_comes_back_from_the_engine_as_in_one_process(pair):
     engine, front, encoder = pair
     texts = ["one", "two", "three"]
