@@ -80,7 +80,7 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
 
 def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None,
               watch_pids: Iterable[int]) -> int:
-    """Serve HTTP on the listening socket ``fd`` (shared with the other fronts), the model
+    """Serve HTTP on the listening socket ``fd`` (its own, or one shared by every front), the model
     in the engine process; drain on SIGTERM or when the supervisor is gone."""
     from .server import Server
 

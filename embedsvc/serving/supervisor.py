@@ -1,4 +1,4 @@
-"""``embedsvc serve --workers N``: one engine process, N fronts sharing one listening socket.
+"""``embedsvc serve --workers N``: one engine process, N fronts, each its own listening socket.
 
 The supervisor binds the port (and HEALTH_PORT's), makes a private directory for the engine's
 socket, and starts the engine and the fronts as new programs (never by forking a process
@@ -9,6 +9,14 @@ On SIGTERM or SIGINT it drains as one process
 does: the fronts stop accepting and finish what they admitted, then the engine finishes what
 is left and exits, then the supervisor. A second signal ends every child at once.
 
+Where the platform has ``SO_REUSEPORT`` (Linux, the BSDs, macOS), each front accepts on a
+listening socket of its own, all bound to the one port: the kernel spreads new connections
+over them evenly by their addresses. On one shared socket the front that happened to wake
+first took a burst of connections, and a keep-alive client stays where it landed (27 of 32
+clients on one of two fronts was seen). The supervisor keeps every front's socket, so a
+front's replacement inherits it with the connections that queued there meanwhile (they wait
+for it, and are not reset). Elsewhere the fronts share one socket, as gunicorn's workers do.
+
 Example::
 
     Supervisor(Settings(port=0, workers=2)).run()
@@ -16,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -42,6 +51,7 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Child:
     role: str  # "engine" or "front"
     proc: subprocess.Popen
+    listener: socket.socket | None = None  # a front's, kept for its replacement
     started: float = field(default_factory=time.monotonic)
 
 
@@ -51,7 +61,7 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.directory = fresh_dir()
-        self.listener = _listen(settings.host, settings.port)
+        self.listeners = _listeners(settings.host, settings.port, settings.workers)
         self.probes = (_listen(settings.host, settings.health_port)
                        if settings.health_port is not None else None)
         self.engine: Child | None = None
@@ -62,7 +72,7 @@ class Supervisor:
 
     @property
     def port(self) -> int:
-        return int(self.listener.getsockname()[1])
+        return int(self.listeners[0].getsockname()[1])
 
     def run(self) -> int:
         for signum in _SIGNALS:
@@ -70,7 +80,8 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._pass_on)
         try:
             self.engine = self._start("engine")
-            self.fronts = [self._start("front") for _ in range(self.settings.workers)]
+            self.fronts = [self._start("front", self.listeners[i % len(self.listeners)])
+                           for i in range(self.settings.workers)]
             log.info("serving on http://%s:%d (supervisor pid %d; engine pid %d; %d fronts, "
                      "pids %s)", self.settings.host, self.port, os.getpid(),
                      self.engine.proc.pid, len(self.fronts),
@@ -81,19 +92,19 @@ class Supervisor:
             return self._watch()
         finally:
             self._stop_all()
-            self.listener.close()
+            self._close_listeners()
             if self.probes is not None:
                 self.probes.close()
             shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- children -----------------------------------------------------------------------------
 
-    def _start(self, role: str) -> Child:
+    def _start(self, role: str, listener: socket.socket | None = None) -> Child:
         args = ["--runtime-dir", str(self.directory), "--watch-pid", str(os.getpid())]
         fds = []
-        if role == "front":
-            fds.append(self.listener.fileno())
-            args += ["--fd", str(self.listener.fileno())]
+        if listener is not None:
+            fds.append(listener.fileno())
+            args += ["--fd", str(listener.fileno())]
             if self.probes is not None:
                 fds.append(self.probes.fileno())
                 args += ["--probe-fd", str(self.probes.fileno())]
@@ -102,7 +113,7 @@ class Supervisor:
         # the supervisor alone, which stops the children in order
         proc = subprocess.Popen(child_command(role, *args), env=env, pass_fds=fds,
                                 start_new_session=True)
-        return Child(role, proc)
+        return Child(role, proc, listener)
 
     def _watch(self) -> int:
         """Replace children that die, until a signal has drained them all; the exit code."""
@@ -129,7 +140,7 @@ class Supervisor:
             log.error("the %s process died %d times within %.0fs of its start; stopping",
                       child.role, self._quick_deaths, _QUICK_DEATH_S)
             return False
-        new = self._start(child.role)
+        new = self._start(child.role, child.listener)
         log.warning("the %s process (pid %d) exited with %s; started pid %d in its place",
                     child.role, child.proc.pid, _status(code), new.proc.pid)
         if child.role == "engine":
@@ -158,9 +169,13 @@ class Supervisor:
         log.info("signal %d: draining the fronts, then the engine (up to %.0fs)", signum,
                  self.settings.drain_timeout_s)
         self._draining = True
-        # the fronts stop accepting as they drain; this copy of the listening socket must
-        # close too, or the kernel would queue new connections and reset them at the exit
-        self.listener.close()
+        # the fronts stop accepting as they drain; these copies of the listening sockets
+        # must close too, or the kernel would queue new connections and reset them at the exit
+        self._close_listeners()
+
+    def _close_listeners(self) -> None:
+        for listener in self.listeners:
+            listener.close()
 
     def _stop_all(self) -> None:
         """The fronts first (they finish what they admitted, which needs the engine), then
@@ -184,15 +199,34 @@ def _stop(procs: list[subprocess.Popen], deadline: float, signum: int) -> None:
             proc.wait()
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket every front accepts on (inherited by them)."""
+def _listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """One listening socket per front on ``port`` (its first one chooses a port 0), all in
+    one ``SO_REUSEPORT`` group; one shared socket where the platform has no such option."""
+    first = _listen(host, port, reuse_port=count > 1)
+    if count == 1 or not _reuses_port(first):
+        return [first]
+    port = first.getsockname()[1]
+    return [first, *(_listen(host, port, reuse_port=True) for _ in range(count - 1))]
+
+
+def _listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening socket the fronts accept on (inherited by them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port and hasattr(socket, "SO_REUSEPORT"):
+        with contextlib.suppress(OSError):  # a kernel without it: one shared socket
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
     return sock
+
+
+def _reuses_port(sock: socket.socket) -> bool:
+    if not hasattr(socket, "SO_REUSEPORT"):
+        return False
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT))
 
 
 def _status(code: int) -> str:

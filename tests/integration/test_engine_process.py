@@ -6,6 +6,8 @@ The real model's round, and gunicorn's, are in test_engine_gunicorn.py."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import re
 import signal
@@ -126,6 +128,46 @@ def test_two_fronts_share_one_engine_whose_batches_mix_their_requests(tmp_path):
         # The engine's own load, through a front: its loop worked for these requests.
         assert metric(server, "embedsvc_engine_loop_busy_seconds_total") > 0
         assert metric(server, "embedsvc_engine_cpu_seconds_total") > 0
+
+
+def listening_sockets(port: int) -> set[str]:
+    """The inodes of the sockets listening on ``port`` (``/proc/net/tcp``'s state 0A)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(fields[9])
+    return found
+
+
+def sockets_of(pid: int) -> set[str]:
+    links = (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="no SO_REUSEPORT here")
+def test_each_front_accepts_on_its_own_socket_and_new_connections_spread_over_them(tmp_path):
+    with workers(tmp_path, 2) as server:
+        fronts = info(server)["front_pids"]
+        listening = listening_sockets(server.port)
+        own = [sockets_of(pid) & listening for pid in fronts]
+        assert len(listening) == 2 and all(len(s) == 1 for s in own) and own[0] != own[1], (
+            f"the fronts do not each listen on a socket of their own: {listening}, {own}")
+        # 64 connections opened at once, then each asks which process answers it: the
+        # kernel spread them by their addresses, not to whichever front woke first.
+        conns = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+                 for _ in range(64)]
+        for conn in conns:
+            conn.connect()
+        answered: dict[int, int] = {}
+        for conn in conns:
+            conn.request("GET", "/info")
+            pid = json.loads(conn.getresponse().read())["pid"]
+            answered[pid] = answered.get(pid, 0) + 1
+            conn.close()
+        assert set(answered) == set(fronts)
+        assert min(answered.values()) >= 10, answered  # even odds: below 10 of 64 is 2e-9
 
 
 def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(tmp_path):
