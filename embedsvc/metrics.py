@@ -15,7 +15,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from prometheus_client import (
     CollectorRegistry,
@@ -35,116 +35,109 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+M = TypeVar("M")  # a prometheus_client metric, or one of this module's collectors
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _POW2_ITEMS = tuple(float(2**i) for i in range(0, 12))  # 1 .. 2048
 _POW2_TOKENS = tuple(float(2**i) for i in range(4, 18))  # 16 .. 131072
 _SHARE = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+class _Declared(Generic[M]):
+    """One row of ``Metrics``' table: the metric it builds on each instance's registry.
+
+    An instance's own metric (in its ``__dict__``) hides the row, so reading one costs a
+    plain attribute lookup."""
+
+    def __init__(self, build: Callable[[CollectorRegistry], M]) -> None:
+        self.build = build
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Declared[M]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> M: ...
+    def __get__(self, obj: object | None, owner: type) -> _Declared[M] | M:
+        if obj is None:
+            return self
+        raise AttributeError("a metric is built by Metrics.__init__")
+
+
+def _counter(name: str, doc: str, *labels: str) -> _Declared[Counter]:
+    return _Declared(lambda r: Counter(name, doc, labels, registry=r))
+
+
+def _gauge(name: str, doc: str) -> _Declared[Gauge]:
+    return _Declared(lambda r: Gauge(name, doc, registry=r))
+
+
+def _histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Declared[BulkHistogram]:
+    return _Declared(lambda r: BulkHistogram(name, doc, buckets=buckets, registry=r))
+
+
 class Metrics:
-    """The ``embedsvc_*`` metrics, named with base units; one instance per registry."""
+    """The ``embedsvc_*`` metrics, named with base units; one instance per registry.
+
+    The table below declares them; a new metric is one row (and one line of
+    docs/operations.md's table)."""
+
+    requests = _counter("embedsvc_requests", "HTTP requests by route and status",
+                        "route", "status")
+    request_duration = _Declared(lambda r: Histogram(
+        "embedsvc_request_duration_seconds", "HTTP request duration by route", ["route"],
+        buckets=_LATENCY, registry=r))
+    queue_wait = _histogram("embedsvc_queue_wait_seconds",
+                            "Per input: time queued before its batch started", _LATENCY)
+    tokenization = _histogram("embedsvc_tokenization_seconds",
+                              "Per request: time spent tokenizing its inputs", _LATENCY)
+    inference = _histogram("embedsvc_inference_seconds", "Per batch: time on the device",
+                           _LATENCY)
+    batch_size = _histogram("embedsvc_batch_size", "Inputs per device batch", _POW2_ITEMS)
+    batch_tokens = _histogram("embedsvc_batch_tokens",
+                              "Padded tokens per device batch (count x longest)", _POW2_TOKENS)
+    padding_efficiency = _histogram("embedsvc_padding_efficiency_ratio",
+                                    "Per batch: real tokens / padded tokens", _SHARE)
+    batch_fronts = _histogram(
+        "embedsvc_batch_fronts",
+        "Per batch: the HTTP processes its inputs came from (with an engine process)",
+        _POW2_ITEMS[:7])
+    inputs = _counter("embedsvc_inputs", "Inputs computed")
+    input_tokens = _counter("embedsvc_input_tokens",
+                            "Real tokens computed (after truncation, with special tokens)")
+    input_length = _histogram("embedsvc_input_length_tokens",
+                              "Per input: tokens after truncation", _POW2_TOKENS)
+    queue_depth = _gauge("embedsvc_queue_depth", "Inputs queued for the device")
+    in_flight = _gauge("embedsvc_in_flight", "Inputs in the batch on the device")
+    rejections = _counter("embedsvc_rejections", "Requests refused, by reason", "reason")
+    dropped_inputs = _counter("embedsvc_dropped_inputs",
+                              "Queued inputs dropped before compute, by reason", "reason")
+    batch_failures = _counter("embedsvc_batch_failures", "Device batches that raised")
+    oom_splits = _counter("embedsvc_oom_splits",
+                          "Batches split in two after a device out-of-memory error")
+    batcher_alive = _gauge("embedsvc_batcher_alive", "1 while the batcher thread runs")
+    batcher_restarts = _counter("embedsvc_batcher_restarts",
+                                "Times the batcher thread was restarted")
+    model_load = _gauge("embedsvc_model_load_seconds", "Time to load, place and warm the model")
+    model_info = _Declared(lambda r: Info("embedsvc_model", "The served model", registry=r))
+    admission_limit = _gauge(
+        "embedsvc_admission_limit_inputs",
+        "MAX_QUEUE in effect: inputs admitted at once (derived from the rate when unset)")
+    connections_closed = _counter(
+        "embedsvc_connections_closed",
+        "Client connections the server closed for a bound, by reason", "reason")
+    open_connections = _gauge("embedsvc_open_connections",
+                              "Client connections open on the serving port")
+    tenant_requests = _counter("embedsvc_tenant_requests",
+                               "Requests by tenant (its API key's name) and status",
+                               "tenant", "status")
+    tenant_inputs = _counter("embedsvc_tenant_inputs", "Inputs answered, by tenant", "tenant")
+    tenant_tokens = _counter("embedsvc_tenant_tokens", "Tokens computed, by tenant", "tenant")
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        for name, row in vars(Metrics).items():
+            if isinstance(row, _Declared):
+                self.__dict__[name] = row.build(self.registry)
         r = self.registry
-        self.requests = Counter(
-            "embedsvc_requests", "HTTP requests by route and status", ["route", "status"],
-            registry=r,
-        )
-        self.request_duration = Histogram(
-            "embedsvc_request_duration_seconds", "HTTP request duration by route", ["route"],
-            buckets=_LATENCY, registry=r,
-        )
-        self.queue_wait = BulkHistogram(
-            "embedsvc_queue_wait_seconds", "Per input: time queued before its batch started",
-            buckets=_LATENCY, registry=r,
-        )
-        self.tokenization = BulkHistogram(
-            "embedsvc_tokenization_seconds", "Per request: time spent tokenizing its inputs",
-            buckets=_LATENCY, registry=r,
-        )
-        self.inference = BulkHistogram(
-            "embedsvc_inference_seconds", "Per batch: time on the device",
-            buckets=_LATENCY, registry=r,
-        )
-        self.batch_size = BulkHistogram(
-            "embedsvc_batch_size", "Inputs per device batch", buckets=_POW2_ITEMS, registry=r,
-        )
-        self.batch_tokens = BulkHistogram(
-            "embedsvc_batch_tokens", "Padded tokens per device batch (count x longest)",
-            buckets=_POW2_TOKENS, registry=r,
-        )
-        self.padding_efficiency = BulkHistogram(
-            "embedsvc_padding_efficiency_ratio", "Per batch: real tokens / padded tokens",
-            buckets=_SHARE, registry=r,
-        )
-        self.batch_fronts = BulkHistogram(
-            "embedsvc_batch_fronts", "Per batch: the HTTP processes its inputs came from "
-            "(with an engine process)", buckets=_POW2_ITEMS[:7], registry=r,
-        )
-        self.inputs = Counter("embedsvc_inputs", "Inputs computed", registry=r)
-        self.input_tokens = Counter(
-            "embedsvc_input_tokens", "Real tokens computed (after truncation, with special tokens)",
-            registry=r,
-        )
-        self.input_length = BulkHistogram(
-            "embedsvc_input_length_tokens", "Per input: tokens after truncation",
-            buckets=_POW2_TOKENS, registry=r,
-        )
-        self.queue_depth = Gauge(
-            "embedsvc_queue_depth", "Inputs queued for the device", registry=r,
-        )
-        self.in_flight = Gauge(
-            "embedsvc_in_flight", "Inputs in the batch on the device", registry=r,
-        )
-        self.rejections = Counter(
-            "embedsvc_rejections", "Requests refused, by reason", ["reason"], registry=r,
-        )
-        self.dropped_inputs = Counter(
-            "embedsvc_dropped_inputs", "Queued inputs dropped before compute, by reason",
-            ["reason"], registry=r,
-        )
-        self.batch_failures = Counter(
-            "embedsvc_batch_failures", "Device batches that raised", registry=r,
-        )
-        self.oom_splits = Counter(
-            "embedsvc_oom_splits", "Batches split in two after a device out-of-memory error",
-            registry=r,
-        )
-        self.batcher_alive = Gauge(
-            "embedsvc_batcher_alive", "1 while the batcher thread runs", registry=r,
-        )
-        self.batcher_restarts = Counter(
-            "embedsvc_batcher_restarts", "Times the batcher thread was restarted", registry=r,
-        )
-        self.model_load = Gauge(
-            "embedsvc_model_load_seconds", "Time to load, place and warm the model", registry=r,
-        )
-        self.model_info = Info("embedsvc_model", "The served model", registry=r)
-        self.admission_limit = Gauge(
-            "embedsvc_admission_limit_inputs",
-            "MAX_QUEUE in effect: inputs admitted at once (derived from the rate when unset)",
-            registry=r,
-        )
-        self.connections_closed = Counter(
-            "embedsvc_connections_closed",
-            "Client connections the server closed for a bound, by reason", ["reason"],
-            registry=r,
-        )
-        self.open_connections = Gauge(
-            "embedsvc_open_connections", "Client connections open on the serving port",
-            registry=r,
-        )
-        self.tenant_requests = Counter(
-            "embedsvc_tenant_requests", "Requests by tenant (its API key's name) and status",
-            ["tenant", "status"], registry=r,
-        )
-        self.tenant_inputs = Counter(
-            "embedsvc_tenant_inputs", "Inputs answered, by tenant", ["tenant"], registry=r,
-        )
-        self.tenant_tokens = Counter(
-            "embedsvc_tenant_tokens", "Tokens computed, by tenant", ["tenant"], registry=r,
-        )
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)
