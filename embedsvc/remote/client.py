@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..batching.batcher import ShutdownReport
-from ..errors import ApiError, ClientDisconnected, Unavailable, shutting_down
+from ..errors import ApiError, ClientDisconnected, QuotaExceeded, Unavailable, shutting_down
 from ..runner import Pending
 from ..work import Embedded, Work
 from . import wire
@@ -50,13 +50,19 @@ _ENGINE_GONE = ("the engine process stopped while this request was in it; retry:
 
 
 def error_of(frame: wire.Failed) -> ApiError:
-    """The model side's error, raised again here as the same class."""
-    cls = _ERRORS.get((frame.status, frame.type, frame.reason), ApiError)
+    """The model side's error, raised again here as the same class (by its name, where
+    it is one of ours that says what the frame says; else by what the frame says)."""
+    cls = _BY_NAME.get(frame.error)
+    if cls is None or (cls.status, cls.type, cls.reason) != (frame.status, frame.type,
+                                                            frame.reason):
+        cls = _ERRORS.get((frame.status, frame.type, frame.reason), ApiError)
     error = cls.__new__(cls)
     ApiError.__init__(error, frame.message, param=frame.param, code=frame.code,
                       headers=dict(frame.headers))
     if cls is ApiError:
         error.status, error.type, error.reason = frame.status, frame.type, frame.reason
+    if isinstance(error, QuotaExceeded):
+        error.empty_s = frame.empty_s
     return error
 
 
@@ -65,6 +71,7 @@ def _subclasses(cls: type[ApiError]) -> list[type[ApiError]]:
 
 
 _ERRORS = {(c.status, c.type, c.reason): c for c in reversed(_subclasses(ApiError))}
+_BY_NAME = {c.__name__: c for c in _subclasses(ApiError)}
 
 
 class Link:

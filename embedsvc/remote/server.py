@@ -419,7 +419,8 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
 def failed(request_id: int, exc: ApiError) -> wire.Failed:
     return wire.Failed(request_id, exc.status, exc.type, exc.reason, exc.message, exc.code,
                        exc.param, dict(exc.headers),
-                       exc.empty_s if isinstance(exc, QuotaExceeded) else 0.0)
+                       exc.empty_s if isinstance(exc, QuotaExceeded) else 0.0,
+                       type(exc).__name__)
 
 
 def _gone() -> ClientDisconnected:

@@ -127,6 +127,7 @@ class Failed(Frame):
     param: str | None = None
     headers: dict[str, str] = {}
     empty_s: float = 0.0  # a tenant's spent rate quota: how long it stays spent
+    error: str = ""  # the class's name: classes can share a status, a type and a reason
 
 
 class Exposition(Frame):

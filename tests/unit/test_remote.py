@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedsvc.errors import InvalidRequest, Overloaded
+from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded, QuotaExceeded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
@@ -159,6 +159,13 @@ def test_an_error_of_the_model_side_is_raised_in_the_front_as_its_own_class():
     assert isinstance(err, Overloaded) and err.headers == {"Retry-After": "4"}
     err = error_of(failed(3, InvalidRequest("bad", param="input", code="x")))
     assert type(err) is InvalidRequest and (err.param, err.code) == ("input", "x")
+    # Classes that share a status, type and reason stay themselves: a quota refusal is
+    # not a plain Overloaded, a 404 not a plain 400 of the same family.
+    err = error_of(failed(3, QuotaExceeded("over", wait_s=2.5, spent=True)))
+    assert type(err) is QuotaExceeded and err.code == "quota_exceeded"
+    assert err.empty_s == 2.5 and err.headers == {"Retry-After": "3"}
+    err = error_of(failed(3, DeadlineExceeded("late", code="timeout")))
+    assert type(err) is DeadlineExceeded
 
 
 def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
