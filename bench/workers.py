@@ -234,7 +234,9 @@ def sim_report(results: list[Measured], labels: dict[str, str]) -> str:
                          f"{engine / requests * 1e6:.1f} us a request, pooled over the rounds "
                          f"(goal at most {ENGINE_GOAL_US:.0f}); each round: " + ", ".join(
                              f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
-                         + f"; by thread (us a request): {by_thread}")
+                         + f"; by thread (us a request): {by_thread}; its ceiling: "
+                         f"{requests / engine:,.0f} requests a second (1e6 / us a request), "
+                         "whatever the device")
     return "\n".join(lines)
 
 
