@@ -17,8 +17,11 @@ The file is TOML, one ``[[keys]]`` table a key::
 It is read at start, again on SIGHUP, and when it changes (its modification time, looked at
 once a second at most); a file that does not parse, or holds a bad entry, keeps the keys in
 use and logs one line saying why. A presented key is hashed and compared with every
-tenant's hash in constant time. ``API_KEY`` still works: one more key, tenant ``default``,
-with no limits.
+tenant's hash in constant time; an empty key is never one. ``API_KEY`` still works: one
+more key, tenant ``default``, with no limits; a file that names a tenant ``default`` too, or
+gives API_KEY's key to a tenant, is refused (at start, in one line; on a reload, the keys in
+use stay), as is a file whose ``sha256`` is the hash of an empty key (what hashing an unset
+variable gives) or that gives one key to two tenants.
 
 ``Quotas`` holds each tenant's usage where admission is (batching/admission.py): a request
 over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
@@ -72,6 +75,9 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+_EMPTY = digest("")  # what `printf %s "$KEY" | sha256sum` gives with KEY unset
+
+
 @dataclass(frozen=True)
 class Limits:
     requests_per_second: float | None = None
@@ -99,14 +105,33 @@ def parse_keys(text: str) -> list[Tenant]:
     entries = data.get("keys")
     if not isinstance(entries, list) or not entries:
         raise KeysFileError("no [[keys]] entries")
-    tenants, names = [], set()
+    tenants: list[Tenant] = []
     for i, entry in enumerate(entries):
-        tenant = _tenant(i, entry)
-        if tenant.name in names:
-            raise KeysFileError(f"entry {i + 1}: tenant {tenant.name!r} twice")
-        names.add(tenant.name)
-        tenants.append(tenant)
+        tenants.append(_tenant(i, entry))
+        _refuse_clashes(tenants, f"entry {i + 1}")
     return tenants
+
+
+def with_api_key(tenants: list[Tenant], api_key: Tenant | str | None) -> list[Tenant]:
+    """API_KEY is one more tenant beside the file's; KeysFileError where they clash."""
+    if not api_key:
+        return tenants
+    if isinstance(api_key, str):
+        api_key = Tenant(DEFAULT_TENANT, digest(api_key))
+    tenants = [*tenants, api_key]
+    _refuse_clashes(tenants, f"API_KEY (tenant {DEFAULT_TENANT!r})")
+    return tenants
+
+
+def _refuse_clashes(tenants: list[Tenant], where: str) -> None:
+    """The last of ``tenants`` against the ones before it: a name or a key given twice makes
+    who is asking ambiguous, so the whole file is refused."""
+    new = tenants[-1]
+    for old in tenants[:-1]:
+        if old.name == new.name:
+            raise KeysFileError(f"{where}: tenant {new.name!r} twice")
+        if hmac.compare_digest(old.key_digest, new.key_digest):
+            raise KeysFileError(f"{where} ({new.name}): the same key as tenant {old.name!r}")
 
 
 def _tenant(i: int, entry: object) -> Tenant:
@@ -133,6 +158,10 @@ def _tenant(i: int, entry: object) -> Tenant:
             found = b""
         if len(found) != 32:
             raise KeysFileError(f"{where} ({name}): 'sha256' is 64 hex digits")
+        if hmac.compare_digest(found, _EMPTY):
+            raise KeysFileError(
+                f"{where} ({name}): 'sha256' is the hash of an empty key (was the key's "
+                "variable unset when it was hashed?); hash the key itself")
     limits: dict[str, Any] = {}
     for limit in _LIMITS:
         value = entry.get(limit)
@@ -195,7 +224,7 @@ class Keyring:
         for tenant in tenants:
             if hmac.compare_digest(presented, tenant.key_digest):
                 found = tenant
-        if scheme.lower() != "bearer" or found is None:
+        if scheme.lower() != "bearer" or not token or found is None:
             raise Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return found
@@ -206,6 +235,7 @@ class Keyring:
             return False
         try:
             tenants = parse_keys(self.path.read_text(encoding="utf-8"))
+            with_api_key(tenants, self._api_key)
         except (OSError, KeysFileError) as exc:
             log.error("keys file %s not reloaded (%s): %s; the %d keys in use stay", self.path,
                       why, exc, len(self._tenants) - (self._api_key is not None))
@@ -220,8 +250,7 @@ class Keyring:
         return True
 
     def _install(self, tenants: list[Tenant]) -> None:
-        if self._api_key is not None and all(t.name != DEFAULT_TENANT for t in tenants):
-            tenants = [*tenants, self._api_key]
+        tenants = with_api_key(tenants, self._api_key)
         with self._lock:
             self._tenants = tuple(tenants)
             self._by_name = {t.name: t for t in tenants}

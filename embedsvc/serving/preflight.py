@@ -38,17 +38,19 @@ def check_serving(settings: Settings) -> None:
     check_device(settings.device)
     check_tracing(settings.otlp_endpoint)
     check_listen(settings.host, settings.port)
-    check_keys(settings.keys_file)
+    check_keys(settings.keys_file, settings.api_key)
 
 
-def check_keys(path: str | None) -> None:
-    """A KEYS_FILE that is there and parses (a reload that fails later keeps the keys)."""
-    from ..tenants import KeysFileError, parse_keys
+def check_keys(path: str | None, api_key: str | None = None) -> None:
+    """A KEYS_FILE that is there, parses and does not clash with API_KEY (a reload that fails
+    later keeps the keys)."""
+    from ..tenants import KeysFileError, parse_keys, with_api_key
 
     if not path:
         return
     try:
-        parse_keys(open(path, encoding="utf-8").read())  # noqa: SIM115 - read once
+        with_api_key(parse_keys(open(path, encoding="utf-8").read()),  # noqa: SIM115
+                     api_key)
     except OSError as exc:
         raise setting_error("KEYS_FILE", path, exc.strerror or str(exc)) from None
     except KeysFileError as exc:

@@ -65,10 +65,52 @@ def test_a_key_or_its_hash_names_its_tenant_and_anything_else_is_401(tmp_path):
     ("[[keys]]\ntenant = 'a'\nkey = 'k'\nrps = 1\n", "unknown field 'rps'"),
     ("[[keys]]\ntenant = 'a'\nkey = 'k'\n[[keys]]\ntenant = 'a'\nkey = 'j'\n", "twice"),
     ("", "no [[keys]]"),
+    (f"[[keys]]\ntenant = 'a'\nsha256 = '{digest('').hex()}'\n", "the hash of an empty key"),
+    ("[[keys]]\ntenant = 'a'\nkey = 'k'\n[[keys]]\ntenant = 'b'\n"
+     f"sha256 = '{digest('k').hex()}'\n", "(b): the same key as tenant 'a'"),
 ])
 def test_a_bad_keys_file_says_where(text, says):
     with pytest.raises(KeysFileError, match=said(says)):
         parse_keys(text)
+
+
+def test_an_empty_key_is_never_a_tenants(tmp_path):
+    """The hash of an empty key (`printf %s "$KEY" | sha256sum` with KEY unset) is refused in
+    the file, and a ring that holds one anyway (built in code) still lets no empty key in."""
+    path = tmp_path / "keys.toml"
+    write(path, f"[[keys]]\ntenant = 'unset'\nsha256 = '{digest('').hex()}'\n")
+    with pytest.raises(KeysFileError, match="empty key"):
+        Keyring(str(path))
+    ring = Keyring.of([Tenant("unset", digest(""))])
+    for header in ("Bearer", "Bearer ", "bearer "):
+        with pytest.raises(Unauthorized):
+            ring.authenticate(header)
+
+
+def test_api_key_and_a_tenant_named_default_are_refused_together(tmp_path, caplog, monkeypatch):
+    """API_KEY is tenant 'default' beside the file's: a file naming 'default' too, or giving
+    API_KEY's key to a tenant, is refused at start; on a reload the keys in use stay."""
+    from embedsvc import tenants
+    from embedsvc.serving.preflight import PreflightError, check_keys
+
+    path = tmp_path / "keys.toml"
+    write(path, "[[keys]]\ntenant = 'default'\nkey = 'sk-file'\n")
+    with pytest.raises(KeysFileError, match="tenant 'default' twice"):
+        Keyring(str(path), api_key="sk-env")
+    with pytest.raises(PreflightError, match="KEYS_FILE.*'default' twice") as refused:
+        check_keys(str(path), "sk-env")
+    assert "\n" not in str(refused.value)
+    write(path, "[[keys]]\ntenant = 'ops'\nkey = 'sk-env'\n")
+    with pytest.raises(KeysFileError, match="the same key as tenant 'ops'"):
+        Keyring(str(path), api_key="sk-env")
+    monkeypatch.setattr(tenants, "_CHECK_S", 0.0)
+    write(path, KEYS)
+    ring = Keyring(str(path), api_key="sk-env")
+    write(path, "[[keys]]\ntenant = 'default'\nkey = 'sk-file'\n")
+    with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
+        assert ring.authenticate("Bearer sk-env").name == DEFAULT_TENANT  # API_KEY stays
+    assert ring.authenticate("Bearer sk-search").name == "search"
+    assert "not reloaded" in caplog.text and "'default' twice" in caplog.text
 
 
 def said(text: str) -> str:
