@@ -99,6 +99,7 @@ class Service:
             if self._started:
                 return
             self._started = True
+        self.keyring.watch(self._stop)
         if background:
             threading.Thread(target=self._load, name="embedsvc-loader", daemon=True).start()
         else:

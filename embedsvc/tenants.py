@@ -15,7 +15,8 @@ The file is TOML, one ``[[keys]]`` table a key::
     tokens_per_minute = 2000000
 
 It is read at start, again on SIGHUP, and when it changes (its modification time, looked at
-once a second at most); a file that does not parse, or holds a bad entry, keeps the keys in
+once a second by a thread of its own, never on a request's path); it must be a regular file
+of at most 1 MiB; a file that does not parse, or holds a bad entry, keeps the keys in
 use and logs one line saying why. A presented key is hashed and compared with every
 tenant's hash in constant time; an empty key is never one. ``API_KEY`` still works: one
 more key, tenant ``default``, with no limits; a file that names a tenant ``default`` too, or
@@ -49,6 +50,7 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -67,6 +69,7 @@ else:  # pragma: no cover - Python 3.10
 log = logging.getLogger(__name__)
 
 _CHECK_S = 1.0  # how often the file's modification time is looked at
+MAX_KEYS_BYTES = 1 << 20  # a keys file's size at most: about 5,000 keys with their limits
 _LIMITS = ("requests_per_second", "tokens_per_minute", "inputs_in_flight")
 DEFAULT_TENANT = "default"  # the tenant of API_KEY
 
@@ -94,6 +97,29 @@ class Tenant:
 
 class KeysFileError(ValueError):
     """The keys file does not parse or holds a bad entry; the message says where."""
+
+
+def read_keys_file(path: str | os.PathLike[str]) -> str:
+    """The text of the keys file at ``path``: a regular file of at most ``MAX_KEYS_BYTES``
+    (KeysFileError otherwise). Opened without blocking, so that a FIFO or a device put
+    there (a symlink to /dev/zero) is refused at once instead of read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise KeysFileError("not a regular file")
+        chunks, size = [], 0
+        while chunk := os.read(fd, MAX_KEYS_BYTES + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_KEYS_BYTES:
+                raise KeysFileError(f"larger than {MAX_KEYS_BYTES} bytes")
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KeysFileError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def parse_keys(text: str) -> list[Tenant]:
@@ -181,10 +207,9 @@ class Keyring:
         self._tenants: tuple[Tenant, ...] = ()
         self._by_name: dict[str, Tenant] = {}
         self._stamp: tuple[int, int] | None = None
-        self._checked = 0.0
         self._lock = threading.Lock()
         if self.path is not None:
-            self._install(parse_keys(self.path.read_text(encoding="utf-8")))
+            self._install(parse_keys(read_keys_file(self.path)))
             self._stamp = self._file_stamp()
             log.info("keys file %s: %d tenants (%s)", self.path, len(self._tenants),
                      ", ".join(self.names))
@@ -207,14 +232,12 @@ class Keyring:
         return [t.name for t in self._tenants]
 
     def tenant(self, name: str | None) -> Tenant | None:
-        self._maybe_reload()
         return self._by_name.get(name) if name else None
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of ``Authorization: Bearer <key>`` (None when no key is required);
         401 for a missing or unknown key. Every tenant's hash is compared, in constant time,
         so the time taken says nothing of which key came near."""
-        self._maybe_reload()
         tenants = self._tenants
         if not tenants:
             return None
@@ -234,7 +257,7 @@ class Keyring:
         if self.path is None:
             return False
         try:
-            tenants = parse_keys(self.path.read_text(encoding="utf-8"))
+            tenants = parse_keys(read_keys_file(self.path))
             with_api_key(tenants, self._api_key)
         except (OSError, KeysFileError) as exc:
             log.error("keys file %s not reloaded (%s): %s; the %d keys in use stay", self.path,
@@ -255,15 +278,17 @@ class Keyring:
             self._tenants = tuple(tenants)
             self._by_name = {t.name: t for t in tenants}
 
-    def _maybe_reload(self) -> None:
-        if self.path is None:
-            return
-        now = time.monotonic()
-        if now - self._checked < _CHECK_S:
-            return
-        self._checked = now
-        if self._file_stamp() != self._stamp:
-            self.reload("the file changed")
+    def watch(self, stop: threading.Event) -> None:
+        """Reload the file when it changes, looked at once a second in a thread of its own
+        until ``stop``: never on a request's path, where a slow file would hold requests."""
+        if self.path is not None:
+            threading.Thread(target=self._watch, args=(stop,), name="embedsvc-keys",
+                             daemon=True).start()
+
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(_CHECK_S):
+            if self._file_stamp() != self._stamp:
+                self.reload("the file changed")
 
     def _file_stamp(self) -> tuple[int, int] | None:
         try:

@@ -44,13 +44,12 @@ def check_serving(settings: Settings) -> None:
 def check_keys(path: str | None, api_key: str | None = None) -> None:
     """A KEYS_FILE that is there, parses and does not clash with API_KEY (a reload that fails
     later keeps the keys)."""
-    from ..tenants import KeysFileError, parse_keys, with_api_key
+    from ..tenants import KeysFileError, parse_keys, read_keys_file, with_api_key
 
     if not path:
         return
     try:
-        with_api_key(parse_keys(open(path, encoding="utf-8").read()),  # noqa: SIM115
-                     api_key)
+        with_api_key(parse_keys(read_keys_file(path)), api_key)
     except OSError as exc:
         raise setting_error("KEYS_FILE", path, exc.strerror or str(exc)) from None
     except KeysFileError as exc:

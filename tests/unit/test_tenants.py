@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -87,10 +88,9 @@ def test_an_empty_key_is_never_a_tenants(tmp_path):
             ring.authenticate(header)
 
 
-def test_api_key_and_a_tenant_named_default_are_refused_together(tmp_path, caplog, monkeypatch):
+def test_api_key_and_a_tenant_named_default_are_refused_together(tmp_path, caplog):
     """API_KEY is tenant 'default' beside the file's: a file naming 'default' too, or giving
     API_KEY's key to a tenant, is refused at start; on a reload the keys in use stay."""
-    from embedsvc import tenants
     from embedsvc.serving.preflight import PreflightError, check_keys
 
     path = tmp_path / "keys.toml"
@@ -103,12 +103,12 @@ def test_api_key_and_a_tenant_named_default_are_refused_together(tmp_path, caplo
     write(path, "[[keys]]\ntenant = 'ops'\nkey = 'sk-env'\n")
     with pytest.raises(KeysFileError, match="the same key as tenant 'ops'"):
         Keyring(str(path), api_key="sk-env")
-    monkeypatch.setattr(tenants, "_CHECK_S", 0.0)
     write(path, KEYS)
     ring = Keyring(str(path), api_key="sk-env")
     write(path, "[[keys]]\ntenant = 'default'\nkey = 'sk-file'\n")
     with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
-        assert ring.authenticate("Bearer sk-env").name == DEFAULT_TENANT  # API_KEY stays
+        assert not ring.reload()
+    assert ring.authenticate("Bearer sk-env").name == DEFAULT_TENANT  # API_KEY stays
     assert ring.authenticate("Bearer sk-search").name == "search"
     assert "not reloaded" in caplog.text and "'default' twice" in caplog.text
 
@@ -122,21 +122,66 @@ def said(text: str) -> str:
 def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_keys(tmp_path, caplog, monkeypatch):
     from embedsvc import tenants
 
-    monkeypatch.setattr(tenants, "_CHECK_S", 0.0)
+    monkeypatch.setattr(tenants, "_CHECK_S", 0.01)
     path = tmp_path / "keys.toml"
     write(path, KEYS)
     ring = Keyring(str(path))
-    write(path, "[[keys]]\ntenant = 'new'\nkey = 'sk-new'\n")
-    assert ring.authenticate("Bearer sk-new").name == "new"  # seen at the next request
-    with pytest.raises(Unauthorized):
-        ring.authenticate("Bearer sk-search")  # removed
-    with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
-        write(path, "[[keys]]\ntenant = 'broken'\n")
-        assert ring.authenticate("Bearer sk-new").name == "new"  # the keys in use stay
-        assert not ring.reload()
+    stop = threading.Event()
+    ring.watch(stop)
+    try:
+        write(path, "[[keys]]\ntenant = 'new'\nkey = 'sk-new'\n")
+        until(lambda: ring.names == ["new"])  # the watcher saw the change
+        assert ring.authenticate("Bearer sk-new").name == "new"
+        with pytest.raises(Unauthorized):
+            ring.authenticate("Bearer sk-search")  # removed
+        with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
+            write(path, "[[keys]]\ntenant = 'broken'\n")
+            until(lambda: "not reloaded" in caplog.text)
+            assert ring.authenticate("Bearer sk-new").name == "new"  # the keys in use stay
+            assert not ring.reload()
+    finally:
+        stop.set()
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(lines) == 2 and all("not reloaded" in line for line in lines), lines
     assert all("sk-" not in line for line in caplog.text.splitlines())
+
+
+def until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within 5 s"
+        time.sleep(0.01)
+
+
+def test_the_keys_file_is_a_bounded_regular_file_never_read_on_a_request(tmp_path, caplog):
+    """A FIFO, a device (a symlink to /dev/zero) or a file past the cap is refused at start
+    and on a reload (the keys in use stay), and a request never reads the file: a FIFO put
+    in its place hung every request, and a symlink to /dev/zero was read without end."""
+    from embedsvc import tenants
+
+    path = tmp_path / "keys.toml"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    big = tmp_path / "big.toml"
+    big.write_text(KEYS + "#" * tenants.MAX_KEYS_BYTES)
+    for bad, says in ((fifo, "not a regular file"), (tmp_path / "zero", "not a regular file"),
+                      (big, "larger than")):
+        with pytest.raises(KeysFileError, match=says):
+            Keyring(str(bad))
+    write(path, KEYS)
+    ring = Keyring(str(path))
+    path.unlink()
+    os.mkfifo(path)  # in place of the file, with no writer: reading it would block
+    answered: list[str] = []
+    request = threading.Thread(
+        target=lambda: answered.append(ring.authenticate("Bearer sk-search").name), daemon=True)
+    request.start()
+    request.join(5)
+    assert answered == ["search"], "a request read the keys file"
+    with caplog.at_level(logging.ERROR, logger="embedsvc.tenants"):
+        assert not ring.reload()
+    assert "not a regular file" in caplog.text and ring.names == ["search", "backfill"]
 
 
 def test_quotas_refuse_with_the_wait_the_quota_gives():
