@@ -330,10 +330,8 @@ class Quotas:
                 wait = (1 - usage.requests) / limits.requests_per_second
                 raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait,
                             spent=True)
-            if limits.tokens_per_minute is not None and usage.tokens <= 0:
-                wait = -usage.tokens / (limits.tokens_per_minute / 60) + 1e-3
-                raise _over(tenant, f"{limits.tokens_per_minute:g} tokens a minute", wait,
-                            spent=True)
+            if limits.tokens_per_minute is not None:
+                self._refuse_unless_tokens_fit(tenant, usage, tokens)
             if limits.inputs_in_flight is not None and usage.in_flight \
                     and usage.in_flight + inputs > limits.inputs_in_flight:
                 raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0,
@@ -341,6 +339,24 @@ class Quotas:
             usage.requests -= 1
             usage.tokens -= tokens
             usage.in_flight += inputs
+
+    @staticmethod
+    def _refuse_unless_tokens_fit(tenant: Tenant, usage: _Usage, tokens: int) -> None:
+        """429 unless the bucket holds the request's tokens: the quota is never overdrawn by
+        letting a request in, only by an estimate that fell short of the exact count. A
+        request larger than the whole bucket goes in when the bucket is full, or never."""
+        per_minute = tenant.limits.tokens_per_minute
+        assert per_minute is not None
+        need = min(tokens, per_minute)
+        if usage.tokens >= need:
+            return
+        rate = per_minute / 60
+        empty = usage.tokens <= 0  # then every request of the tenant waits, whatever its size
+        refusal = _over(tenant, f"{per_minute:g} tokens a minute",
+                        (need - usage.tokens) / rate + 1e-3, spent=empty)
+        if empty:
+            refusal.empty_s = -usage.tokens / rate + 1e-3
+        raise refusal
 
     def settle(self, name: str | None, estimate: int, tokens: int) -> None:
         """The request's exact tokens, once tokenized, in place of its estimate."""

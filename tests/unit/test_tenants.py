@@ -11,7 +11,7 @@ import time
 import pytest
 
 from embedsvc.batching.admission import Admission
-from embedsvc.errors import Overloaded, Unauthorized
+from embedsvc.errors import Overloaded, QuotaExceeded, Unauthorized
 from embedsvc.metrics import Metrics
 from embedsvc.tenants import (
     DEFAULT_TENANT,
@@ -206,6 +206,27 @@ def test_quotas_refuse_with_the_wait_the_quota_gives():
     q.take("f", inputs=4, tokens=1, now=0.0)
     q.take(None, inputs=10**6, tokens=10**9)  # no tenant: no quota
     q.take("unknown", inputs=1, tokens=1)  # a name not in the file (removed): no quota
+
+
+def test_a_token_quota_lets_a_request_in_only_when_its_tokens_fit():
+    """300 tokens a minute: 200, then 160 would make 360 (as it did, the bucket being above
+    zero); it waits until 160 are there, while a request that fits goes in. One larger than
+    the whole bucket goes in when the bucket is full: the one overdraw, by that request."""
+    q = Quotas(Keyring.of([Tenant("t", digest("k"), Limits(tokens_per_minute=300))]))
+    q.take("t", inputs=1, tokens=200, now=0.0)
+    with pytest.raises(QuotaExceeded) as info:
+        q.take("t", inputs=1, tokens=160, now=0.0)
+    assert info.value.headers["Retry-After"] == "13"  # 60 tokens short, at 5 a second
+    assert info.value.empty_s == 0  # not spent: a smaller request may go in meanwhile
+    q.take("t", inputs=1, tokens=100, now=0.0)  # fits: the bucket is now empty
+    with pytest.raises(QuotaExceeded) as info:
+        q.take("t", inputs=1, tokens=1, now=0.0)
+    assert info.value.empty_s > 0  # spent: the front may refuse the tenant meanwhile
+    q.take("t", inputs=1, tokens=160, now=32.0)  # 160 refilled by then
+    with pytest.raises(QuotaExceeded) as info:
+        q.take("t", inputs=1, tokens=1000, now=32.0)  # more than the bucket: waits for it full
+    assert info.value.headers["Retry-After"] == "61"  # the whole 300, at 5 a second
+    q.take("t", inputs=1, tokens=1000, now=92.0)
 
 
 def test_admission_charges_the_tenant_first_and_a_refused_request_costs_it_nothing():
