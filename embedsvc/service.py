@@ -26,7 +26,7 @@ from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .engine import Engine
 from .errors import Unavailable, shutting_down
-from .metrics import Metrics, exposition, merge
+from .metrics import Metrics, exposition
 from .model import backend
 from .model.encoder import Encoder, ModelInfo
 from .model.st_encoder import SentenceTransformerEncoder
@@ -138,8 +138,9 @@ class Service:
             return generate_latest(self.metrics.registry)
         from .remote.wire import Exposition, Scrape
 
-        others = self._link.ask(Scrape(os.getpid()), Exposition, timeout=2.0)
-        return exposition(merge(others.families, self.metrics.families(self.pid)))
+        merged = self._link.ask(Scrape(self.pid, *self.metrics.snapshot(self.pid)),
+                                Exposition, timeout=2.0)
+        return exposition(merged.families)
 
     @property
     def model(self) -> ModelInfo | None:
@@ -218,7 +219,7 @@ class Service:
         from .model.text import text_model
         from .remote.client import Link, RemotePort
 
-        self._link = link = Link(address, snapshot=lambda: self.metrics.families(self.pid),
+        self._link = link = Link(address, snapshot=lambda: self.metrics.snapshot(self.pid),
                                  keeper=self._keeper)
         link.start()
         while not self._stop.is_set():
