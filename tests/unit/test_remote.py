@@ -224,3 +224,39 @@ def test_a_scrape_through_any_front_never_reads_fewer_requests(pair):
 def _requests(text: bytes) -> float:
     return sum(float(line.rsplit(b" ", 1)[1]) for line in text.splitlines()
                if line.startswith(b'embedsvc_requests_total{route="/embed"'))
+
+
+def test_a_sockets_directory_made_by_someone_else_is_never_used(monkeypatch):
+    """Another local user can make $TMPDIR/embedsvc-<uid> first (or leave it open to
+    others): `--workers` stopped with a traceback. It uses a private one of its own; where
+    gunicorn's workers (which must all find the same one) find none, they refuse in one
+    line."""
+    import os
+    import shutil
+    import tempfile
+
+    from embedsvc.remote.place import fresh_dir, owner_dir
+
+    short = Path(tempfile.mkdtemp(prefix="es-", dir="/tmp"))  # room for a socket's path
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
+    taken = short / f"embedsvc-{os.getuid()}"
+    taken.mkdir()
+    taken.chmod(0o777)
+    try:
+        directory = fresh_dir()
+        assert not directory.is_relative_to(taken)
+        assert directory.stat().st_mode & 0o777 == 0o700
+        assert directory.stat().st_uid == os.getuid()
+        directory.rmdir()
+        try:
+            shared = owner_dir(4194303)
+        except RuntimeError as refused:
+            assert "\n" not in str(refused) and "XDG_RUNTIME_DIR or TMPDIR" in str(refused)
+        else:
+            assert not shared.is_relative_to(taken)
+            assert shared.stat().st_mode & 0o777 == 0o700
+            shared.rmdir()
+        assert list(taken.iterdir()) == []
+    finally:
+        shutil.rmtree(short)
