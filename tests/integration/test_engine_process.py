@@ -181,6 +181,37 @@ def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(t
     assert "the engine process (pid" in server.output()
 
 
+def test_an_engine_killed_each_time_it_serves_is_replaced_every_time(tmp_path):
+    """The supervisor stopped the service at the fifth engine killed within 5 s of its
+    start, though each had come up and served: such an exit is a kill, not a failure to
+    start, and never adds up to giving up."""
+    with workers(tmp_path, 2) as server:
+        killed: list[int] = []
+        for i in range(8):
+            engine = serving_engine(server, not_in=killed)
+            assert_vectors(embed(server.url, [f"kill {i}"]), [f"kill {i}"])
+            os.kill(engine, signal.SIGKILL)
+            killed.append(engine)
+        serving_engine(server, not_in=killed)
+        assert_vectors(embed(server.url, ["after"]), ["after"])
+        assert server.proc.poll() is None, server.output()[-2000:]
+        assert server.output().count("exited with signal 9 after it came up") >= 8
+
+
+def serving_engine(server: Server, not_in: list[int], timeout: float = 30) -> int:
+    """The pid of an engine, none of ``not_in``, once a front answers /health 200 with it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.proc.poll() is None, server.output()[-2000:]
+        with contextlib.suppress(OSError):
+            pid = info(server)["engine_pid"]
+            healthy = loopback.get(server.url + "/health", timeout=5).status_code == 200
+            if pid is not None and pid not in not_in and healthy:
+                return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no new engine serving:\n{server.output()[-2000:]}")
+
+
 def test_a_killed_front_is_replaced_and_the_other_keeps_serving(tmp_path):
     with workers(tmp_path, 2) as server:
         fronts = info(server)["front_pids"]
