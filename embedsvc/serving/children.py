@@ -28,7 +28,7 @@ from ..remote.place import engine_address
 from ..remote.server import EngineServer
 from ..service import Service
 from ..settings import Settings
-from .lifeline import ENGINE_BOOT_ERROR, alive, mark_up, watch
+from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
 from .process import serving_process
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
         service.start(background=False)
     except RuntimeError as exc:
         log.error("%s", exc)
+        with contextlib.suppress(OSError):  # for gunicorn's workers to name the cause
+            (directory / BOOT_FAILURE).write_text(str(exc).splitlines()[0][:500])
         return ENGINE_BOOT_ERROR
     runner = service.runner
     assert runner is not None

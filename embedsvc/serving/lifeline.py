@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ENGINE_BOOT_ERROR = 3  # the model did not load: restarting the engine would fail the same way
+BOOT_FAILURE = "engine.failed"  # in the engine's directory: why it could not start, one line
 _WATCH_S = 0.5
 
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -89,20 +93,31 @@ def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, 
             os.killpg(server.pid, signal.SIGKILL)
 
 
-def test_an_engine_that_cannot_load_the_model_is_not_restarted_for_ever(tmp_path):
-    """Its workers say unhealthy, and why, once; gunicorn must be restarted with a model
-    that loads."""
+def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(tmp_path):
+    """Every request waited 30 s, then 503, and the master never exited, its engine's
+    directory left behind: now a worker exits as gunicorn's failed boot, and the master
+    stops with it, as `embedsvc serve --workers` does."""
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    env = {"EMBEDSVC_MODEL": str(model)}
-    cmd = ["gunicorn", "-w", "2", "-b", "127.0.0.1:0", "--no-control-socket", "embedsvc:app"]
-    with running(cmd, tmp_path / "broken.log", env=env, healthy=False) as server:
-        deadline, code = time.monotonic() + 90, None
-        while time.monotonic() < deadline and code != "unhealthy":
-            resp = loopback.get(server.url + "/health", timeout=30)
-            code = resp.json()["error"]["code"] if resp.status_code != 200 else "ok"
-            time.sleep(0.3)
-        assert code == "unhealthy", server.output()[-3000:]
-        time.sleep(4)  # longer than a keeper's look: no new engine
-        assert server.output().count("started the engine process") == 1, server.output()
+    runtime = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # room for a socket's path
+    runtime.chmod(0o700)
+    env = {"EMBEDSVC_MODEL": str(model), "XDG_RUNTIME_DIR": str(runtime)}
+    log = tmp_path / "broken.log"
+    try:
+        with running(PLAIN, log, env=env, healthy=False) as server:
+            with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
+                loopback.get(server.url + "/health", timeout=30)
+            assert server.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(30)
+            code = server.proc.poll()
+        output = log.read_text()
+        assert code == 3, output[-3000:]
+        causes = [line for line in output.splitlines()
+                  if "the engine process could not start: the model failed to load" in line]
+        assert causes, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        assert not list(runtime.glob(f"embedsvc-{os.getuid()}/engine-*")), output[-3000:]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
