@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 _SWEEP_S = 0.1  # how often queued requests past their deadline or orphaned are cancelled
 _WATCH_S = 0.5  # how often the batcher thread is checked
 _LOADING = "the model is still loading; retry in a few seconds"
+# How long a front's first look at the service waits to meet an engine that is serving (its
+# card, the tokenizer built from it: 1.7 s once on a busy machine)
+_SETTLE_S = 5.0
 
 
 def load_encoder(
@@ -116,6 +119,17 @@ class Service:
         if engine is None:  # no card yet: the link says whether an engine is coming
             return self._link.state if self._link is not None else "loading"
         return engine.port.state
+
+    def settle(self, timeout: float = _SETTLE_S) -> None:
+        """A front that has not met the engine yet (a gunicorn worker's first request
+        starts it) waits up to ``timeout`` for it when the engine's socket is there (it
+        serves), so that /health, /info and /metrics answer the service's state from any
+        process, not that this one has just started."""
+        address = self.engine_address
+        if address is None or self._loaded.is_set() \
+                or not os.path.exists(address.removeprefix("ipc://")):
+            return
+        self._loaded.wait(timeout)
 
     @property
     def engine_pid(self) -> int | None:

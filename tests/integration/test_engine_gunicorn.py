@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from .. import loopback
-from .servers import running
+from .servers import assert_monotonic, counter_series, running
 
 TEXTS = ["the workers share one model", "and one batcher", "a third text, a bit longer"]
 PLAIN = ["gunicorn", "-w", "4", "-b", "127.0.0.1:0", "--timeout", "10",
@@ -91,6 +92,44 @@ def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, 
         assert "is gone" in server.output()
         with contextlib.suppress(ProcessLookupError):  # the workers notice in a few seconds
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_every_worker_answers_the_service_state_and_counters_never_go_backwards(tmp_path):
+    """Right after the first 200, a worker that had not met the engine answered /health 503
+    "loading" and /info engine_pid null for up to 2.5 s; and /metrics through different
+    workers read 14, 21, 14, 21, 7, 21 requests after 41."""
+    with running(PLAIN, tmp_path / "gunicorn.log", env={"EMBEDSVC_DEVICE": "cpu"},
+                 healthy=False) as server:
+        deadline = time.monotonic() + 120
+        while loopback.post(server.url + "/embed", json={"inputs": TEXTS},
+                            timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.2)
+        for _ in range(40):  # new connections, spread over the four workers
+            health = loopback.get(server.url + "/health", timeout=30)
+            assert health.status_code == 200, health.text
+            assert loopback.get(server.url + "/info", timeout=30).json()["engine_pid"]
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            while not stop.is_set():
+                loopback.post(server.url + "/embed", json={"inputs": [f"load {i}"]},
+                              timeout=60)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            scrapes = [loopback.get(server.url + "/metrics", timeout=30).text
+                       for _ in range(200)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert_monotonic(scrapes)
+        assert counter_series(scrapes[-1])[("embedsvc_requests_total", (
+            ("route", "/embed"), ("status", "200")))] > counter_series(scrapes[0])[(
+                "embedsvc_requests_total", (("route", "/embed"), ("status", "200")))]
 
 
 def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(tmp_path):

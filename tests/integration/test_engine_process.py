@@ -23,7 +23,7 @@ import zmq
 from embedsvc.model.fake import FakeEncoder
 
 from .. import loopback
-from .servers import FAKE_EMBEDSVC, Server, running
+from .servers import FAKE_EMBEDSVC, Server, assert_monotonic, counter_series, running
 
 FAKE = FakeEncoder(dimension=384, max_input_tokens=256)  # as fake_serve.py serves it
 ENGINE_LINE = re.compile(r"engine serving: pid=(\d+) .* on ipc://(\S+)")
@@ -179,6 +179,32 @@ def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(t
             assert_vectors(resp, texts)
     assert any(a[0] > recovered and a[3].status_code == 200 for a in answers)
     assert "the engine process (pid" in server.output()
+
+
+def test_counters_never_go_backwards_over_scrapes_through_four_fronts(tmp_path):
+    """Each front merged its own live counts with the others' last snapshots: scrapes after
+    41 requests read 14, 21, 14, 21, 7, 21."""
+    with workers(tmp_path, 4, 0.01) as server:
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
+                while not stop.is_set():
+                    c.post("/embed", json={"inputs": [f"load {i}"]})
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:  # each scrape a new connection: the kernel spreads them over the fronts
+            scrapes = [loopback.get(server.url + "/metrics", timeout=30).text
+                       for _ in range(200)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert_monotonic(scrapes)
+        key = ("embedsvc_requests_total", (("route", "/embed"), ("status", "200")))
+        assert counter_series(scrapes[-1])[key] > counter_series(scrapes[0]).get(key, 0.0)
 
 
 def test_an_engine_killed_each_time_it_serves_is_replaced_every_time(tmp_path):
