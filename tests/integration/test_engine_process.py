@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -343,13 +344,18 @@ def test_a_malformed_or_oversized_frame_is_dropped_and_the_engine_serves_on(tmp_
             sock.send(b"\x93not a frame")
             sock.send_multipart([b"two", b"parts"])
             sock.send(b"\x81\xa5frame\xa6Submit")  # a Submit with no fields
+            # metrics a scrape cannot render: the next scrape stopped the engine (signal 6)
+            sock.send(msgspec.msgpack.encode({"frame": "Snapshot", "pid": 1, "origin": 1,
+                                              "seq": 1, "families": [
+                                                  ["x", "bogus", "h", [["x", {}, "y"]]]]}))
             sock.send(b"x" * (8 << 20))  # larger than any request can make
             time.sleep(0.5)
         finally:
             context.destroy(linger=0)
+        assert loopback.get(server.url + "/metrics", timeout=10).status_code == 200
         assert_vectors(embed(server.url, ["still serving"]), ["still serving"])
         assert info(server)["engine_pid"] == engine
-        assert server.output().count("a malformed frame on the engine socket was dropped") >= 3
+        assert server.output().count("a malformed frame on the engine socket was dropped") >= 4
 
 
         assert len(info(server)["front_pids"]) == 1  # ENGINE=process, with one front
