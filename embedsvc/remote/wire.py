@@ -3,7 +3,8 @@
 A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
 side: the kind, the token ids, the options), ``Cancel`` (its client left), ``Ping`` and
 ``Snapshot`` (its metrics); the engine answers ``Rows``, ``Sparse``, ``TokenRows`` or
-``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape``. Ids,
+``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
+``Snapshot`` that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
 into exactly these types or refused: nothing on the socket is ever unpickled or executed.
 
