@@ -97,25 +97,26 @@ class SharedEngine:
             with self._locked():
                 failed = self.directory / BOOT_FAILURE
                 if failed.exists():
-                    self._give_up(failed.read_text())
-                    return "the engine process could not start: " + failed.read_text()
+                    why = failed.read_text()
+                    self._give_up(why)
+                    return "the engine process could not start: " + why
                 self._start()
                 return None
-        except FileNotFoundError:  # another worker gave up and removed the directory
-            self._give_up("the model failed to load")
-            return "the engine process could not start"
+        except FileNotFoundError:  # another worker gave up: its master is stopping
+            self._stand_down()
+            return "the engine process could not start; the server log says why"
 
     def _give_up(self, why: str) -> None:
         """Where gunicorn's master is the owner: one line naming the cause, the directory
-        removed (no engine will use it), and the exit gunicorn halts on."""
+        removed (no engine will use it), and the exit gunicorn halts on. Under the lock, so
+        that one worker does it: a second exit with WORKER_BOOT_ERROR while the master halts
+        makes it raise again (a traceback, exit 1)."""
         if self.master_pid == os.getpid():  # waitress-serve with ENGINE=process: unhealthy
             return
         log.error("the engine process could not start: %s; fix it, then start gunicorn "
                   "again", why.strip())
         shutil.rmtree(self.directory, ignore_errors=True)
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):  # exiting anyway
-                handler.flush()
+        _flush_logs()
         os._exit(WORKER_BOOT_ERROR)
 
     def _start(self) -> None:
@@ -133,6 +134,17 @@ class SharedEngine:
         threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
                          daemon=True).start()
 
+    def _stand_down(self) -> None:
+        """Under gunicorn, after another worker gave up: exit now, and not as a failed boot
+        (see ``_give_up``). Waiting for the master's SIGTERM could take until its graceful
+        timeout: a worker warming in post_worker_init does not stop before it is warm."""
+        if self.master_pid == os.getpid():
+            return
+        log.info("worker %d stops with its master: the engine process could not start",
+                 os.getpid())
+        _flush_logs()
+        os._exit(0)
+
     def _reap(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
         came_up(self.directory, proc.pid)  # its mark, for a supervisor: none here
@@ -143,16 +155,24 @@ class SharedEngine:
             if not failed.exists():  # it could not say why itself
                 failed.write_text("the engine process could not load the model (the server "
                                   "log says why)")
-            self._give_up(failed.read_text())
+        self.ensure()  # gives up now, rather than at a keeper's next look
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with open(self.directory / _LOCK_FILE, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
+                if not self.directory.is_dir():  # removed while this process waited
+                    raise FileNotFoundError(self.directory)
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):  # exiting anyway
+            handler.flush()
 
 
 def _running(pid_file: Path) -> bool:

@@ -132,10 +132,12 @@ def test_every_worker_answers_the_service_state_and_counters_never_go_backwards(
                 "embedsvc_requests_total", (("route", "/embed"), ("status", "200")))]
 
 
-def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(tmp_path):
+@pytest.mark.parametrize("launch", ["plain", "conf"])
+def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(launch, tmp_path):
     """Every request waited 30 s, then 503, and the master never exited, its engine's
     directory left behind: now a worker exits as gunicorn's failed boot, and the master
-    stops with it, as `embedsvc serve --workers` does."""
+    stops with it, as `embedsvc serve --workers` does (the other workers exit too, not as
+    failed boots: a second one made the halting master raise, a traceback and exit 1)."""
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -144,7 +146,8 @@ def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(tmp_
     env = {"EMBEDSVC_MODEL": str(model), "XDG_RUNTIME_DIR": str(runtime)}
     log = tmp_path / "broken.log"
     try:
-        with running(PLAIN, log, env=env, healthy=False) as server:
+        with running(LAUNCHES[launch], log, env=env, healthy=False,
+                     cwd=str(Path(__file__).parents[2])) as server:
             with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
                 loopback.get(server.url + "/health", timeout=30)
             assert server.proc is not None
