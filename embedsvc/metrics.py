@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import math
+import re
+import secrets
 import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar, overload
+from typing import Generic, TypeVar, overload
 
 from prometheus_client import (
     CollectorRegistry,
@@ -139,6 +141,9 @@ class Metrics:
                 self.__dict__[name] = row.build(self.registry)
         r = self.registry
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        self._origin = secrets.randbits(62)  # this process's snapshots, even if its pid is reused
+        self._seq = 0
+        self._snapshot_lock = threading.Lock()
         self._device_memory = _DeviceMemory()
         r.register(self._device_memory)
         self._engine_load = _EngineLoad()
@@ -182,6 +187,14 @@ class Metrics:
         """This process's metrics as plain data (``families``)."""
         return families(self.registry, pid)
 
+    def snapshot(self, pid: int) -> tuple[int, int, list[Family]]:
+        """This process's metrics to send the engine: its origin, a sequence number that a
+        later snapshot's exceeds, and the families (taken under the same lock, so that a
+        larger number never holds smaller counts)."""
+        with self._snapshot_lock:
+            self._seq += 1
+            return self._origin, self._seq, self.families(pid)
+
     def watch_device_memory(self, read: Callable[[], tuple[int, int]]) -> None:
         """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
         self._device_memory.read = read
@@ -191,9 +204,10 @@ class Metrics:
         self._engine_load.busy_seconds = busy_seconds
 
 
-# One metric family as plain data: [name, type, help, [[sample name, labels, value], ...]].
+# One metric family as plain data: (name, type, help, [(sample name, labels, value), ...]).
 # What a front sends the engine (``Snapshot``), and what a scrape merges.
-Family = list[Any]
+Sample = tuple[str, dict[str, str], float]
+Family = tuple[str, str, str, list[Sample]]
 
 
 def families(registry: CollectorRegistry, pid: int | None = None) -> list[Family]:
@@ -203,16 +217,37 @@ def families(registry: CollectorRegistry, pid: int | None = None) -> list[Family
     out: list[Family] = []
     for metric in registry.collect():
         own = pid is not None and metric.name.startswith("process_")
-        samples = []
+        samples: list[Sample] = []
         for sample in metric.samples:
             labels = dict(sample.labels)
             if metric.type == "info" and not labels:
                 continue
             if own:
                 labels["pid"] = str(pid)
-            samples.append([sample.name, labels, sample.value])
-        out.append([metric.name, metric.type, metric.documentation, samples])
+            samples.append((sample.name, labels, sample.value))
+        out.append((metric.name, metric.type, metric.documentation, samples))
     return out
+
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_TYPES = ("counter", "gauge", "histogram", "summary", "info", "stateset", "unknown")
+
+
+def check_families(found: Iterable[Family]) -> None:
+    """ValueError unless ``found`` is what ``families`` makes: metric and label names
+    Prometheus takes, known types, each sample named for its family, finite values. A
+    front's snapshot is checked so before the engine keeps it, since a scrape renders it."""
+    for name, kind, _, samples in found:
+        if not _NAME.fullmatch(name) or kind not in _TYPES:
+            raise ValueError(f"a metric family {name[:80]!r} of type {kind[:20]!r}")
+        for sample_name, labels, value in samples:
+            if not (_NAME.fullmatch(sample_name) and sample_name.startswith(name)):
+                raise ValueError(f"a sample {sample_name[:80]!r} in family {name!r}")
+            if not all(_LABEL.fullmatch(k) and not k.startswith("__") for k in labels):
+                raise ValueError(f"a label name of {sample_name!r} Prometheus refuses")
+            if not math.isfinite(value):
+                raise ValueError(f"a sample {sample_name!r} that is not a finite number")
 
 
 def merge(*sources: Iterable[Family]) -> list[Family]:
@@ -225,7 +260,7 @@ def merge(*sources: Iterable[Family]) -> list[Family]:
             for sample_name, labels, value in samples:
                 key = (sample_name, tuple(sorted(labels.items())))
                 values[key] = values.get(key, 0.0) + value
-    return [[name, kind, documentation, [[n, dict(labels), v] for (n, labels), v in values.items()]]
+    return [(name, kind, documentation, [(n, dict(labels), v) for (n, labels), v in values.items()])
             for name, (kind, documentation, values) in by_name.items()]
 
 
@@ -251,23 +286,30 @@ class _Families(Collector):
 class Snapshots:
     """The fronts' latest metrics, as the engine keeps them for a scrape of any front.
 
-    A front sends its own every second; a scrape merges the engine's, every front's but the
-    asking one's (which merges its own, live) and the last of the fronts that are gone:
-    their counters and histograms stay (their requests happened), their gauges go.
+    A front sends its own every second, and with each scrape it asks for; each carries the
+    front's ``origin`` (one per process: a reused pid is another front) and a sequence
+    number that grows with every snapshot it takes. Only a later one replaces the kept one:
+    a periodic snapshot that arrives after a scrape's fresher one (they travel on different
+    sockets) would take counts back. A scrape merges the engine's own and every front's
+    kept one, the asking front's included, so every front's scrape reads the same sums, and
+    a later scrape never less; a front that is gone keeps its counters and histograms (its
+    requests happened), not its gauges.
     """
 
     def __init__(self) -> None:
-        self._latest: dict[int, list[Family]] = {}
+        self._latest: dict[tuple[int, int], tuple[int, list[Family]]] = {}
         self._lock = threading.Lock()
 
-    def keep(self, pid: int, snapshot: list[Family]) -> None:
+    def keep(self, pid: int, origin: int, seq: int, snapshot: list[Family]) -> None:
         with self._lock:
-            self._latest[pid] = snapshot
+            kept = self._latest.get((pid, origin))
+            if kept is None or seq > kept[0]:
+                self._latest[(pid, origin)] = (seq, snapshot)
 
-    def merged(self, own: list[Family], but: int, live: Iterable[int]) -> list[Family]:
+    def merged(self, own: list[Family], live: Iterable[int]) -> list[Family]:
         alive = set(live)
         with self._lock:
-            fronts = [(pid, snap) for pid, snap in self._latest.items() if pid != but]
+            fronts = [(pid, snap) for (pid, _), (_, snap) in self._latest.items()]
         parts = [own]
         for pid, snapshot in fronts:
             parts.append(snapshot if pid in alive else

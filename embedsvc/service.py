@@ -26,7 +26,7 @@ from . import __version__
 from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .engine import Engine
 from .errors import Unavailable, shutting_down
-from .metrics import Metrics, exposition, merge
+from .metrics import Metrics, exposition
 from .model import backend
 from .model.encoder import Encoder, ModelInfo
 from .model.st_encoder import SentenceTransformerEncoder
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 _SWEEP_S = 0.1  # how often queued requests past their deadline or orphaned are cancelled
 _WATCH_S = 0.5  # how often the batcher thread is checked
 _LOADING = "the model is still loading; retry in a few seconds"
+# How long a front's first look at the service waits to meet an engine that is serving (its
+# card, the tokenizer built from it: 1.7 s once on a busy machine)
+_SETTLE_S = 5.0
 
 
 def load_encoder(
@@ -118,6 +121,17 @@ class Service:
             return self._link.state if self._link is not None else "loading"
         return engine.port.state
 
+    def settle(self, timeout: float = _SETTLE_S) -> None:
+        """A front that has not met the engine yet (a gunicorn worker's first request
+        starts it) waits up to ``timeout`` for it when the engine's socket is there (it
+        serves), so that /health, /info and /metrics answer the service's state from any
+        process, not that this one has just started."""
+        address = self.engine_address
+        if address is None or self._loaded.is_set() \
+                or not os.path.exists(address.removeprefix("ipc://")):
+            return
+        self._loaded.wait(timeout)
+
     @property
     def engine_pid(self) -> int | None:
         """The pid of the process that holds the model (this one, or the engine process)."""
@@ -139,8 +153,9 @@ class Service:
             return generate_latest(self.metrics.registry)
         from .remote.wire import Exposition, Scrape
 
-        others = self._link.ask(Scrape(os.getpid()), Exposition, timeout=2.0)
-        return exposition(merge(others.families, self.metrics.families(self.pid)))
+        merged = self._link.ask(Scrape(self.pid, *self.metrics.snapshot(self.pid)),
+                                Exposition, timeout=2.0)
+        return exposition(merged.families)
 
     @property
     def model(self) -> ModelInfo | None:
@@ -219,7 +234,7 @@ class Service:
         from .model.text import text_model
         from .remote.client import Link, RemotePort
 
-        self._link = link = Link(address, snapshot=lambda: self.metrics.families(self.pid),
+        self._link = link = Link(address, snapshot=lambda: self.metrics.snapshot(self.pid),
                                  keeper=self._keeper)
         link.start()
         while not self._stop.is_set():

@@ -31,6 +31,7 @@ def tei_model_type(info: ModelInfo) -> dict[str, Any]:
 def info(call: Call) -> Reply:
     """GET /info: the model, the limits and this process; TEI's fields among them."""
     service = call.service
+    service.settle()
     s, model = service.settings, service.model
     return json_reply({
         "model_id": model.name if model else None,
@@ -67,6 +68,7 @@ def info(call: Call) -> Reply:
 
 def health(call: Call) -> Reply:
     """GET /health: 200 once the model is loaded and the batcher runs, else 503 and why."""
+    call.service.settle()
     state = call.service.state
     if state != "ready":
         raise Unavailable(_HEALTH_REASONS.get(state, state), code=state)
@@ -75,4 +77,5 @@ def health(call: Call) -> Reply:
 
 def metrics(call: Call) -> Reply:
     """GET /metrics: the Prometheus text exposition."""
+    call.service.settle()
     return Reply(200, call.service.exposition(), content_type=CONTENT_TYPE_LATEST)

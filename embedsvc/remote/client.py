@@ -84,7 +84,8 @@ class Link:
     engine answers, starts one if there is none (where no supervisor does).
     """
 
-    def __init__(self, address: str, snapshot: Callable[[], list[Any]] | None = None,
+    def __init__(self, address: str,
+                 snapshot: Callable[[], tuple[int, int, list[Any]]] | None = None,
                  keeper: Callable[[], str | None] | None = None) -> None:
         self.address = address
         self._keeper = keeper  # starts an engine when there is none (gunicorn's workers)
@@ -204,7 +205,7 @@ class Link:
                 if self._snapshot is not None and now >= next_snapshot \
                         and self.state != "loading":
                     next_snapshot = now + _SNAPSHOT_S
-                    _send(control, wire.Snapshot(os.getpid(), self._snapshot()))
+                    _send(control, wire.Snapshot(os.getpid(), *self._snapshot()))
         except Exception:  # noqa: BLE001 - the front must hear the engine is gone, not hang
             log.exception("the link to the engine failed")
             self._lost("the link failed")

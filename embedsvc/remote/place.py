@@ -2,8 +2,10 @@
 
 ``embedsvc serve --workers N`` makes a fresh one for each run; gunicorn's workers find the
 one named for their master's pid (``owner_dir``). A directory that exists with another owner, other
-permissions or as a symlink is refused: another local user must not be able to put a socket
-where the fronts will connect, nor read the metrics kept beside it.
+permissions or as a symlink is never used: another local user must not be able to put a socket
+where the fronts will connect, nor read the metrics kept beside it. ``--workers`` then makes
+a fresh private one beside it; gunicorn's workers, which must all find the same one, refuse
+to start with one line naming the fix.
 
 >>> import tempfile
 >>> base = private_dir(Path(tempfile.mkdtemp()) / "run")
@@ -14,16 +16,20 @@ where the fronts will connect, nor read the metrics kept beside it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import tempfile
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 ENGINE_SOCKET = "engine.sock"
 # the bytes of a Unix socket's path: sun_path holds 108 on Linux, 104 on macOS and the BSDs,
 # the terminating NUL included; a longer path fails to bind ("File name too long")
 SOCKET_PATH_MAX = 103
-# the longest name a run's directory gets: fresh_dir's mkdtemp, or owner_dir's largest pid
+# the longest name a run's directory gets: fresh_dir's mkdtemp, or owner_dir's largest pid (the
+# fresh directory made beside an untrusted embedsvc-<uid> is shorter than both together)
 _LONGEST_RUN_DIR = "engine-4194304"
 
 
@@ -44,30 +50,54 @@ def private_dir(path: Path) -> Path:
 def runtime_base() -> Path:
     """This user's directory for the engine's sockets: $XDG_RUNTIME_DIR (a tmpfs only the
     user can enter) when set, else the temporary directory, else /tmp: the first of them
-    short enough for a Unix socket's path (``SOCKET_PATH_MAX``), with ``embedsvc-<uid>`` in
-    it. RuntimeError when none is."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    candidates = [Path(runtime)] if runtime and os.path.isdir(runtime) else []
-    candidates += [Path(tempfile.gettempdir()), Path("/tmp")]
-    for base in candidates:
-        mine = base / f"embedsvc-{os.getuid()}"
-        if _fits(mine / _LONGEST_RUN_DIR / ENGINE_SOCKET):
-            return private_dir(mine)
-    raise RuntimeError(
-        f"no directory for the engine's socket has a path short enough for a Unix socket "
-        f"({SOCKET_PATH_MAX} bytes at most; tried {', '.join(map(str, candidates))}): set "
-        "XDG_RUNTIME_DIR or TMPDIR to a shorter directory")
+    short enough for a Unix socket's path (``SOCKET_PATH_MAX``) whose ``embedsvc-<uid>``
+    is this user's private directory (or can be made one). RuntimeError, in one line,
+    when none is: another local user can make ``/tmp/embedsvc-<uid>`` first."""
+    refused = []
+    for base in _bases():
+        try:
+            return private_dir(base / f"embedsvc-{os.getuid()}")
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    if not refused:
+        raise RuntimeError(
+            f"no directory for the engine's socket has a path short enough for a Unix socket "
+            f"({SOCKET_PATH_MAX} bytes at most): set XDG_RUNTIME_DIR or TMPDIR to a shorter "
+            "directory")
+    raise RuntimeError(f"{refused[0]}; or set XDG_RUNTIME_DIR or TMPDIR to a directory of "
+                       "this user's")
 
 
 def fresh_dir() -> Path:
-    """A new private directory for one run of ``embedsvc serve --workers N``."""
-    return Path(tempfile.mkdtemp(prefix="run-", dir=runtime_base()))
+    """A new private directory for one run of ``embedsvc serve --workers N``: in
+    ``runtime_base``, or, where another user holds ``embedsvc-<uid>``, a fresh one of its
+    own beside it (``mkdtemp`` makes it private, under a name nobody can take first)."""
+    try:
+        base = runtime_base()
+    except RuntimeError:
+        bases = _bases()
+        if not bases:
+            raise
+        log.warning("%s/embedsvc-%d is not this user's private directory: the engine's "
+                    "socket goes in a fresh one", bases[0], os.getuid())
+        return Path(tempfile.mkdtemp(prefix=f"embedsvc-{os.getuid()}-run-", dir=bases[0]))
+    return Path(tempfile.mkdtemp(prefix="run-", dir=base))
 
 
 def owner_dir(pid: int) -> Path:
     """The directory of the engine that serves while ``pid`` lives (the one the workers of
-    gunicorn master ``pid`` share)."""
+    gunicorn master ``pid`` share: a name each can find, so ``runtime_base`` must be
+    trustworthy)."""
     return private_dir(runtime_base() / f"engine-{pid}")
+
+
+def _bases() -> list[Path]:
+    """The candidate directories, in order, whose paths leave room for a socket."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [Path(runtime)] if runtime and os.path.isdir(runtime) else []
+    candidates += [Path(tempfile.gettempdir()), Path("/tmp")]
+    return [base for base in dict.fromkeys(candidates)
+            if _fits(base / f"embedsvc-{os.getuid()}" / _LONGEST_RUN_DIR / ENGINE_SOCKET)]
 
 
 def engine_address(directory: Path) -> str:

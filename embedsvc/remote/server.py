@@ -10,7 +10,9 @@ requests, in the batcher's one queue, with its turns and admission's rules, exac
 one process.
 
 A frame that does not decode, or ids that do not fit the model, are refused there: a
-malformed frame is dropped with one log line, a frame larger than the largest request can
+malformed frame (one whose contents its type cannot hold: a front's metrics with a name,
+type or value a scrape could not render, ids that do not add up) is dropped with one log
+line, a frame larger than the largest request can
 make (``wire.max_frame_bytes``) closes its sender's connection (ZeroMQ's ``MAXMSGSIZE``),
 and the loop goes on.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -34,7 +37,7 @@ import zmq
 from ..batching.admission import Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
-from ..metrics import Metrics, Snapshots
+from ..metrics import Metrics, Snapshots, check_families
 from ..runner import Runner
 from ..work import KINDS, SPARSE, TOKENS, Embedded, Work
 from . import wire
@@ -154,7 +157,10 @@ class EngineServer:
                 except ValueError as exc:  # msgspec's DecodeError and ValidationError
                     self._refuse_frame(str(exc))
                     continue
-                self._dispatch(peer, frame)
+                try:
+                    self._dispatch(peer, frame)
+                except ValueError as exc:  # contents the frame's type cannot hold
+                    self._refuse_frame(f"{type(frame).__name__}: {exc}")
 
     def _refuse_frame(self, why: str) -> None:
         self._malformed += 1
@@ -174,13 +180,13 @@ class EngineServer:
             self._seen(peer, frame.pid)
             self._send(peer, wire.Card(pid=os.getpid(), state=self.state(),
                                        queue_limit=self.runner.admission.limit, **self.card))
-        elif isinstance(frame, wire.Snapshot):
+        elif isinstance(frame, wire.Snapshot):  # a Scrape too: it carries the asker's own
+            check_families(frame.families)
             self._seen(peer, frame.pid)
-            self.snapshots.keep(frame.pid, frame.families)
-        elif isinstance(frame, wire.Scrape):
-            own = self.metrics.families(os.getpid())
-            self._send(peer, wire.Exposition(self.snapshots.merged(own, frame.pid,
-                                                                   self.fronts())))
+            self.snapshots.keep(frame.pid, frame.origin, frame.seq, frame.families)
+            if isinstance(frame, wire.Scrape):
+                own = self.metrics.families(os.getpid())
+                self._send(peer, wire.Exposition(self.snapshots.merged(own, self.fronts())))
 
     def _seen(self, peer: bytes, pid: int) -> None:
         front = self._fronts.get(peer)
@@ -219,7 +225,11 @@ class EngineServer:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
         never a failed batch that takes other requests down with it."""
         if frame.kind not in KINDS:
-            raise InvalidRequest(f"unknown kind of work {frame.kind!r}", code="invalid_frame")
+            raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}",
+                                 code="invalid_frame")
+        if not math.isfinite(frame.timeout):
+            raise InvalidRequest("a deadline that is not a number of seconds",
+                                 code="invalid_frame")
         try:
             ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
         except ValueError as exc:

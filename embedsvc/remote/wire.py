@@ -3,7 +3,8 @@
 A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
 side: the kind, the token ids, the options), ``Cancel`` (its client left), ``Ping`` and
 ``Snapshot`` (its metrics); the engine answers ``Rows``, ``Sparse``, ``TokenRows`` or
-``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape``. Ids,
+``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
+``Snapshot`` that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
 into exactly these types or refused: nothing on the socket is ever unpickled or executed.
 
@@ -17,12 +18,17 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
+from ..metrics import Family  # typed: the decoder refuses a family of another shape
 from ..model.scorer import Pair
+
+# A process id where one is named (0: none); a negative one would name a process group to
+# os.kill, and one past the largest pid Linux makes names no process.
+Pid = Annotated[int, msgspec.Meta(ge=0, le=4194304)]
 
 
 class Frame(msgspec.Struct, tag=True, tag_field="frame"):
@@ -30,7 +36,7 @@ class Frame(msgspec.Struct, tag=True, tag_field="frame"):
 
 
 class Hello(Frame):
-    pid: int
+    pid: Pid
 
 
 class Submit(Frame):
@@ -47,7 +53,7 @@ class Submit(Frame):
     timeout: float = 30.0
     flow: str | None = None
     tenant: str | None = None
-    front: int = 0  # the sending front's pid
+    front: Pid = 0  # the sending front's pid
 
 
 class Cancel(Frame):
@@ -55,18 +61,22 @@ class Cancel(Frame):
 
 
 class Ping(Frame):
-    pid: int
+    pid: Pid
 
 
 class Snapshot(Frame):
-    """A front's own metrics, as families of samples (``metrics.snapshot``)."""
+    """A front's own metrics, as families of samples (``Metrics.snapshot``: its origin, the
+    sequence number that orders its snapshots, the families)."""
 
-    pid: int
-    families: list[Any]
+    pid: Pid
+    origin: int
+    seq: int
+    families: list[Family]
 
 
-class Scrape(Frame):
-    pid: int  # the asking front, whose own live metrics it merges itself
+class Scrape(Snapshot):
+    """A scrape: the asking front's live metrics, kept as its snapshot, then every front's
+    and the engine's merged and sent back (``Exposition``)."""
 
 
 class Card(Frame):

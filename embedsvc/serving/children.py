@@ -28,7 +28,7 @@ from ..remote.place import engine_address
 from ..remote.server import EngineServer
 from ..service import Service
 from ..settings import Settings
-from .lifeline import ENGINE_BOOT_ERROR, alive, watch
+from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
 from .process import serving_process
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
         service.start(background=False)
     except RuntimeError as exc:
         log.error("%s", exc)
+        with contextlib.suppress(OSError):  # for gunicorn's workers to name the cause
+            (directory / BOOT_FAILURE).write_text(str(exc).splitlines()[0][:500])
         return ENGINE_BOOT_ERROR
     runner = service.runner
     assert runner is not None
@@ -71,6 +73,7 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
     info = runner.info
     log.info("engine serving: pid=%d device=%s dtype=%s model=%s kind=%s on %s", os.getpid(),
              info.device, info.dtype, info.name, info.kind, address)
+    mark_up(directory)
     server.run(stop)
     if abandoned.is_set():  # nobody will connect again: its directory is litter now
         shutil.rmtree(directory, ignore_errors=True)
@@ -91,6 +94,7 @@ def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None
     probes = socket.socket(fileno=probe_fd) if probe_fd is not None else None
     server = Server(settings, service, sock=sock, probe_sock=probes)
     watch(watch_pids, lambda pid: server.stop())
+    mark_up(directory)
     server.run()
     return 0
 

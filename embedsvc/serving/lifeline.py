@@ -1,4 +1,5 @@
-"""Processes that must not outlive others, and how the engine process says it cannot start.
+"""Processes that must not outlive others, how the engine process says it cannot start, and
+how a child of the supervisor says it came up (``mark_up``: its exit is judged by it).
 
 The engine process and the fronts watch the processes they serve (their supervisor,
 gunicorn's master) and drain when those are gone, whatever ended them, SIGKILL included.
@@ -6,13 +7,16 @@ gunicorn's master) and drain when those are gone, whatever ended them, SIGKILL i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 ENGINE_BOOT_ERROR = 3  # the model did not load: restarting the engine would fail the same way
+BOOT_FAILURE = "engine.failed"  # in the engine's directory: why it could not start, one line
 _WATCH_S = 0.5
 
 
@@ -57,5 +61,20 @@ def alive(pid: int, fd: int | None = None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process has its pid now: ours has gone
+        return False
+    return True
+
+
+def mark_up(directory: Path) -> None:
+    """Say that this process came up (the supervisor judges its exit by it: ``came_up``)."""
+    with contextlib.suppress(OSError):  # its supervisor is gone with the directory
+        (directory / f"up-{os.getpid()}").touch()
+
+
+def came_up(directory: Path, pid: int) -> bool:
+    """Whether the child ``pid``, which exited, had come up; its mark goes."""
+    try:
+        (directory / f"up-{pid}").unlink()
+    except OSError:
         return False
     return True

@@ -12,6 +12,10 @@ and drains when it is gone, so a SIGTERM (graceful: the workers finish their req
 the master exits), a SIGINT, or a SIGKILL of the master leaves no engine behind; the workers
 themselves notice their master's death and exit, as gunicorn's workers do.
 
+An engine that cannot load the model stops gunicorn: the worker that learns it (the one
+that started it, or the next to look) exits with gunicorn's WORKER_BOOT_ERROR after one line
+naming the cause, and the master halts on that exit, as `embedsvc serve --workers` stops.
+
 The master never loads the model, touches a device or opens an ONNX Runtime session, so no
 worker is ever forked from a process that holds one.
 """
@@ -22,6 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -30,13 +35,14 @@ from pathlib import Path
 
 from ..remote.place import owner_dir
 from ..settings import Settings
-from .lifeline import ENGINE_BOOT_ERROR, alive
+from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, came_up
 
 log = logging.getLogger(__name__)
 
+WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worker exits so
+
 _PID_FILE = "engine.pid"
 _LOCK_FILE = "engine.lock"
-_FAILED_FILE = "engine.failed"  # the engine could not load the model: no restart
 
 
 def gunicorn_workers() -> int | None:
@@ -81,42 +87,92 @@ class SharedEngine:
 
     def ensure(self) -> str | None:
         """Start the engine unless one is running (any worker may call it, at any time);
-        why not, when the last one could not load the model (it is not started again:
-        gunicorn must be restarted once the model is fixed)."""
+        why not, when the last one could not load the model (it is not started again).
+        Under gunicorn that ends this worker with gunicorn's WORKER_BOOT_ERROR, on which
+        its master stops the other workers and exits non-zero, as `embedsvc serve
+        --workers` does: requests would only wait for an engine that cannot come."""
         if not alive(self.master_pid):  # its master is gone: this worker is about to go too
             return None
-        with self._locked():
-            failed = self.directory / _FAILED_FILE
-            if failed.exists():
-                return failed.read_text()
-            if _running(self.directory / _PID_FILE):
+        try:
+            with self._locked():
+                failed = self.directory / BOOT_FAILURE
+                if failed.exists():
+                    why = failed.read_text()
+                    self._give_up(why)
+                    return "the engine process could not start: " + why
+                self._start()
                 return None
-            cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
-                   str(self.directory), "--watch-pid", str(self.master_pid)]
-            env = {**os.environ, **self.settings.to_env()}
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            (self.directory / _PID_FILE).write_text(str(proc.pid))
-            log.info("process %d started the engine process (pid %d), shared while process "
-                     "%d lives", os.getpid(), proc.pid, self.master_pid)
+        except FileNotFoundError:  # another worker gave up: its master is stopping
+            self._stand_down()
+            return "the engine process could not start; the server log says why"
+
+    def _give_up(self, why: str) -> None:
+        """Where gunicorn's master is the owner: one line naming the cause, the directory
+        removed (no engine will use it), and the exit gunicorn halts on. Under the lock, so
+        that one worker does it: a second exit with WORKER_BOOT_ERROR while the master halts
+        makes it raise again (a traceback, exit 1)."""
+        if self.master_pid == os.getpid():  # waitress-serve with ENGINE=process: unhealthy
+            return
+        log.error("the engine process could not start: %s; fix it, then start gunicorn "
+                  "again", why.strip())
+        shutil.rmtree(self.directory, ignore_errors=True)
+        _flush_logs()
+        os._exit(WORKER_BOOT_ERROR)
+
+    def _start(self) -> None:
+        """The engine process, unless one is running; under the lock."""
+        if _running(self.directory / _PID_FILE):
+            return
+        cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
+               str(self.directory), "--watch-pid", str(self.master_pid)]
+        env = {**os.environ, **self.settings.to_env()}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        (self.directory / _PID_FILE).write_text(str(proc.pid))
+        log.info("process %d started the engine process (pid %d), shared while process "
+                 "%d lives", os.getpid(), proc.pid, self.master_pid)
         # reap it when it exits (its parent is this process), so that it leaves no zombie
         threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
                          daemon=True).start()
-        return None
+
+    def _stand_down(self) -> None:
+        """Under gunicorn, after another worker gave up: exit now, and not as a failed boot
+        (see ``_give_up``). Waiting for the master's SIGTERM could take until its graceful
+        timeout: a worker warming in post_worker_init does not stop before it is warm."""
+        if self.master_pid == os.getpid():
+            return
+        log.info("worker %d stops with its master: the engine process could not start",
+                 os.getpid())
+        _flush_logs()
+        os._exit(0)
 
     def _reap(self, proc: subprocess.Popen) -> None:
-        if proc.wait() == ENGINE_BOOT_ERROR:
-            (self.directory / _FAILED_FILE).write_text(
-                "the engine process could not load the model (the server log says why); fix "
-                "it, then restart gunicorn")
+        code = proc.wait()
+        came_up(self.directory, proc.pid)  # its mark, for a supervisor: none here
+        if code != ENGINE_BOOT_ERROR:
+            return
+        failed = self.directory / BOOT_FAILURE
+        with contextlib.suppress(OSError):
+            if not failed.exists():  # it could not say why itself
+                failed.write_text("the engine process could not load the model (the server "
+                                  "log says why)")
+        self.ensure()  # gives up now, rather than at a keeper's next look
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with open(self.directory / _LOCK_FILE, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
+                if not self.directory.is_dir():  # removed while this process waited
+                    raise FileNotFoundError(self.directory)
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):  # exiting anyway
+            handler.flush()
 
 
 def _running(pid_file: Path) -> bool:

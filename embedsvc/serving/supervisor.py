@@ -37,13 +37,18 @@ from dataclasses import dataclass, field
 from ..remote.place import fresh_dir
 from ..settings import Settings
 from .children import child_command
-from .lifeline import ENGINE_BOOT_ERROR
+from .lifeline import ENGINE_BOOT_ERROR, came_up
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
-_QUICK_DEATH_S = 5.0  # a child that dies sooner after its start counts towards giving up
-_QUICK_DEATHS = 5  # ...this many times in a row: the supervisor stops with an error
+# A child that dies before it came up (the engine serving its socket, a front accepting)
+# is started again after a wait that doubles each time, from the first to the longest; the
+# supervisor stops after this many such starts in a row of one role. One that came up is
+# replaced at once, however short its life: it was killed, not unable to start.
+_FAILED_STARTS = 5
+_FIRST_BACKOFF_S = 0.5
+_LONGEST_BACKOFF_S = 30.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -53,6 +58,7 @@ class Child:
     proc: subprocess.Popen
     listener: socket.socket | None = None  # a front's, kept for its replacement
     started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # it exited: its replacement starts then
 
 
 class Supervisor:
@@ -68,7 +74,7 @@ class Supervisor:
         self.fronts: list[Child] = []
         self._signals = 0
         self._draining = False
-        self._quick_deaths = 0
+        self._failed_starts = {"engine": 0, "front": 0}  # in a row, by role
 
     @property
     def port(self) -> int:
@@ -121,33 +127,50 @@ class Supervisor:
             time.sleep(_POLL_S)
             for child in [self.engine, *self.fronts]:
                 assert child is not None
+                if self._draining:
+                    break
+                if child.restart_at is not None:
+                    if time.monotonic() >= child.restart_at:
+                        self._restart(child)
+                    continue
                 code = child.proc.poll()
-                if code is None or self._draining:
+                if code is None:
                     continue
                 if child.role == "engine" and code == ENGINE_BOOT_ERROR:
                     log.error("the engine could not load the model (its log says why); "
                               "stopping")
                     return 1
-                if not self._replace(child, code):
+                if not self._judge(child, code):
                     return 1
         return 0
 
-    def _replace(self, child: Child, code: int) -> bool:
-        """Start a new child in place of ``child``; False after too many quick deaths."""
-        quick = time.monotonic() - child.started < _QUICK_DEATH_S
-        self._quick_deaths = self._quick_deaths + 1 if quick else 0
-        if self._quick_deaths >= _QUICK_DEATHS:
-            log.error("the %s process died %d times within %.0fs of its start; stopping",
-                      child.role, self._quick_deaths, _QUICK_DEATH_S)
-            return False
+    def _judge(self, child: Child, code: int) -> bool:
+        """When to replace ``child``, which exited: at once if it came up, else after a
+        backoff; False (stop) after ``_FAILED_STARTS`` in a row that never came up."""
+        if came_up(self.directory, child.proc.pid):
+            self._failed_starts[child.role] = 0
+            delay = 0.0
+        else:
+            failed = self._failed_starts[child.role] = self._failed_starts[child.role] + 1
+            if failed >= _FAILED_STARTS:
+                log.error("the %s process exited before it came up %d times in a row (last: "
+                          "%s); stopping", child.role, failed, _status(code))
+                return False
+            delay = min(_LONGEST_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (failed - 1))
+        log.warning("the %s process (pid %d) exited with %s %s; a new one starts in %.1fs",
+                    child.role, child.proc.pid, _status(code),
+                    "after it came up" if delay == 0 else "before it came up", delay)
+        child.restart_at = time.monotonic() + delay
+        return True
+
+    def _restart(self, child: Child) -> None:
         new = self._start(child.role, child.listener)
-        log.warning("the %s process (pid %d) exited with %s; started pid %d in its place",
-                    child.role, child.proc.pid, _status(code), new.proc.pid)
+        log.info("started %s pid %d in place of pid %d", child.role, new.proc.pid,
+                 child.proc.pid)
         if child.role == "engine":
             self.engine = new
         else:
             self.fronts[self.fronts.index(child)] = new
-        return True
 
     # -- stopping -----------------------------------------------------------------------------
 

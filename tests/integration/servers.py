@@ -228,3 +228,24 @@ class Shared:
         for pid in running:  # pragma: no cover - a drain longer than the timeout
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def counter_series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter's and histogram's series in a /metrics answer (but ``_created``, a
+    timestamp): what must never read less in a later scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            if family.type in ("counter", "histogram")
+            for s in family.samples if not s.name.endswith("_created")}
+
+
+def assert_monotonic(scrapes: list[str]) -> None:
+    """No series of ``counter_series`` reads less than in an earlier scrape, or vanishes."""
+    last: dict = {}
+    for i, text in enumerate(scrapes):
+        now = counter_series(text)
+        for key, value in last.items():
+            assert now.get(key, -1.0) >= value, f"scrape {i}: {key} {value} -> {now.get(key)}"
+        last = now

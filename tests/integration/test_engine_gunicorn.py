@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from .. import loopback
-from .servers import running
+from .servers import assert_monotonic, counter_series, running
 
 TEXTS = ["the workers share one model", "and one batcher", "a third text, a bit longer"]
 PLAIN = ["gunicorn", "-w", "4", "-b", "127.0.0.1:0", "--timeout", "10",
@@ -89,20 +94,72 @@ def test_gunicorn_workers_share_one_engine_with_the_one_process_vectors(launch, 
             os.killpg(server.pid, signal.SIGKILL)
 
 
-def test_an_engine_that_cannot_load_the_model_is_not_restarted_for_ever(tmp_path):
-    """Its workers say unhealthy, and why, once; gunicorn must be restarted with a model
-    that loads."""
+def test_every_worker_answers_the_service_state_and_counters_never_go_backwards(tmp_path):
+    """Right after the first 200, a worker that had not met the engine answered /health 503
+    "loading" and /info engine_pid null for up to 2.5 s; and /metrics through different
+    workers read 14, 21, 14, 21, 7, 21 requests after 41."""
+    with running(PLAIN, tmp_path / "gunicorn.log", env={"EMBEDSVC_DEVICE": "cpu"},
+                 healthy=False) as server:
+        deadline = time.monotonic() + 120
+        while loopback.post(server.url + "/embed", json={"inputs": TEXTS},
+                            timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.2)
+        for _ in range(40):  # new connections, spread over the four workers
+            health = loopback.get(server.url + "/health", timeout=30)
+            assert health.status_code == 200, health.text
+            assert loopback.get(server.url + "/info", timeout=30).json()["engine_pid"]
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            while not stop.is_set():
+                loopback.post(server.url + "/embed", json={"inputs": [f"load {i}"]},
+                              timeout=60)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            scrapes = [loopback.get(server.url + "/metrics", timeout=30).text
+                       for _ in range(200)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert_monotonic(scrapes)
+        assert counter_series(scrapes[-1])[("embedsvc_requests_total", (
+            ("route", "/embed"), ("status", "200")))] > counter_series(scrapes[0])[(
+                "embedsvc_requests_total", (("route", "/embed"), ("status", "200")))]
+
+
+@pytest.mark.parametrize("launch", ["plain", "conf"])
+def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(launch, tmp_path):
+    """Every request waited 30 s, then 503, and the master never exited, its engine's
+    directory left behind: now a worker exits as gunicorn's failed boot, and the master
+    stops with it, as `embedsvc serve --workers` does (the other workers exit too, not as
+    failed boots: a second one made the halting master raise, a traceback and exit 1)."""
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    env = {"EMBEDSVC_MODEL": str(model)}
-    cmd = ["gunicorn", "-w", "2", "-b", "127.0.0.1:0", "--no-control-socket", "embedsvc:app"]
-    with running(cmd, tmp_path / "broken.log", env=env, healthy=False) as server:
-        deadline, code = time.monotonic() + 90, None
-        while time.monotonic() < deadline and code != "unhealthy":
-            resp = loopback.get(server.url + "/health", timeout=30)
-            code = resp.json()["error"]["code"] if resp.status_code != 200 else "ok"
-            time.sleep(0.3)
-        assert code == "unhealthy", server.output()[-3000:]
-        time.sleep(4)  # longer than a keeper's look: no new engine
-        assert server.output().count("started the engine process") == 1, server.output()
+    runtime = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # room for a socket's path
+    runtime.chmod(0o700)
+    env = {"EMBEDSVC_MODEL": str(model), "XDG_RUNTIME_DIR": str(runtime)}
+    log = tmp_path / "broken.log"
+    try:
+        with running(LAUNCHES[launch], log, env=env, healthy=False,
+                     cwd=str(Path(__file__).parents[2])) as server:
+            with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
+                loopback.get(server.url + "/health", timeout=30)
+            assert server.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(30)
+            code = server.proc.poll()
+        output = log.read_text()
+        assert code == 3, output[-3000:]
+        causes = [line for line in output.splitlines()
+                  if "the engine process could not start: the model failed to load" in line]
+        assert causes, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        assert not list(runtime.glob(f"embedsvc-{os.getuid()}/engine-*")), output[-3000:]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

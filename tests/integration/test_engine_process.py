@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -25,7 +26,7 @@ import zmq
 from embedsvc.model.fake import FakeEncoder
 
 from .. import loopback
-from .servers import FAKE_EMBEDSVC, Server, running
+from .servers import FAKE_EMBEDSVC, Server, assert_monotonic, counter_series, running
 
 FAKE = FakeEncoder(dimension=384, max_input_tokens=256)  # as fake_serve.py serves it
 ENGINE_LINE = re.compile(r"engine serving: pid=(\d+) .* on ipc://(\S+)")
@@ -226,6 +227,63 @@ def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(t
     assert "the engine process (pid" in server.output()
 
 
+def test_counters_never_go_backwards_over_scrapes_through_four_fronts(tmp_path):
+    """Each front merged its own live counts with the others' last snapshots: scrapes after
+    41 requests read 14, 21, 14, 21, 7, 21."""
+    with workers(tmp_path, 4, 0.01) as server:
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
+                while not stop.is_set():
+                    c.post("/embed", json={"inputs": [f"load {i}"]})
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:  # each scrape a new connection: the kernel spreads them over the fronts
+            scrapes = [loopback.get(server.url + "/metrics", timeout=30).text
+                       for _ in range(200)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert_monotonic(scrapes)
+        key = ("embedsvc_requests_total", (("route", "/embed"), ("status", "200")))
+        assert counter_series(scrapes[-1])[key] > counter_series(scrapes[0]).get(key, 0.0)
+
+
+def test_an_engine_killed_each_time_it_serves_is_replaced_every_time(tmp_path):
+    """The supervisor stopped the service at the fifth engine killed within 5 s of its
+    start, though each had come up and served: such an exit is a kill, not a failure to
+    start, and never adds up to giving up."""
+    with workers(tmp_path, 2) as server:
+        killed: list[int] = []
+        for i in range(8):
+            engine = serving_engine(server, not_in=killed)
+            assert_vectors(embed(server.url, [f"kill {i}"]), [f"kill {i}"])
+            os.kill(engine, signal.SIGKILL)
+            killed.append(engine)
+        serving_engine(server, not_in=killed)
+        assert_vectors(embed(server.url, ["after"]), ["after"])
+        assert server.proc.poll() is None, server.output()[-2000:]
+        assert server.output().count("exited with signal 9 after it came up") >= 8
+
+
+def serving_engine(server: Server, not_in: list[int], timeout: float = 30) -> int:
+    """The pid of an engine, none of ``not_in``, once a front answers /health 200 with it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.proc.poll() is None, server.output()[-2000:]
+        with contextlib.suppress(OSError):
+            pid = info(server)["engine_pid"]
+            healthy = loopback.get(server.url + "/health", timeout=5).status_code == 200
+            if pid is not None and pid not in not_in and healthy:
+                return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no new engine serving:\n{server.output()[-2000:]}")
+
+
 def test_a_killed_front_is_replaced_and_the_other_keeps_serving(tmp_path):
     with workers(tmp_path, 2) as server:
         fronts = info(server)["front_pids"]
@@ -331,13 +389,18 @@ def test_a_malformed_or_oversized_frame_is_dropped_and_the_engine_serves_on(tmp_
             sock.send(b"\x93not a frame")
             sock.send_multipart([b"two", b"parts"])
             sock.send(b"\x81\xa5frame\xa6Submit")  # a Submit with no fields
+            # metrics a scrape cannot render: the next scrape stopped the engine (signal 6)
+            sock.send(msgspec.msgpack.encode({"frame": "Snapshot", "pid": 1, "origin": 1,
+                                              "seq": 1, "families": [
+                                                  ["x", "bogus", "h", [["x", {}, "y"]]]]}))
             sock.send(b"x" * (8 << 20))  # larger than any request can make
             time.sleep(0.5)
         finally:
             context.destroy(linger=0)
+        assert loopback.get(server.url + "/metrics", timeout=10).status_code == 200
         assert_vectors(embed(server.url, ["still serving"]), ["still serving"])
         assert info(server)["engine_pid"] == engine
-        assert server.output().count("a malformed frame on the engine socket was dropped") >= 3
+        assert server.output().count("a malformed frame on the engine socket was dropped") >= 4
 
 
         assert len(info(server)["front_pids"]) == 1  # ENGINE=process, with one front

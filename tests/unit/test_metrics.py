@@ -1,8 +1,9 @@
 import math
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from embedsvc.metrics import BulkHistogram
+from embedsvc.metrics import BulkHistogram, Metrics, Snapshots, check_families
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict:
@@ -24,3 +25,54 @@ def test_bulk_histogram_exposes_what_prometheus_client_would():
         reference.observe(v)
     assert samples(ours, "demo_seconds") == samples(theirs, "demo_seconds")
     assert b'demo_seconds_bucket{le="+Inf"} 9.0' in generate_latest(ours)
+
+
+def _counter(value: float) -> list:
+    return [("demo_requests", "counter", "demo", [("demo_requests_total", {}, value)])]
+
+
+def _total(merged: list) -> float:
+    return sum(v for name, _, _, samples in merged for n, _, v in samples
+               if n == "demo_requests_total")
+
+
+def test_a_front_snapshot_older_than_the_kept_one_is_not_kept():
+    """A front's periodic snapshot and its scrape's travel on different sockets: the older
+    one arriving last took the front's counts back (14, 21, 14 over three scrapes)."""
+    kept = Snapshots()
+    kept.keep(11, origin=1, seq=5, snapshot=_counter(21))
+    kept.keep(11, origin=1, seq=4, snapshot=_counter(14))
+    assert _total(kept.merged([], live=[11])) == 21
+    kept.keep(11, origin=1, seq=6, snapshot=_counter(22))
+    assert _total(kept.merged([], live=[11])) == 22
+
+
+def test_a_gone_front_keeps_its_counts_and_a_reused_pid_adds_to_them():
+    kept = Snapshots()
+    kept.keep(11, origin=1, seq=9, snapshot=_counter(7))
+    kept.keep(11, origin=2, seq=1, snapshot=_counter(1))  # another process, the same pid
+    kept.keep(12, origin=3, seq=1, snapshot=_counter(5))
+    assert _total(kept.merged(_counter(100), live=[11])) == 113
+
+
+@pytest.mark.parametrize("family", [
+    ("demo", "bogus", "h", []),
+    ("demo requests", "counter", "h", []),
+    ("demo", "counter", "h", [("other_total", {}, 1.0)]),
+    ("demo", "counter", "h", [("demo_total", {"bad-label": "x"}, 1.0)]),
+    ("demo", "counter", "h", [("demo_total", {"__name__": "x"}, 1.0)]),
+    ("demo", "gauge", "h", [("demo", {}, math.nan)]),
+    ("demo", "gauge", "h", [("demo", {}, math.inf)]),
+])
+def test_a_family_a_scrape_could_not_render_is_refused(family):
+    with pytest.raises(ValueError):
+        check_families([family])
+
+
+def test_the_service_own_families_pass_the_check(registry):
+    metrics = Metrics(registry)
+    metrics.count_request("/embed", 200, 0.01)
+    metrics.model_info.info({"model": "m"})
+    origin, seq, found = metrics.snapshot(123)
+    check_families(found)
+    assert metrics.snapshot(123)[:2] == (origin, seq + 1)

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -156,3 +157,35 @@ def test_connections_are_bounded_by_what_a_low_hard_limit_holds(monkeypatch, cap
     assert opened.connections == (400 - opened.held - 100) // 5
     assert f"up to {opened.connections} connections: open-files limit 400" in str(opened)
     assert "raise the limit (ulimit -n, LimitNOFILE=) or lower MAX_CONNECTIONS" in caplog.text
+
+
+def test_the_supervisor_backs_off_children_that_never_came_up_and_not_those_that_did():
+    import shutil
+
+    from embedsvc.serving.supervisor import Child, Supervisor
+
+    supervisor = Supervisor(Settings(port=0, workers=2))
+    try:
+        def exited(up: bool) -> Child:
+            proc = subprocess.Popen([sys.executable, "-c", ""])
+            proc.wait()
+            if up:
+                (supervisor.directory / f"up-{proc.pid}").touch()
+            return Child("engine", proc)
+
+        waits = []
+        for _ in range(4):
+            child = exited(up=False)
+            assert supervisor._judge(child, 1)
+            assert child.restart_at is not None
+            waits.append(child.restart_at - time.monotonic())
+        assert [round(w * 2) / 2 for w in waits] == [0.5, 1.0, 2.0, 4.0]
+        for _ in range(10):  # killed once it served: replaced at once, the count reset
+            child = exited(up=True)
+            assert supervisor._judge(child, -9)
+            assert child.restart_at is not None and child.restart_at <= time.monotonic()
+        assert all(supervisor._judge(exited(up=False), 1) for _ in range(4))
+        assert not supervisor._judge(exited(up=False), 1)  # the fifth in a row: stop
+    finally:
+        supervisor._close_listeners()
+        shutil.rmtree(supervisor.directory, ignore_errors=True)

@@ -250,3 +250,91 @@ def test_a_socket_path_too_long_is_refused_with_what_to_do(tmp_path):
     deep = private_dir(tmp_path / ("d" * 120))
     with pytest.raises(RuntimeError, match="shorter directory"):
         engine_address(deep)
+
+
+@pytest.mark.parametrize("families", [
+    [["demo", "counter", "h", [["demo_total", {}, "not a number"]]]],  # the shape
+    [["demo", "bogus", "h", []]],  # a type no exposition has
+    [["demo", "gauge", "h", [["demo", {"bad-label": "x"}, 1.0]]]],
+    [["demo", "gauge", "h", [["demo", {}, float("nan")]]]],
+])
+def test_a_malformed_snapshot_is_dropped_and_a_scrape_then_answers(pair, families):
+    """One such Snapshot, then any scrape, stopped the engine's loop: every front's
+    request in it got 503, and the engine exited."""
+    import msgspec
+    import zmq
+
+    engine, front, encoder = pair
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(front.engine_address)
+    try:
+        sock.send(msgspec.msgpack.encode({"frame": "Snapshot", "pid": 4242, "origin": 1,
+                                          "seq": 1, "families": families}))
+        sock.send(wire.encode(wire.Ping(4242)))  # answered after the snapshot: it was read
+        assert isinstance(wire.decode_to_front(sock.recv()), wire.Pong)
+    finally:
+        context.destroy(linger=0)
+    assert b"embedsvc_requests_total" in front.exposition()
+    out = front.ready().run(Work(EMBED, ["after"], deadline=time.monotonic() + 5))
+    np.testing.assert_allclose(out.vectors[0], encoder.expected("after"), rtol=1e-6)
+
+
+def test_a_scrape_through_any_front_never_reads_fewer_requests(pair):
+    """Each front merged its own live counts with the others' last snapshots (a second old):
+    the same requests read 14, 21, 14 through different fronts."""
+    engine, front, _ = pair
+    other = Service(Settings(), engine_address=front.engine_address)
+    other.start(background=True)
+    try:
+        assert other.ready(10) is not None
+        seen = []
+        for _ in range(20):
+            front.metrics.count_request("/embed", 200, 0.01)
+            other.metrics.count_request("/embed", 200, 0.01)
+            for service in (front, other, front):
+                seen.append(_requests(service.exposition()))
+        assert seen == sorted(seen) and seen[-1] == 40, seen
+    finally:
+        other.drain(2)
+
+
+def _requests(text: bytes) -> float:
+    return sum(float(line.rsplit(b" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(b'embedsvc_requests_total{route="/embed"'))
+
+
+def test_a_sockets_directory_made_by_someone_else_is_never_used(monkeypatch):
+    """Another local user can make $TMPDIR/embedsvc-<uid> first (or leave it open to
+    others): `--workers` stopped with a traceback. It uses a private one of its own; where
+    gunicorn's workers (which must all find the same one) find none, they refuse in one
+    line."""
+    import os
+    import shutil
+    import tempfile
+
+    from embedsvc.remote.place import fresh_dir, owner_dir
+
+    short = Path(tempfile.mkdtemp(prefix="es-", dir="/tmp"))  # room for a socket's path
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
+    taken = short / f"embedsvc-{os.getuid()}"
+    taken.mkdir()
+    taken.chmod(0o777)
+    try:
+        directory = fresh_dir()
+        assert not directory.is_relative_to(taken)
+        assert directory.stat().st_mode & 0o777 == 0o700
+        assert directory.stat().st_uid == os.getuid()
+        directory.rmdir()
+        try:
+            shared = owner_dir(4194303)
+        except RuntimeError as refused:
+            assert "\n" not in str(refused) and "XDG_RUNTIME_DIR or TMPDIR" in str(refused)
+        else:
+            assert not shared.is_relative_to(taken)
+            assert shared.stat().st_mode & 0o777 == 0o700
+            shared.rmdir()
+        assert list(taken.iterdir()) == []
+    finally:
+        shutil.rmtree(short)
