@@ -10,6 +10,14 @@ they are the same whether the model is in this process or in the engine process 
 timings come back in its answer frames). Spans leave through the SDK's batch processor and
 the OTLP/HTTP exporter, on the processor's thread, never the request's.
 
+What reaches the collector, and what comes back, is bounded: a span of an error carries the
+error's class and its client-facing message, never a traceback or a file path; a collector's
+answer is read up to 4 KiB and never decompressed (a small gzip answer could inflate to
+gigabytes); the last spans are flushed at exit for at most DRAIN_TIMEOUT_S, so a collector
+that never answers cannot hold the process. A caller's ``tracestate`` that is not W3C's
+(more than 512 characters, or a member of another form) is dropped, silently: the trace
+continues from ``traceparent``, and no log line repeats a caller's header.
+
 Without an endpoint nothing of OpenTelemetry is imported: the pipeline's only cost is one look at
 ``Pipeline.tracing`` (bench/RESULTS.md, 2026-12-03). Each process that serves builds its own
 exporter when it builds its app, after gunicorn's fork (serving/process.py).
@@ -17,7 +25,11 @@ exporter when it builds its app, after gunicorn's fork (serving/process.py).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import re
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -31,6 +43,12 @@ MISSING_EXTRA = ("traces are asked for (OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_END
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, is set) but the OpenTelemetry packages "
                  "are not installed: pip install 'embedsvc[otel]', or unset it")
 _STAGES = ("embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute")
+_ANSWER_BYTES = 4096  # what is read of a collector's answer (its status is what counts)
+_TRACESTATE_CHARS = 512  # W3C: what every vendor must pass on; longer is dropped here
+_MEMBER = re.compile(  # one tracestate list-member (W3C trace-context, "tracestate" header)
+    r"[a-z0-9][_0-9a-z\-*/]{0,255}(?:@[a-z][_0-9a-z\-*/]{0,13})?"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
+log = logging.getLogger(__name__)
 
 
 def check_installed(endpoint: str) -> None:
@@ -47,9 +65,29 @@ def _require_sdk() -> None:
         raise SettingsError(MISSING_EXTRA) from None
 
 
-def tracing_for(endpoint: str) -> Tracing | None:
+def tracing_for(endpoint: str, drain_timeout_s: float = 5.0) -> Tracing | None:
     """This process's tracing for OTLP_ENDPOINT, or None when it is empty."""
-    return Tracing(endpoint) if endpoint else None
+    return Tracing(endpoint, drain_timeout_s=drain_timeout_s) if endpoint else None
+
+
+def bounded_session() -> Any:
+    """A ``requests`` session for the exporter that reads at most ``_ANSWER_BYTES`` of an
+    answer, as sent (never decompressed), and asks for it uncompressed."""
+    import requests
+
+    class Bounded(requests.Session):
+        def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:
+            kwargs["stream"] = True
+            response = super().send(request, **kwargs)
+            try:
+                response._content = response.raw.read(_ANSWER_BYTES, decode_content=False)
+            finally:
+                response.close()
+            return response
+
+    session = Bounded()
+    session.headers["Accept-Encoding"] = "identity"
+    return session
 
 
 @dataclass(slots=True)
@@ -83,7 +121,8 @@ class Tracing:
         app = create_app(Settings(otlp_endpoint="http://localhost:4318"))
     """
 
-    def __init__(self, endpoint: str, exporter: Any = None) -> None:
+    def __init__(self, endpoint: str, exporter: Any = None, *,
+                 drain_timeout_s: float = 5.0) -> None:
         _require_sdk()
         from opentelemetry import trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -98,8 +137,13 @@ class Tracing:
         found = Resource.create({"service.version": __version__, "process.pid": os.getpid()})
         if str(found.attributes.get("service.name", "")).startswith("unknown_service"):
             found = found.merge(Resource({"service.name": "embedsvc"}))  # OTEL_SERVICE_NAME wins
-        self.provider = TracerProvider(resource=found)
-        exporter = exporter or OTLPSpanExporter(endpoint=endpoint)
+        self.provider = TracerProvider(resource=found, shutdown_on_exit=False)  # ours, below
+        exporter = exporter or OTLPSpanExporter(
+            endpoint=endpoint, session=bounded_session(),
+            timeout=min(10.0, max(1.0, drain_timeout_s)))
+        self.drain_timeout_s = drain_timeout_s
+        self._shut = False
+        atexit.register(self.shutdown)
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("embedsvc", __version__)
         self.propagator = TraceContextTextMapPropagator()
@@ -129,9 +173,24 @@ class Tracing:
         self._end(span, traced, clock, reply.status, None)
         return reply
 
-    def shutdown(self) -> None:
-        """Export what is buffered and stop the exporter's thread."""
-        self.provider.shutdown()
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Export what is buffered and stop the exporter's thread, for at most ``timeout``
+        (DRAIN_TIMEOUT_S); whether it finished. Past that the process goes on without the
+        last spans (the flush goes on in a daemon thread, which its exit ends)."""
+        if self._shut:
+            return True
+        self._shut = True
+        atexit.unregister(self.shutdown)
+        limit = self.drain_timeout_s if timeout is None else timeout
+        flush = threading.Thread(target=self.provider.shutdown, name="embedsvc-trace-flush",
+                                 daemon=True)
+        flush.start()
+        flush.join(limit)
+        if flush.is_alive():
+            log.warning("traces: the collector did not take the last spans within %.1fs "
+                        "(DRAIN_TIMEOUT_S); going on without them", limit)
+            return False
+        return True
 
     def _end(self, span: Any, call: TracedCall, clock: int, status: int,
              error: BaseException | None) -> None:
@@ -141,10 +200,10 @@ class Tracing:
             if error is not None:
                 span.set_attribute("error.type", getattr(error, "code", None)
                                    or type(error).__name__)
-                span.record_exception(error)
+                span.add_event("exception", _error_event(error))
             if status >= 500:
                 span.set_status(self._trace.Status(self._trace.StatusCode.ERROR,
-                                                   str(error or status)))
+                                                   _error_message(error, status)))
             if call.answer is not None:
                 self._stages(span, call, clock, done)
         span.end(end_time=_ns(done, clock))
@@ -191,14 +250,37 @@ def _attributes(call: TracedCall, status: int) -> dict[str, Any]:
     return out
 
 
+def _error_event(error: BaseException) -> dict[str, str]:
+    """An error as a span event: its class and the message its client got, never the
+    traceback (the SDK's ``record_exception`` sends the server's file paths)."""
+    return {"exception.type": type(error).__name__,
+            "exception.message": _error_message(error, 500)}
+
+
+def _error_message(error: BaseException | None, status: int) -> str:
+    if isinstance(error, ApiError):
+        return error.message
+    return f"status {status}" if error is None else "an unexpected error (see the log)"
+
+
 def _carrier(environ: dict[str, Any]) -> dict[str, str]:
-    """The W3C trace-context headers of a WSGI request, as the propagator reads them."""
+    """The W3C trace-context headers of a WSGI request, as the propagator reads them; a
+    ``tracestate`` not of W3C's form is left out (the propagator would log it whole)."""
     out = {}
-    for header, key in (("traceparent", "HTTP_TRACEPARENT"), ("tracestate", "HTTP_TRACESTATE")):
-        value = environ.get(key)
-        if value:
-            out[header] = value
+    parent = environ.get("HTTP_TRACEPARENT")
+    if parent:
+        out["traceparent"] = parent
+        state = environ.get("HTTP_TRACESTATE")
+        if state and _valid_tracestate(state):
+            out["tracestate"] = state
     return out
+
+
+def _valid_tracestate(value: str) -> bool:
+    if len(value) > _TRACESTATE_CHARS:
+        return False
+    members = [m.strip(" \t") for m in value.split(",")]
+    return len(members) <= 32 and all(not m or _MEMBER.fullmatch(m) for m in members)
 
 
 def _ns(monotonic: float, clock: int) -> int:

@@ -110,7 +110,9 @@ class Pipeline:
                 self.ending[route.path[:route.path.rindex("{")]] = (route.path, route.parameter)
         self.error_shape = ErrorShapes(routes)
         self.lane = BodyLane()  # large bodies' parsing, one at a time (lane.py)
-        self.tracing = tracing_for(service.settings.otlp_endpoint)  # this process's (tracing.py)
+        # this process's (tracing.py); its last spans flushed within the drain's time
+        self.tracing = tracing_for(service.settings.otlp_endpoint,
+                                   service.settings.drain_timeout_s)
 
     def _match(self, path: str) -> tuple[str, dict[str, str]]:
         """The table's path for ``path``, and the value of its parameter if it ends in one."""

@@ -5,9 +5,18 @@ receives the spans over OTLP/HTTP from real servers."""
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import logging
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -100,6 +109,9 @@ def test_an_error_is_recorded_on_the_span_with_its_status(registry):
     assert server.attributes["http.response.status_code"] == 400
     assert server.attributes["error.type"] == "empty_input"
     assert [e.name for e in server.events] == ["exception"]
+    (event,) = server.events  # the class and the client's message, no traceback
+    assert dict(event.attributes) == {"exception.type": "InvalidRequest",
+                                      "exception.message": resp.json["error"]["message"]}
     assert server.status.status_code.name == "UNSET"  # a client's error, not the server's
 
 
@@ -117,6 +129,12 @@ def test_an_unexpected_error_is_a_500_and_an_error_span(registry):
     assert server.status.status_code.name == "ERROR"
     assert server.attributes["error.type"] == "RuntimeError"
     assert server.attributes["http.response.status_code"] == 500
+    # nothing of the server's code reaches the collector: no traceback, no file path, not
+    # even the exception's own text (it may hold anything); the log has them
+    (event,) = server.events
+    assert dict(event.attributes) == {"exception.type": "RuntimeError",
+                                      "exception.message": "an unexpected error (see the log)"}
+    assert "boom" not in (server.status.description or "")
 
 
 def test_the_tenant_of_the_key_is_an_attribute(registry, tmp_path):
@@ -191,3 +209,101 @@ def test_traces_asked_for_without_the_extra_is_one_line(monkeypatch, capsys, reg
         LazyApp(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
     with pytest.raises(SettingsError, match=r"embedsvc\[otel\]"):
         make_app(FakeEncoder(dimension=8), registry, otlp_endpoint="http://127.0.0.1:4318")
+
+
+def test_a_tracestate_not_of_w3cs_form_is_dropped_without_a_word(registry, caplog):
+    """A 7 KB malformed tracestate logged a 7,048-character warning per request; it is
+    dropped (the trace goes on from traceparent), and a valid one is kept."""
+    app = make_app(FakeEncoder(dimension=8), registry)
+    exporter = traced(app)
+    client = app.test_client()
+    with caplog.at_level(logging.DEBUG):
+        for state in ("x" * 7000, "a=1," * 200, "UPPER=1", "k=" + "v" * 300):
+            headers = {"traceparent": PARENT["traceparent"], "tracestate": state}
+            assert client.post("/embed", headers=headers, json={"inputs": "hi"}).status_code \
+                == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    headers = {"traceparent": PARENT["traceparent"], "tracestate": "a=1, tenant@sys=x y,b=2"}
+    assert client.post("/embed", headers=headers, json={"inputs": "hi"}).status_code == 200
+    spans = [s for s in exporter_spans(app, exporter) if s.name == "POST /embed"]
+    assert len(spans) == 5
+    assert all(format(s.context.trace_id, "032x") == TRACE for s in spans)
+    assert [len(s.context.trace_state) for s in spans] == [0, 0, 0, 0, 3]
+
+
+def exporter_spans(app, exporter: InMemorySpanExporter) -> list:
+    app.wsgi_app.tracing.provider.force_flush()
+    spans = list(exporter.get_finished_spans())
+    app.wsgi_app.tracing.shutdown()
+    return spans
+
+
+@contextmanager
+def collector(answer: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """An OTLP/HTTP collector stand-in on loopback whose every answer is ``answer``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            answer(self)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_collectors_answer_is_read_bounded_and_never_decompressed(tmp_path):
+    """A 1 MB gzip answer that inflates to 1 GiB took a serving process from 217 to
+    3,303 MiB; the exporter reads 4 KiB of it, as sent."""
+    member = gzip.compress(bytes(16 << 20), compresslevel=9)  # 16 MiB of zeros, ~16 KB
+    bomb = member * 64  # one gzip stream of 64 members: 1 GiB inflated
+
+    def gzip_bomb(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(400)
+        handler.send_header("Content-Encoding", "gzip")
+        handler.send_header("Content-Length", str(len(bomb)))
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            handler.wfile.write(bomb)
+
+    code = textwrap.dedent("""
+        import resource, sys
+        from embedsvc.api.tracing import Tracing
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        tracing = Tracing(sys.argv[1], drain_timeout_s=10)
+        tracing.tracer.start_span("one").end()
+        tracing.provider.force_flush()
+        tracing.shutdown()
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grew // 1024)
+    """)
+    with collector(gzip_bomb) as url:
+        out = subprocess.run([sys.executable, "-c", code, url], capture_output=True,
+                             text=True, check=True, timeout=120)
+    assert int(out.stdout.strip()) < 64, out.stdout + out.stderr  # MiB grown; was ~1 GiB
+
+
+def test_the_last_spans_wait_for_a_collector_that_never_answers_at_most_the_drain_time():
+    """A collector that accepts and never answers held the process 32 s past its drain
+    (DRAIN_TIMEOUT_S=5); the flush now gives up at the drain's time."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # connections complete, nobody ever answers
+    try:
+        tracing = Tracing(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces",
+                          drain_timeout_s=1.0)
+        tracing.tracer.start_span("one").end()
+        started = time.monotonic()
+        assert not tracing.shutdown()
+        assert time.monotonic() - started < 3.0  # the drain's 1 s, and a margin
+    finally:
+        listener.close()
