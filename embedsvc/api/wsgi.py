@@ -216,10 +216,14 @@ def check_kind(route: Route, call: Call) -> None:
     if route.kinds is not None and kind not in route.kinds:
         wanted = " or ".join(sorted(route.kinds))
         raise InvalidRequest(
-            f"{route.path} needs a {wanted} model, but this server serves a {kind} model; "
+            f"{route.path} needs {_a(wanted)} model, but this server serves {_a(kind)} model; "
             "see /info and /openapi.json for its routes",
             code="wrong_model_kind",
         )
+
+
+def _a(word: str) -> str:
+    return ("an " if word[:1] in "aeiou" else "a ") + word
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:
