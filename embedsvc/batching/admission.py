@@ -9,9 +9,10 @@ input as the batcher answers them. Three rules:
   MAX_INPUTS_PER_REQUEST inputs waits at most for the work admitted before it.
 * **The truth about deadlines.** The device's rate (tokens per second, the best of its
   last few batches) and the tokens ahead of a request predict when it would reach the
-  model. A request that would reach it after its deadline even at that rate gets 429 at
-  once, with a ``Retry-After`` that says when the work ahead will have shrunk enough,
-  instead of a 504 after waiting in vain.
+  model; a request that must first wait in the FIFO for room adds the tokens that must be
+  answered before room for it frees. A request that would reach it after its deadline
+  even at that rate gets 429 at once, with a ``Retry-After`` that says when the work ahead
+  will have shrunk enough, instead of a 504 after waiting in vain.
 * **Bounded work in progress.** At most MAX_QUEUE inputs and MAX_QUEUE_TOKENS tokens are
   admitted at once (a request larger than the token budget runs alone). MAX_QUEUE unset
   means: what the device, at its measured rate, starts within REQUEST_TIMEOUT_S, and never
@@ -179,8 +180,11 @@ class Admission:
                 if own is not None:  # all of its own, not just its first input
                     ahead += own[0] - own[1]
             self._refuse_if_closed()
+            opens = not self._waiting and self._fits(ticket)
+            if not opens and ahead is not None:  # room first, then its turn in the queue
+                ahead += self._fifo_tokens(ticket)
             self._refuse_if_late(ticket, time.monotonic(), ahead)
-            if not self._waiting and self._fits(ticket):
+            if opens:
                 self._open(ticket)
             else:  # in line behind others, or no room
                 ticket.waiting, ticket.notify = True, notify
@@ -317,6 +321,16 @@ class Admission:
         if self.used_inputs + ticket.inputs > self.limit:
             return False
         return self.used_tokens == 0 or self.used_tokens + ticket.tokens <= self.max_tokens
+
+    def _fifo_tokens(self, ticket: Ticket) -> int:
+        """The tokens the device computes before room frees for ``ticket`` behind the FIFO:
+        every waiter ahead opens first, and room frees only as admitted work is answered."""
+        inputs = self.used_inputs + ticket.inputs + sum(t.inputs for t in self._waiting)
+        tokens = self.used_tokens + ticket.tokens + sum(t.tokens for t in self._waiting)
+        per_input = self.used_tokens / self.used_inputs if self.used_inputs else 0.0
+        over_inputs = (inputs - self.limit) * per_input
+        over_tokens = tokens - self.max_tokens
+        return max(0, int(over_inputs), over_tokens)
 
     def _wait_granted(self, ticket: Ticket, disconnected: Callable[[], bool] | None) -> None:
         """Block until ``ticket`` is granted; withdrawn at its deadline (504), when its

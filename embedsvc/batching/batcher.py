@@ -211,15 +211,22 @@ class ShutdownReport:
     uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
-def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0
-               ) -> list[int]:
+def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0,
+               tags: Sequence[float] | None = None) -> list[int]:
     """Pick the next batch from queued inputs of these lengths, holding input ``first``.
 
     The queue is sorted by length and cut into runs that fit the item cap and the padded
     token budget (count x longest) and keep padding low; the batch is the run that holds
     input ``first`` (the batcher passes the input whose turn it is: see ``Batcher._turn``).
+    Inputs of equal length are in the order of their ``tags`` (fair queueing's virtual
+    starts): in submission order, a burst of same-length requests ran first come, first
+    served whatever the tags said, and the requests admission had predicted to start within
+    a batch or two waited for all those submitted before them, into a 504.
     """
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    if tags is None:
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    else:
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tags[i]))
     run: list[int] = []
     real = 0
     has_first = False
@@ -592,7 +599,7 @@ class Batcher:
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
         chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens,
-                            self._turn())
+                            self._turn(), [it.tag for it in self._pending])
         if len(chosen) == len(self._pending):
             batch, self._pending = self._pending, []
         else:

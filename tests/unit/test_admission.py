@@ -202,3 +202,19 @@ def test_unset_max_queue_follows_the_measured_rate_within_its_bounds():
     a.observe(tokens=100, inputs=1010, seconds=1.0)  # now 10 + 0.2 x 1000 = 210 inputs/s
     assert a.limit == 1600  # 6300, capped at 16 x 100
     assert gate(max_inputs=50).limit == 50  # an explicit MAX_QUEUE is kept
+
+
+def test_a_request_that_would_wait_for_room_past_its_deadline_gets_429_at_once():
+    """The queue's model says the device is free for new work (its turn comes at once), but
+    the room is taken: the request would first wait in the FIFO while 500 admitted tokens
+    are answered, 0.5 s at 1000 tokens/s, past its 0.3 s deadline. It used to be queued in
+    the FIFO and get 504 there."""
+    a = gate(max_inputs=10, max_tokens=10_000, queue=lambda flow: 0)
+    a.observe(tokens=1000, inputs=10, seconds=1.0)
+    a.admit(10, 1000, later())  # the room is full: 100 tokens an input
+    with pytest.raises(Overloaded) as info:
+        a.request(5, 500, time.monotonic() + 0.3)  # room for 5 frees after 500 tokens
+    assert info.value.headers["Retry-After"] == "1"
+    assert a.waiting == 0
+    ticket = a.request(5, 500, time.monotonic() + 5)  # in time: waits for room
+    assert ticket.waiting and not ticket.open

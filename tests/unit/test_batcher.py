@@ -581,3 +581,13 @@ def test_the_queue_model_puts_about_a_batch_ahead_of_a_new_client(metrics):
     assert b.tokens_ahead("new") == 3 + 10 + 5 * 4
     enc.gate.set()
     b.shutdown(5)
+
+
+def test_plan_batch_fills_a_batch_of_equal_lengths_in_the_order_of_their_tags():
+    """Inputs of one length from four requests: the batch holding the turn's input takes
+    the others with the earliest tags (fair queueing's order), not the earliest submitted;
+    in submission order, a burst of same-size requests was served first come, first served
+    whatever the tags, past the start admission had promised (504)."""
+    tags = [10.0, 11.0, 12.0, 0.0, 20.0, 1.0]  # inputs 3 and 5: new flows, at the virtual now
+    chosen = plan_batch([5] * 6, max_items=3, max_tokens=1000, first=3, tags=tags)
+    assert sorted(chosen) == [0, 3, 5]

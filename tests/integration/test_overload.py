@@ -1,0 +1,65 @@
+"""Overload on `embedsvc serve` processes (issue 45): a burst past what the deadline allows is
+refused at once with 429 and Retry-After, not left to wait into a 504, in one process and
+with an engine process behind two fronts. The device is the fake encoder's sleep per padded
+token (tests/integration/fake_serve.py), so the rate is known."""
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from .. import loopback
+from .servers import FAKE_EMBEDSVC, running
+
+LAUNCHES = {"one process": [], "workers 2": ["--workers", "2"]}
+TEXTS = [f"burst input {k} of a large request" for k in range(300)]  # ~9 tokens each
+
+
+def warm(url: str) -> None:
+    """Back-to-back batches, from each front, so that admission has learned the rate."""
+    deadline = time.monotonic() + 60
+    ok = 0
+    while ok < 6 and time.monotonic() < deadline:
+        ok += loopback.post(url + "/embed", json={"inputs": TEXTS[:64]},
+                            timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_a_burst_past_the_deadline_gets_429_at_once_not_504(tmp_path, launch):
+    """48 clients x 300 inputs at once, about 6 s of device work, with a 2 s deadline: the
+    work that cannot reach the model in time is refused at once with Retry-After; before,
+    it waited into a 504: batches of same-length inputs were filled in submission order, not
+    in the fair queue's, and a request waiting for room in admission's FIFO was admitted on
+    the queue's wait alone."""
+    cmd = [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "64",
+           "--request-timeout-s", "2", "--max-batch-tokens", "2048", *LAUNCHES[launch]]
+    env = {"FAKE_SERVE_PER_TOKEN_S": "4e-5"}
+    results: list = []
+    with running(cmd, tmp_path / "server.log", env=env) as server:
+        warm(server.url)
+        start = threading.Barrier(48)
+
+        def client() -> None:
+            with loopback.Client(base_url=server.url, timeout=60) as c:
+                start.wait()
+                began = time.monotonic()
+                resp = c.post("/embed", json={"inputs": TEXTS})
+                results.append((resp.status_code, time.monotonic() - began,
+                                resp.headers.get("Retry-After")))
+
+        threads = [threading.Thread(target=client) for _ in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert loopback.post(server.url + "/embed", json={"inputs": "after"}).status_code == 200
+    counts = Counter(s for s, _, _ in results)
+    assert sum(counts.values()) == 48 and counts[200] > 0, counts
+    # before: {200: 19, 504: 16, 429: 13}; a few may still start just past the edge
+    assert counts[504] <= 4, counts
+    refused = [(took, retry) for s, took, retry in results if s == 429]
+    assert len(refused) >= 3 * counts[504] and refused, counts
+    # at once: before any admitted request could have waited out the deadline
+    assert all(retry is not None and int(retry) >= 1 for _, retry in refused), refused
+    assert all(took < 1.0 for took, _ in refused), sorted(took for took, _ in refused)[-3:]
