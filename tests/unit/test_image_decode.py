@@ -191,3 +191,12 @@ def test_a_body_over_the_cap_is_refused(server):
     url, handler = server
     handler.body = b"x" * 6000
     refused(url, "image_too_large", FETCHING)
+
+
+def test_without_pillow_one_line_names_the_extra(monkeypatch):
+    from embedsvc.image import require_pillow
+
+    monkeypatch.setitem(__import__("sys").modules, "PIL.Image", None)
+    with pytest.raises(ImportError) as info:
+        require_pillow()
+    assert str(info.value) == "images need Pillow: pip install 'embedsvc[image]'"
