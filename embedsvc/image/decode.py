@@ -177,11 +177,26 @@ def public_address(host: str, port: int) -> str:
                            code="image_fetch_failed") from exc
     addresses = [str(info[4][0]) for info in infos]
     for address in addresses:
-        ip = ipaddress.ip_address(address.split("%")[0])
-        if not ip.is_global or ip.is_multicast:
+        if not is_public(ipaddress.ip_address(address.split("%")[0])):
             raise InvalidImage(f"the image host {host} resolves to a non-public address",
                                code="image_url_address")
     return addresses[0]
+
+
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Global and unicast, and so is any IPv4 address an IPv6 one carries (mapped, 6to4,
+    NAT64), which would otherwise reach 127.0.0.1 or 10/8 through a translating router."""
+    if not ip.is_global or ip.is_multicast:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and ip in NAT64:
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        return inner is None or is_public(inner)
+    return True
 
 
 def connection(scheme: str, host: str, address: str, port: int,

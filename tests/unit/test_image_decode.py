@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 PIL = pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
+from PIL import Image, ImageFile  # noqa: E402
 
 from embedsvc.errors import InvalidRequest  # noqa: E402
 from embedsvc.image import decode  # noqa: E402
@@ -58,7 +58,7 @@ def test_each_listed_format_decodes(fmt):
 
 def test_a_decompression_bomb_is_refused_before_any_pixel(monkeypatch):
     loads = []
-    monkeypatch.setattr(Image.Image, "load", lambda self: loads.append(1))
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(1))
     err = refused(uri(png_declaring(50_000, 50_000)), "image_too_many_pixels")
     assert "2500000000 pixels" in err.message and loads == []
 
@@ -130,7 +130,9 @@ def test_a_host_off_the_list_is_refused():
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "169.254.169.254", "::1",
-                                     "192.168.0.7", "fd00::1", "0.0.0.0"])
+                                     "192.168.0.7", "fd00::1", "0.0.0.0", "100.64.0.1",
+                                     "::ffff:127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::",
+                                     "224.0.0.1"])
 def test_a_listed_host_resolving_to_a_private_address_is_refused(monkeypatch, address):
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [
         (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", 443)),
@@ -173,6 +175,11 @@ def server(monkeypatch) -> Iterator[tuple[str, type[Handler]]]:
 
 
 FETCHING = ImagePolicy(url_hosts=("images.test",), max_bytes=5000)
+
+
+def test_a_public_address_passes():
+    assert decode.is_public(decode.ipaddress.ip_address("93.184.216.34"))
+    assert decode.is_public(decode.ipaddress.ip_address("2606:2800:220:1::1"))
 
 
 def test_a_listed_url_is_fetched(server):
