@@ -24,6 +24,7 @@ LAYERS = {
     "metrics": (0, "foundation"), "logs": (0, "foundation"), "work": (0, "foundation"),
     "tenants": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
+    "image": (1, "image"),
     "engine": (2, "engine"), "runner": (2, "runner"),
     "remote": (3, "remote"),
     "service": (4, "service"),

@@ -1,0 +1,236 @@
+"""Safe image decoding: the bytes a client sends, turned into an upright Pillow image or a 400.
+
+Defaults (``ImagePolicy``): data URIs (base64) only; at most 10 MiB an image (encoded);
+at most 40 megapixels decoded (a header declaring more is refused BEFORE any pixel is
+decoded, and Pillow's own ``Image.MAX_IMAGE_PIXELS`` is set to the same bound, so that its
+bomb check raises instead of warning); formats PNG, JPEG, WebP, GIF (first frame) and BMP
+only (SVG and everything else refused, Pillow is never asked to guess beyond the list);
+truncated images refused (``ImageFile.LOAD_TRUNCATED_IMAGES`` stays False and is checked);
+EXIF orientation applied. Every refusal is an ``InvalidImage`` (400, invalid_request_error),
+so a route answers it in its family's error shape.
+
+URLs (``http``/``https``) are fetched only when ``ImagePolicy.url_hosts`` lists the host,
+with connect and read timeouts, a size cap, no redirects at all, and never to a loopback,
+private, link-local, multicast or reserved address: every address the name resolves to is
+checked, and the connection goes to the checked address (no second lookup to rebind).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import io
+import ipaddress
+import re
+import socket
+import ssl
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ..errors import InvalidRequest
+from . import require_pillow
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+MiB = 1024 * 1024
+DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*);base64,",
+                      re.ASCII)
+
+
+class InvalidImage(InvalidRequest):
+    """400: an image the service refuses to decode or fetch."""
+
+    def __init__(self, message: str, *, code: str = "invalid_image", param: str | None = None):
+        super().__init__(message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_bytes: int = 10 * MiB
+    max_pixels: int = 40_000_000
+    formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    url_hosts: tuple[str, ...] = ()  # empty: URLs refused, data URIs only
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 10.0
+
+
+DEFAULT = ImagePolicy()
+
+
+def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
+                 param: str | None = None) -> Image:
+    """The image a client named by ``source`` (a data URI, or a URL the policy allows),
+    decoded, first frame, EXIF orientation applied."""
+    try:
+        if source.startswith("data:"):
+            return decode_bytes(data_uri_bytes(source, policy), policy)
+        if source.startswith(("http://", "https://")):
+            return decode_bytes(fetch(source, policy), policy)
+        raise InvalidImage("an image must be a base64 data URI (data:image/png;base64,...)"
+                           + (" or an http(s) URL" if policy.url_hosts else ""),
+                           code="image_source")
+    except InvalidImage as err:
+        err.param = param
+        raise
+
+
+def data_uri_bytes(uri: str, policy: ImagePolicy) -> bytes:
+    """The bytes of a base64 data URI, refused before decoding when its text is too long."""
+    match = DATA_URI.match(uri)
+    if match is None:
+        raise InvalidImage("a data URI must read data:<type>;base64,<data>", code="image_source")
+    text = uri[match.end():]
+    if len(text) * 3 // 4 > policy.max_bytes + 2:
+        raise too_large(len(text) * 3 // 4, policy)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidImage(f"the data URI is not valid base64: {exc}", code="bad_base64") from exc
+
+
+def too_large(size: int, policy: ImagePolicy) -> InvalidImage:
+    return InvalidImage(f"the image has about {size} bytes, more than the limit of "
+                        f"{policy.max_bytes}", code="image_too_large")
+
+
+def decode_bytes(data: bytes, policy: ImagePolicy = DEFAULT) -> Image:
+    """``data`` decoded under ``policy``: header checked first, then pixels, then upright."""
+    if len(data) > policy.max_bytes:
+        raise too_large(len(data), policy)
+    pil = require_pillow()
+    from PIL import ImageFile, ImageOps
+
+    pil.Image.MAX_IMAGE_PIXELS = policy.max_pixels
+    # the fronts decode nothing else: Pillow's bomb warning becomes the error it warns of
+    warnings.simplefilter("error", pil.Image.DecompressionBombWarning)
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    image = open_header(data, policy)
+    try:
+        image.seek(0)
+        image.load()
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise InvalidImage(f"the image could not be decoded ({exc}); is it truncated?",
+                           code="undecodable_image") from exc
+    upright = ImageOps.exif_transpose(image)
+    return upright if upright is not None else image
+
+
+def open_header(data: bytes, policy: ImagePolicy) -> Image:
+    """The lazily opened image: format and size read from its header, no pixel decoded."""
+    from PIL import Image as PilImage
+
+    try:
+        image = PilImage.open(io.BytesIO(data), formats=list(policy.formats))
+    except (PilImage.DecompressionBombError, PilImage.DecompressionBombWarning) as exc:
+        raise bomb(str(exc), policy) from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InvalidImage("the data is not an image in an accepted format ("
+                           + ", ".join(policy.formats) + ")", code="unsupported_image") from exc
+    width, height = image.size
+    if width * height > policy.max_pixels:
+        raise bomb(f"{width} x {height}", policy)
+    return image
+
+
+def bomb(size: str, policy: ImagePolicy) -> InvalidImage:
+    return InvalidImage(f"the image declares too many pixels ({size}); the limit is "
+                        f"{policy.max_pixels} pixels", code="image_too_many_pixels")
+
+
+def fetch(url: str, policy: ImagePolicy) -> bytes:
+    """The body at ``url`` if the policy allows its host and its addresses, else a 400."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if not policy.url_hosts:
+        raise InvalidImage("image URLs are not fetched by this server; send a base64 data URI",
+                           code="image_url_disabled")
+    if host not in policy.url_hosts:
+        raise InvalidImage(f"image URLs are fetched only from {', '.join(policy.url_hosts)}",
+                           code="image_url_host")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    address = public_address(host, port)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn = connection(parts.scheme, host, address, port, policy)
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(policy.read_timeout_s)  # connected: now the read timeout holds
+        conn.request("GET", path, headers={"Host": parts.netloc, "Accept": "image/*"})
+        return read_capped(conn.getresponse(), policy)
+    except (OSError, http.client.HTTPException) as exc:
+        raise InvalidImage(f"the image URL could not be fetched: {exc}",
+                           code="image_fetch_failed") from exc
+    finally:
+        conn.close()
+
+
+def public_address(host: str, port: int) -> str:
+    """The first address ``host`` resolves to, after checking that every one is public."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidImage(f"the image host {host} does not resolve",
+                           code="image_fetch_failed") from exc
+    addresses = [str(info[4][0]) for info in infos]
+    for address in addresses:
+        if not is_public(ipaddress.ip_address(address.split("%")[0])):
+            raise InvalidImage(f"the image host {host} resolves to a non-public address",
+                               code="image_url_address")
+    return addresses[0]
+
+
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Global and unicast, and so is any IPv4 address an IPv6 one carries (mapped, 6to4,
+    NAT64), which would otherwise reach 127.0.0.1 or 10/8 through a translating router."""
+    if not ip.is_global or ip.is_multicast:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and ip in NAT64:
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        return inner is None or is_public(inner)
+    return True
+
+
+def connection(scheme: str, host: str, address: str, port: int,
+               policy: ImagePolicy) -> http.client.HTTPConnection:
+    """A connection to the checked ``address`` (TLS verified against ``host``)."""
+    conn: http.client.HTTPConnection
+    if scheme == "https":
+        conn = PinnedHTTPS(address, host, port, timeout=policy.connect_timeout_s,
+                           context=ssl.create_default_context())
+    else:
+        conn = http.client.HTTPConnection(address, port, timeout=policy.connect_timeout_s)
+    return conn
+
+
+class PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a fixed address, with the certificate checked for the URL's host name."""
+
+    def __init__(self, address: str, server_name: str, port: int, **kwargs: Any) -> None:
+        super().__init__(address, port, **kwargs)
+        self.server_name = server_name
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(  # type: ignore[attr-defined]
+            sock, server_hostname=self.server_name)
+
+
+def read_capped(response: http.client.HTTPResponse, policy: ImagePolicy) -> bytes:
+    """The body of a 200 response, read under the read timeout and the size cap."""
+    if response.status != 200:
+        what = "redirects are not followed" if 300 <= response.status < 400 else "not 200"
+        raise InvalidImage(f"the image URL answered {response.status} ({what})",
+                           code="image_fetch_failed")
+    body = response.read(policy.max_bytes + 1)
+    if len(body) > policy.max_bytes:
+        raise too_large(len(body), policy)
+    return body

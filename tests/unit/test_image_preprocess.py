@@ -1,0 +1,93 @@
+"""Preprocessing without torch against transformers' own image processors, within TOLERANCE."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("PIL")
+transformers = pytest.importorskip("transformers")
+from PIL import Image  # noqa: E402
+
+from embedsvc.image.decode import decode_bytes  # noqa: E402
+from embedsvc.image.preprocess import TOLERANCE, Preprocessor  # noqa: E402
+
+SIZES = [(224, 224), (1, 1), (3, 500), (500, 3), (1024, 768), (640, 481), (97, 131), (200, 100)]
+MODES = ["RGB", "RGBA", "LA", "L", "P", "PA", "CMYK", "I;16", "1"]
+
+
+def generated(mode: str, size: tuple[int, int], seed: int) -> Image.Image:
+    """Noise with structure (a gradient), so that resampling and cropping both show."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    grad = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
+    rgba = (rng.integers(0, 256, (h, w, 4)) * 0.5 + grad * 0.5).astype(np.uint8)
+    image = Image.fromarray(rgba, "RGBA")
+    if mode == "P":
+        p = image.convert("RGB").quantize(16)
+        p.info["transparency"] = 3
+        return p
+    return image.convert(mode)
+
+
+PROCESSORS = {
+    "clip": transformers.CLIPImageProcessorPil,
+    "siglip": transformers.SiglipImageProcessorPil,
+}
+
+
+@pytest.fixture(params=[("clip", {}), ("siglip", {}),
+                        ("clip", {"size": {"shortest_edge": 64}, "crop_size": 48,
+                                  "resample": 2}),
+                        ("siglip", {"size": {"height": 40, "width": 72}, "resample": 0})],
+                ids=["clip", "siglip", "clip-small-bilinear", "siglip-oblong-nearest"])
+def pair(request, tmp_path):
+    """transformers' processor and ours, both read from the same preprocessor_config.json."""
+    kind, overrides = request.param
+    PROCESSORS[kind](**overrides).save_pretrained(tmp_path)
+    theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
+    return theirs, Preprocessor.from_dir(tmp_path)
+
+
+def their_pixels(processor, image: Image.Image) -> np.ndarray:
+    return processor(images=[image], return_tensors="np")["pixel_values"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_equal_to_transformers_on_every_mode_and_size(pair, mode):
+    theirs, ours = pair
+    for seed, size in enumerate(SIZES):
+        image = generated(mode, size, seed)
+        expected = their_pixels(theirs, image)
+        got = ours([image])
+        assert got.dtype == np.float32 and got.shape == expected.shape, (mode, size)
+        assert np.abs(got - expected).max() <= TOLERANCE, (mode, size)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_equal_after_each_exif_orientation(pair, orientation):
+    """The decoder turns the image upright; transformers gets the same upright image."""
+    theirs, ours = pair
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    generated("RGB", (90, 50), orientation).save(buf, "JPEG", exif=exif.tobytes())
+    upright = decode_bytes(buf.getvalue())
+    assert upright.size == ((50, 90) if orientation >= 5 else (90, 50))
+    assert np.abs(ours([upright]) - their_pixels(theirs, upright)).max() <= TOLERANCE
+
+
+def test_a_batch_is_nchw():
+    images = [generated("RGB", (300, 200), 1), generated("L", (20, 20), 2)]
+    assert Preprocessor()(images).shape == (2, 3, 224, 224)
+
+
+def test_the_config_decides_the_steps(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "do_resize": False, "do_rescale": False, "do_normalize": False, "do_center_crop": False}))
+    image = generated("RGB", (7, 5), 0)
+    got = Preprocessor.from_dir(tmp_path)([image])[0]
+    np.testing.assert_array_equal(got, np.moveaxis(np.asarray(image), -1, 0).astype(np.float32))
