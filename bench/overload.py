@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,10 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.soak import serving_url  # noqa: E402 - the path above makes the repository importable
 
 TEXTS = [f"overload input {k} of a large request" for k in range(300)]
 
@@ -35,15 +38,7 @@ def start(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
            str(args.timeout_s), "--workers", str(args.workers)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FAKE_SERVE_PER_TOKEN_S": str(args.per_token_s)}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()}")
-        time.sleep(0.2)
-    raise SystemExit("server did not start")
+    return proc, serving_url(proc, log)
 
 
 def post(c: httpx.Client, texts: list[str] | str) -> tuple[int, float, str | None]:

@@ -68,11 +68,16 @@ def start_server(log: Path, extra: list[str], timeout: float = 120
     proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--threads", "32", *extra],
                             stdout=out,
                             stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, serving_url(proc, log, timeout)
+
+
+def serving_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    """The URL of the server ``proc`` once its ``log`` says it serves; exits if it dies."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = re.search(r"serving on (http://\S+) ", log.read_text(errors="replace"))
         if found:
-            return proc, found.group(1)
+            return found.group(1)
         if proc.poll() is not None:
             raise SystemExit(f"server exited:\n{log.read_text()}")
         time.sleep(0.2)

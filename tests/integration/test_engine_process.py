@@ -270,8 +270,10 @@ def test_an_engine_killed_each_time_it_serves_is_replaced_every_time(tmp_path):
         assert server.output().count("exited with signal 9 after it came up") >= 8
 
 
-def serving_engine(server: Server, not_in: list[int], timeout: float = 30) -> int:
-    """The pid of an engine, none of ``not_in``, once a front answers /health 200 with it."""
+def serving_engine(server: Server, not_in: list[int], timeout: float = 30,
+                   fronts: int = 2) -> int:
+    """The pid of an engine, none of ``not_in``, once a front answers /health 200 with it
+    and every one of the ``fronts`` has its card (a new connection may go to either)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert server.proc.poll() is None, server.output()[-2000:]
@@ -279,6 +281,7 @@ def serving_engine(server: Server, not_in: list[int], timeout: float = 30) -> in
             pid = info(server)["engine_pid"]
             healthy = loopback.get(server.url + "/health", timeout=5).status_code == 200
             if pid is not None and pid not in not_in and healthy:
+                server.wait_fronts(fronts, max(1.0, deadline - time.monotonic()))
                 return int(pid)
         time.sleep(0.1)
     raise AssertionError(f"no new engine serving:\n{server.output()[-2000:]}")
