@@ -81,8 +81,11 @@ class Ticket:
 
 
 # The queue's model (``Batcher.tokens_ahead``): the tokens the device computes before new work
-# of a flow reaches it; None without one (this gate's own count stands in for it).
+# of a flow reaches it; None without one (this gate's own count stands in for it). It walks
+# every client's backlog, so a bound of it for any flow (``Batcher.tokens_ahead_most``, no
+# walk) decides first, and the model is asked only where the bound would refuse.
 QueueModel = Callable[[Hashable], int]
+QueueBound = Callable[[], int]
 
 
 class Admission:
@@ -90,13 +93,15 @@ class Admission:
 
     def __init__(self, *, max_inputs: int | None, max_tokens: int, timeout_s: float,
                  floor_inputs: int, metrics: Metrics | None = None,
-                 queue: QueueModel | None = None) -> None:
+                 queue: QueueModel | None = None, queue_most: QueueBound | None = None
+                 ) -> None:
         self.max_inputs = max_inputs  # None: derived from the measured rate (see ``limit``)
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.floor_inputs = floor_inputs
         self.metrics = metrics or Metrics()
         self.queue = queue
+        self.queue_most = queue_most
         self.quotas: Quotas | None = None  # the tenants' limits (tenants.py), when keys have any
         self.used_inputs = 0
         self.used_tokens = 0
@@ -172,7 +177,20 @@ class Admission:
 
     def _enter(self, ticket: Ticket, flow: Hashable,
                notify: Callable[[Ticket], None] | None) -> None:
-        ahead = self.queue(flow) if self.queue is not None else None  # before our lock
+        # the queue's model is read before our lock (it takes the batcher's); its bound
+        # first: admitted on it, the ticket is admitted on the model too (the wait predicted
+        # grows with the tokens ahead), so the walk is paid only near a refusal
+        if self.queue_most is not None and self._enter_with(ticket, flow, notify,
+                                                            self.queue_most(), final=False):
+            return
+        ahead = self.queue(flow) if self.queue is not None else None
+        self._enter_with(ticket, flow, notify, ahead, final=True)
+
+    def _enter_with(self, ticket: Ticket, flow: Hashable,
+                    notify: Callable[[Ticket], None] | None, ahead: int | None, final: bool
+                    ) -> bool:
+        """Open ``ticket`` or put it in line, ``ahead`` tokens queued before it; False,
+        with nothing changed, when it would be late and ``ahead`` was a bound (not final)."""
         with self._cond:
             if ahead is not None:  # and the work admitted, still tokenizing
                 ahead += self._opened_first
@@ -183,12 +201,16 @@ class Admission:
             opens = not self._waiting and self._fits(ticket)
             if not opens and ahead is not None:  # room first, then its turn in the queue
                 ahead += self._fifo_tokens(ticket)
-            self._refuse_if_late(ticket, time.monotonic(), ahead)
+            now = time.monotonic()
+            if not final and self.predicted_wait(ahead) > ticket.deadline - now:
+                return False
+            self._refuse_if_late(ticket, now, ahead)
             if opens:
                 self._open(ticket)
             else:  # in line behind others, or no room
                 ticket.waiting, ticket.notify = True, notify
                 self._waiting.append(ticket)
+            return True
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the FIFO (its deadline passed, its client left);

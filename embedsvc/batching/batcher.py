@@ -223,10 +223,8 @@ def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: i
     served whatever the tags said, and the requests admission had predicted to start within
     a batch or two waited for all those submitted before them, into a 504.
     """
-    if tags is None:
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    else:
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tags[i]))
+    keys = lengths if tags is None else list(zip(lengths, tags))
+    order = sorted(range(len(lengths)), key=keys.__getitem__)  # no Python call an input
     run: list[int] = []
     real = 0
     has_first = False
@@ -270,13 +268,15 @@ class Batcher:
         self._flows: dict[Hashable, float] = {}  # flow -> the end of its work's tags
         self._backlog: dict[Hashable, list[int]] = {}  # flow -> [tokens, inputs] queued
         self._anonymous_end = 0.0  # the end of the tags of work queued without a flow
+        self._queued_tokens = 0  # of every backlog
         self._served: set[int] = set()  # the jobs of the last batch (ids)
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
             timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics,
-            queue=self.tokens_ahead)
+            queue=self.tokens_ahead, queue_most=self.tokens_ahead_most)
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
+        self._current_tokens = 0  # its inputs' tokens
         self._computed = 0  # inputs whose rows reached a waiting request
         self._stopping = False
         self._last_deep_log = 0.0
@@ -326,6 +326,7 @@ class Batcher:
             backlog = self._backlog.setdefault(flow, [0, 0])
             backlog[0] += tokens
             backlog[1] += n
+            self._queued_tokens += tokens
             if flow is None:
                 self._anonymous_end = max(self._anonymous_end, tag + tokens)
             for i, ids in enumerate(inputs):
@@ -417,7 +418,14 @@ class Batcher:
                     floor = max(0, floor - mine)
             budget = self.limits.max_batch_tokens
             interleaved = min(floor, -(-ahead // budget) * budget)
-            return ahead + interleaved + sum(len(it.ids) for it in self._current)
+            return ahead + interleaved + self._current_tokens
+
+    def tokens_ahead_most(self) -> int:
+        """At least what ``tokens_ahead`` says for any flow, without walking the flows (at
+        most every queued token, at most every queued token again interleaved, and the
+        batch on the device); read without the lock, as admission reads the model anyway
+        before its own."""
+        return 2 * self._queued_tokens + self._current_tokens
 
     def cancel_due(self) -> int:
         """Cancel queued jobs past their deadline, and the queued inputs of clients that
@@ -527,6 +535,7 @@ class Batcher:
                     self._compute(batch)
                     with self._cond:
                         self._current = []
+                        self._current_tokens = 0
                         self._in_flight = 0
                 # Activations just freed would otherwise stay resident: varying batch shapes
                 # fragment the heap, and a bulk run's memory grew with its length.
@@ -544,6 +553,7 @@ class Batcher:
                 self._fail_items(self._current, "the batcher stopped while computing this "
                                  "request; retry it", "batcher_died")
                 self._current = []
+                self._current_tokens = 0
                 self._in_flight = 0
 
     def _next_batch(self) -> list[_Item] | None:
@@ -572,7 +582,7 @@ class Batcher:
             return 0.0
         return self._pending[0].queued + self.limits.max_wait_s - now
 
-    def _turn(self) -> int:
+    def _turn(self, tags: list[float]) -> int:
         """The queued input whose turn it is: the one with the earliest tag, unless the
         oldest started request got nothing in the last batch (then its next input).
 
@@ -582,7 +592,6 @@ class Batcher:
         two batches meanwhile). Without it, a request of 2,048 inputs beside 16 busy
         single-input clients had a seventeenth of each batch's turns.
         """
-        tags = [it.tag for it in self._pending]
         first = tags.index(min(tags))
         oldest = self._oldest_started()
         if oldest is None or id(oldest) in self._served or self._pending[first].job is oldest:
@@ -598,8 +607,9 @@ class Batcher:
 
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
+        tags = [it.tag for it in self._pending]
         chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens,
-                            self._turn(), [it.tag for it in self._pending])
+                            self._turn(tags), tags)
         if len(chosen) == len(self._pending):
             batch, self._pending = self._pending, []
         else:
@@ -614,6 +624,7 @@ class Batcher:
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
+        self._current_tokens = sum(map(lengths.__getitem__, chosen))
         return batch
 
     def _compute(self, batch: list[_Item]) -> None:
@@ -716,6 +727,7 @@ class Batcher:
         """``item`` left the queue (for the device, or dropped): the backlogs shrink."""
         job, tokens = item.job, len(item.ids)
         job.queued -= tokens
+        self._queued_tokens -= tokens
         backlog = self._backlog[job.flow]
         backlog[0] -= tokens
         backlog[1] -= 1

@@ -240,7 +240,9 @@ class Channel(HTTPChannel):
                 or self.total_outbufs_len
                 or len(self.requests) > self.adj.channel_request_lookahead):
             return False
-        return (self.request is None and not self.requests) or self.body_files() < BODY_FILES
+        # a connection can hold no more bodies in files than requests: most hold one or none
+        held = len(self.requests) + (self.request is not None)
+        return held < BODY_FILES or self.body_files() < BODY_FILES
 
     def body_files(self) -> int:
         """Bodies of this connection's requests held in temporary files."""

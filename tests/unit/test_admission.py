@@ -204,6 +204,27 @@ def test_unset_max_queue_follows_the_measured_rate_within_its_bounds():
     assert gate(max_inputs=50).limit == 50  # an explicit MAX_QUEUE is kept
 
 
+def test_the_queue_model_is_asked_only_where_its_bound_would_refuse():
+    """The bound admits what it can; the exact model (a walk over every client's backlog)
+    decides the rest, so the decision is the model's either way."""
+    asked: list = []
+
+    def model(flow):
+        asked.append(flow)
+        return 100  # 0.1 s at 1000 tokens/s
+
+    a = gate(max_inputs=100, max_tokens=100_000, queue=model, queue_most=lambda: 400)
+    a.observe(tokens=1000, inputs=10, seconds=1.0)
+    a.request(1, 10, time.monotonic() + 1.0, flow="x")  # the bound's 0.4 s fits: no walk
+    assert asked == []
+    a.request(1, 10, time.monotonic() + 0.3, flow="y")  # the bound would refuse; 0.1 s fits
+    assert asked == ["y"]
+    with pytest.raises(Overloaded):  # the model refuses too
+        a.request(1, 10, time.monotonic() + 0.05, flow="z")
+    assert asked == ["y", "z"]
+    assert a.used_inputs == 2 and a.waiting == 0  # the refused one left nothing behind
+
+
 def test_a_request_that_would_wait_for_room_past_its_deadline_gets_429_at_once():
     """The queue's model says the device is free for new work (its turn comes at once), but
     the room is taken: the request would first wait in the FIFO while 500 admitted tokens

@@ -1,3 +1,4 @@
+import random
 import threading
 import time
 
@@ -581,6 +582,27 @@ def test_the_queue_model_puts_about_a_batch_ahead_of_a_new_client(metrics):
     assert b.tokens_ahead("new") == 3 + 10 + 5 * 4
     enc.gate.set()
     b.shutdown(5)
+
+
+def test_the_queue_models_bound_is_never_below_the_model_for_any_flow(metrics):
+    """Admission decides on ``tokens_ahead_most`` (no walk over the flows) and asks the model
+    only where the bound would refuse: a bound below the model for some flow would admit a
+    request the model refuses. Random queues of many flows, a started request among them."""
+    rng = random.Random(7)
+    for _ in range(20):
+        enc = GatedEncoder()
+        b = start(enc, metrics, max_batch_tokens=rng.choice([8, 40, 200]))
+        occupy(b, enc)
+        flows = [f"f{i}" for i in range(rng.randint(1, 12))] + [None]
+        for _ in range(rng.randint(1, 30)):
+            n = rng.randint(1, 6)
+            b.submit([ids(*range(rng.randint(1, 9))) for _ in range(n)], later(),
+                     flow=rng.choice(flows))
+        most = b.tokens_ahead_most()
+        for flow in [*flows, "new"]:
+            assert b.tokens_ahead(flow) <= most, flow
+        enc.gate.set()
+        b.shutdown(5)
 
 
 def test_plan_batch_fills_a_batch_of_equal_lengths_in_the_order_of_their_tags():
