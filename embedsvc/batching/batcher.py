@@ -223,7 +223,7 @@ def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: i
     served whatever the tags said, and the requests admission had predicted to start within
     a batch or two waited for all those submitted before them, into a 504.
     """
-    keys = lengths if tags is None else list(zip(lengths, tags))
+    keys = lengths if tags is None else list(zip(lengths, tags, strict=True))
     order = sorted(range(len(lengths)), key=keys.__getitem__)  # no Python call an input
     run: list[int] = []
     real = 0
