@@ -6,6 +6,11 @@ PyTorch loaded beside it), in one run.
     .venv/bin/python bench/coldstart.py --starts 5
     .venv/bin/python bench/coldstart.py --light DIR/bin [--onnx-dir MODEL]
 
+Beside them, always: the floor (bench/floor_server.py: ONNX Runtime and tokenizers serving the
+same record over the standard library's HTTP server), and what embedsvc's start costs over it;
+with ``--baseline REV``, `embedsvc serve` of that revision too (its tree checked out under
+bench/out, run with this venv), in the same alternating rounds.
+
 ``--light``: also the install without PyTorch (`pip install embedsvc` into a venv of its
 own, whose bin directory this is), serving the record this venv exported, and with
 ``--onnx-dir`` a model directory that ships an ONNX graph, served with no record.
@@ -64,10 +69,10 @@ def loaded(pid: int) -> list[str]:
     return [name for name, needle in LIBRARIES.items() if needle in maps]
 
 
-def one_start(env: dict[str, str], bin_dir: Path = BIN, args: tuple[str, ...] = ()
-              ) -> dict[str, object]:
+def one_start(env: dict[str, str], cmd: list[str]) -> dict[str, object]:
+    """Launch ``cmd`` (its port appended) and time it to its first answered POST /embed."""
     port = free_port()
-    cmd = [str(bin_dir / "embedsvc"), "serve", "--port", str(port), *args]
+    cmd = [*cmd, "--port", str(port)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -79,7 +84,7 @@ def one_start(env: dict[str, str], bin_dir: Path = BIN, args: tuple[str, ...] = 
                 except httpx.TransportError:
                     pass
                 if proc.poll() is not None:
-                    raise RuntimeError(f"embedsvc serve exited with {proc.returncode}")
+                    raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
                 time.sleep(0.01)
             first, cpu = time.monotonic() - start, cpu_seconds(proc.pid)
             for _ in range(10):
@@ -118,32 +123,59 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--light", type=Path, help="bin directory of a venv without PyTorch")
     parser.add_argument("--onnx-dir", help="with --light: a model directory with onnx/")
+    parser.add_argument("--baseline", metavar="REV", help="also `embedsvc serve` of REV")
+    parser.add_argument("--serve-only", action="store_true",
+                        help="only the default path's `embedsvc serve` (no BACKEND=onnx-torch, "
+                             "no `embedsvc embed`)")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="embedsvc-coldstart-"))
     base = {**os.environ, "EMBEDSVC_CACHE_DIR": str(cache), "EMBEDSVC_DEVICE": "cpu",
             "HF_HUB_OFFLINE": "1"}
-    for extra in PATHS.values():  # a warm cache for both paths: exporting is not timed
+    paths = {k: v for k, v in PATHS.items() if not args.serve_only or not v}
+    for extra in paths.values():  # a warm cache for both paths: exporting is not timed
         subprocess.run([str(BIN / "embedsvc"), "export"], env={**base, **extra}, check=True,
                        capture_output=True)
-    starts: dict[str, tuple[dict[str, str], Path, tuple[str, ...]]] = {
-        name: ({**base, **extra}, BIN, ()) for name, extra in PATHS.items()}
+    serve = [str(BIN / "embedsvc"), "serve"]
+    starts: dict[str, tuple[dict[str, str], list[str]]] = {
+        name: ({**base, **extra}, serve) for name, extra in paths.items()}
+    record = next(d for d in cache.glob("*.lean") if (d / "record.json").is_file())
+    starts["floor (onnxruntime + tokenizers)"] = (
+        base, [sys.executable, str(Path(__file__).with_name("floor_server.py")),
+               "--record", str(record)])
+    if args.baseline:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.run import baseline_tree
+
+        tree = baseline_tree(args.baseline)
+        env = {**base, "PYTHONPATH": str(tree)}
+        subprocess.run([sys.executable, "-m", "embedsvc", "export"], env=env, check=True,
+                       capture_output=True, cwd=tree)  # its own record format, not timed
+        starts[f"embedsvc serve at {args.baseline}"] = (
+            env, [sys.executable, "-m", "embedsvc", "serve"])
     if args.light:  # its own environment: nothing of this venv's on its path
         light = {**base, "PYTHONPATH": "", "VIRTUAL_ENV": str(args.light.parent)}
-        starts["light install, record"] = (light, args.light, ())
+        starts["light install, record"] = (light, [str(args.light / "embedsvc"), "serve"])
         if args.onnx_dir:
-            starts["light install, ONNX directory"] = (light, args.light,
-                                                       ("--model", args.onnx_dir))
+            starts["light install, ONNX directory"] = (
+                light, [str(args.light / "embedsvc"), "serve", "--model", args.onnx_dir])
     print(f"{'path':30} {'first /embed s':>14} {'CPU s':>6} {'RSS MiB':>8}  libraries mapped")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in starts}
     for _ in range(args.starts):  # alternating rounds: the machine's load falls on every path
-        for name, (env, bin_dir, serve_args) in starts.items():
-            runs[name].append(one_start(env, bin_dir, serve_args))
+        for name, (env, cmd) in starts.items():
+            runs[name].append(one_start(env, cmd))
+    medians = {}
     for name, runs_ in runs.items():
-        med = {k: statistics.median(r[k] for r in runs_) for k in ("first", "cpu", "rss")}
+        med = medians[name] = {k: statistics.median(r[k] for r in runs_)
+                               for k in ("first", "cpu", "rss")}
         maps = ", ".join(sorted({m for r in runs_ for m in r["maps"]}))
         each = ", ".join(f"{r['first']:.2f}" for r in runs_)
         print(f"{name:30} {med['first']:14.2f} {med['cpu']:6.2f} {med['rss']:8.0f}  "
               f"{maps or 'none of ' + '/'.join(LIBRARIES)}   (launch to answer: {each})")
+    floor = medians["floor (onnxruntime + tokenizers)"]["first"]
+    for name, med in medians.items():
+        print(f"{name:30} launch to first answer / the floor's: {med['first'] / floor:.2f}x")
+    if args.serve_only:
+        return
     for name, extra in PATHS.items():
         with tempfile.TemporaryDirectory() as work:
             first, total = embed_run({**base, **extra}, Path(work))

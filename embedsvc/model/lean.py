@@ -196,10 +196,12 @@ def _encoder_class(kind: str) -> type[LeanEncoder]:
     return {"embedding": LeanEncoder, "sparse": LeanSparse}.get(kind, LeanScorer)
 
 
-def open_record(path: Path, threads: int) -> LeanEncoder | NotLean:
+def open_record(path: Path, threads: int, record: dict[str, Any] | None = None
+                ) -> LeanEncoder | NotLean:
     """The float32 encoder of the record at ``path``, once its graph reproduces PyTorch's
-    probe outputs; RecordError (or ONNX Runtime's error) for a record not to serve."""
-    record = read_record(path)
+    probe outputs; RecordError (or ONNX Runtime's error) for a record not to serve.
+    ``record``: its ``read_record``, when the caller has it (each read digests every file)."""
+    record = record if record is not None else read_record(path)
     if not record.get("lean"):
         return NotLean(str(record.get("reason", "the record says so")))
     encoder = _encoder_class(record["kind"])(path, record, runtime.session(path / GRAPH, threads),
@@ -312,12 +314,13 @@ def warm_start(settings: Settings) -> Warm:
 def open_lean(settings: Settings, path: Path, key: str) -> LeanEncoder | NotLean:
     """The record's encoder, int8 when QUANTIZE says so (quantized here once, no PyTorch);
     RecordError for a record of another model."""
-    recorded_key = read_record(path).get("fingerprint")
+    record = read_record(path)
+    recorded_key = record.get("fingerprint")
     if recorded_key != key:
         raise RecordError(f"it was exported from other model files (fingerprint "
                           f"{str(recorded_key)[:12]}, not {key[:12]})")
     threads = threads_for(settings)
-    found = open_record(path, threads)
+    found = open_record(path, threads, record)
     if isinstance(found, NotLean) or settings.quantize == "none":
         return found
     if found.kind != "embedding":

@@ -29,9 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
-from typing import Any
-
-from flask import Flask
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Unavailable
 from ..logs import configure_logging, quiet_model_libraries
@@ -39,6 +37,9 @@ from ..model.encoder import Encoder
 from ..service import Service, load_encoder
 from ..settings import Settings
 from .preflight import check_tracing
+
+if TYPE_CHECKING:  # the web stack is imported where the app is built, not with this module
+    from flask import Flask
 
 log = logging.getLogger(__name__)
 
