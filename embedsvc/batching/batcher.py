@@ -61,11 +61,12 @@ _MAX_FLOWS = 4096  # flows remembered before those not ahead of the virtual time
 class DeviceLock:
     """The device, handed to its waiters in the order of their tags, then of their asking.
 
-    Tags are virtual start times in tokens (``Batcher.start_tag``): the batcher asks with its
-    batch's earliest, /embed_all with each slice's own. ``virtual`` is the tag of the work
-    that last took the device, the system's virtual time. A plain lock would go to whichever
-    thread runs first after a release: usually the one that released it, so /embed_all kept
-    the device through all its slices while the batcher waited.
+    Tags are virtual start times in tokens (``Batcher.start_tag``): the batcher asks with the
+    earliest tag queued when it took its batch, /embed_all with each slice's own. ``virtual``
+    is the tag of the work that last took the device, the system's virtual time. A plain
+    lock would go to whichever thread runs first after a release: usually the one that
+    released it, so /embed_all kept the device through all its slices while the batcher
+    waited.
     """
 
     def __init__(self) -> None:
@@ -277,6 +278,8 @@ class Batcher:
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
         self._current_tokens = 0  # its inputs' tokens
+        # the earliest tag queued when it was taken: the virtual time it runs at (_compute)
+        self._current_tag = 0.0
         self._computed = 0  # inputs whose rows reached a waiting request
         self._stopping = False
         self._last_deep_log = 0.0
@@ -625,12 +628,18 @@ class Batcher:
         self._in_flight = len(batch)
         self._current = batch
         self._current_tokens = sum(map(lengths.__getitem__, chosen))
+        self._current_tag = min(tags)
         return batch
 
     def _compute(self, batch: list[_Item]) -> None:
         ids = [it.ids for it in batch]
         try:
-            self.device_lock.acquire(tag=min(it.tag for it in batch))
+            # The virtual time is the earliest tag queued, not this batch's: a batch given to
+            # the oldest started request (_turn's floor) holds tags far ahead of the others',
+            # and had moved the virtual time there, so that a client arriving next queued
+            # behind every other client's backlog up to it (issue 45: a burst's requests
+            # admitted from the FIFO got 504 with their first input never run).
+            self.device_lock.acquire(tag=self._current_tag)
             try:
                 # from here: the wait for the lock (an /embed_all slice) is not the batch's
                 # compute time, which the measured rate and the requests' inference_s count

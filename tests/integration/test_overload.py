@@ -56,14 +56,13 @@ def test_a_burst_past_the_deadline_gets_429_at_once_not_504(tmp_path, launch):
         assert loopback.post(server.url + "/embed", json={"inputs": "after"}).status_code == 200
     counts = Counter(s for s, _, _ in results)
     assert sum(counts.values()) == 48 and counts[200] > 0, counts
-    # On 56f566e: {200: 19, 504: 29}, not one 429. Now most refusals are 429s at once, but
-    # not yet all: under a loaded machine the burst's own tokenizing slows the device's
-    # cycle below the rate admission learned before it, and requests admitted near the
-    # edge start past it (1-3 of 48 on a quiet machine, 6 under the whole suite's load).
-    # Issue 45 asks for 80% of refusals as immediate 429s; what holds on every run here is a
-    # majority, which is what this asserts (issue 45's note says what would close the gap).
+    # On 56f566e: {200: 19, 504: 29}, not one 429. At 9bbf30d most refusals were 429s, but
+    # up to 11 of 25 were 504s: a batch given to the oldest started request (the batcher's
+    # floor) moved the virtual time to its own tags, so the requests admitted from the FIFO
+    # started behind every other client's queued work and never ran in time. Now: at least
+    # 80% of the refusals are immediate 429s (issue 45), here 14 of 15 on a quiet machine.
     refused = [(took, retry) for s, took, retry in results if s == 429]
-    assert len(refused) >= 10 and len(refused) > counts[504], counts
+    assert len(refused) >= 10 and len(refused) >= 0.8 * (len(refused) + counts[504]), counts
     # at once: before any admitted request could have waited out the deadline
     assert all(retry is not None and int(retry) >= 1 for _, retry in refused), refused
     assert all(took < 1.0 for took, _ in refused), sorted(took for took, _ in refused)[-3:]

@@ -567,6 +567,54 @@ def test_a_started_request_gets_every_other_batch_under_a_stream_of_light_ones(m
     b.shutdown(1)
 
 
+class StepEncoder(FakeEncoder):
+    """A fake that holds each batch on the device until the test lets one go (``step``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Semaphore(0)
+        self.go = threading.Semaphore(0)
+        self.seen: list[list[list[int]]] = []  # every batch, as it reaches the device
+
+    def encode(self, batch):
+        self.seen.append([list(seq) for seq in batch])
+        self.entered.release()
+        assert self.go.acquire(timeout=10), "the test never let the batch go"
+        return super().encode(batch)
+
+    def step(self) -> None:
+        """Let the batch on the device finish; wait for the next one to start."""
+        self.go.release()
+        assert self.entered.acquire(timeout=5)
+
+
+def test_a_batch_given_to_the_started_request_does_not_move_new_clients_behind_the_queue(
+        metrics):
+    """The floor gives the oldest started request a batch of its own tags, far ahead of the
+    others'. That batch had set the virtual time to its tags, so a client arriving next
+    started there, behind every other client's queued work up to it: under a burst, the
+    requests admitted from the FIFO got 504 with their first input never run (issue 45).
+    The virtual time is the earliest tag queued: the new client's input runs in the next
+    batch that is not the floor's."""
+    enc = StepEncoder()
+    b = start(enc, metrics, max_batch_tokens=20)  # two inputs of 10 tokens a batch
+    try:
+        b.submit([ids(*range(100, 108)) for _ in range(8)], later(), flow="big")  # tags 0..70
+        assert enc.entered.acquire(timeout=5)  # its first batch (tags 0, 10) is on the device
+        for name in ("h1", "h2", "h3"):  # tags 0..50 each
+            b.submit([ids(*range(10, 18)) for _ in range(6)], later(), flow=name)
+        enc.step()  # the turn's batch: h1's and h2's first inputs (tag 0)
+        enc.step()  # the floor's: big's third input (tag 20), and h1's second
+        late = b.submit([ids(*range(500, 508))], later(), flow="late")
+        enc.step()  # the turn's batch: h3's first input (tag 0), and the late client's
+        assert ids(*range(500, 508)) in enc.seen[-1], enc.seen[-1]
+    finally:
+        for _ in range(20):
+            enc.go.release()
+        b.shutdown(5)
+    late.result(5)
+
+
 def test_the_queue_model_puts_about_a_batch_ahead_of_a_new_client(metrics):
     """What 429 and Retry-After are computed from: a heavy client's queue is not ahead of a
     new client; its own queued work is ahead of its own next request; equal tags count the
