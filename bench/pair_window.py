@@ -6,7 +6,7 @@
 
 ``whole``: one pair of two sides of that many '!' (one token each), truncated by the
 tokenizer itself (``longest_first`` to 512, as a BERT CrossEncoder's call does); ``window``:
-the same pair as the server reads it (model/scorer.py ``tokenize_pairs``: the windows, the
+the same pair as the server reads it (model/pairs.py ``tokenize_pairs``: the windows, the
 truncation's shares, the template); ``many``: one 200,000-'!' query against that many
 documents of about 600 tokens, as the server reads them (the tokenizer's own truncation of
 as few as 256 of those pairs takes more than 24 GiB). Prints CPU time and the process's
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from tokenizers import Tokenizer
 
 from embedsvc.model.encoder import bundled_model_path
-from embedsvc.model.scorer import tokenize_pairs
+from embedsvc.model.pairs import tokenize_pairs
 
 LIMIT = 512
 MARGIN = 6  # the bundled tokenizer's longest added token

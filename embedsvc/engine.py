@@ -29,21 +29,33 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from . import rules
-from .batching.admission import Admission, Ticket, still_wanted
+from .admission import Admission, Ticket, still_wanted
 from .errors import InvalidRequest
 from .metrics import Metrics
-from .model import quantize
-from .model.encoder import ModelInfo, Piece
-from .model.graph_cache import cache_root
-from .model.scorer import Pair, Sequenced
 from .rules import Inputs
 from .settings import Settings
-from .work import EMBED, SCORE, SPARSE, TOKENS, Disconnected, Embedded, SparseRow, Work
+from .work import (
+    EMBED,
+    SCORE,
+    SPARSE,
+    TOKENS,
+    Disconnected,
+    Embedded,
+    ModelInfo,
+    Pair,
+    Piece,
+    Sequenced,
+    SparseRow,
+    Work,
+)
+
+if TYPE_CHECKING:
+    from .model.quantize import Calibration
 
 # /embed_all answers a vector per token (about 4,600 times its body): TEI's cap, 32 inputs.
 EMBED_ALL_MAX_INPUTS = 32
@@ -118,7 +130,7 @@ class Engine:
         marked = text.wrap([-1])  # where the model's template puts the text
         at = marked.index(-1)
         self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
-        self._calibration: quantize.Calibration | None = None
+        self._calibration: Calibration | None = None
         self._calibrating = threading.Lock()
 
     @property
@@ -188,10 +200,13 @@ class Engine:
         assert out.token_vectors is not None
         return out.token_vectors, out.tokens
 
-    def calibration(self) -> quantize.Calibration:
+    def calibration(self) -> Calibration:
         """The model's int8/uint8 calibration (model/quantize.py): computed through the
         model, or read from the cache, once, by the first caller that asks (the server's
         first int8 request, a bulk job's start), so that startup never pays for it."""
+        from .model import quantize
+        from .model.graph_cache import cache_root
+
         with self._calibrating:  # concurrent first callers compute it once
             if self._calibration is None:
                 batch = max(1, min(_CALIBRATION_BATCH, self.settings.max_inputs_per_request))
@@ -202,7 +217,15 @@ class Engine:
     def codes(self, rows: np.ndarray, dtype: str, *, normalize: bool = True,
               dimensions: int | None = None) -> np.ndarray:
         """``rows`` (shaped by ``normalize`` and ``dimensions``) as ``dtype``: float32, int8
-        or uint8 codes of the model's calibration, or packed bits (model/quantize.py)."""
+        or uint8 codes of the model's calibration, or packed bits (model/quantize.py).
+
+        Floats, what most requests ask for, are the rows as they are; only another dtype
+        imports model/quantize.py, in an HTTP process too (its calibration runs through the
+        model, and the codes' arithmetic is kept beside it)."""
+        if dtype == "float":
+            return np.asarray(rows, np.float32)
+        from .model import quantize
+
         scale = None
         if dtype in (quantize.INT8, quantize.UINT8):
             scale = self.calibration().scale(normalize=normalize, dimensions=dimensions)

@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .batching.admission import Admission, Ticket, still_wanted
-from .batching.batcher import Batcher, Job, ShutdownReport
+from .admission import Admission, Ticket, still_wanted
+from .batching.batcher import Batcher, Job
 from .errors import InvalidRequest
 from .metrics import Metrics
 from .model.encoder import Encoder, ModelInfo, Scorer, Sparse
 from .model.sparse import active
 from .settings import Settings
-from .work import SCORE, SPARSE, TOKENS, Disconnected, Embedded, Work
+from .work import SCORE, SPARSE, TOKENS, Disconnected, Embedded, Pending, ShutdownReport, Work
 
 _LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
 
@@ -192,15 +192,6 @@ class LocalPort:
         out.queue_s, out.inference_s, out.batch_size = job.queue_s, job.inference_s, \
             job.batch_size
         return out
-
-
-class Pending:
-    """An answer on its way: ``result()`` waits for it (or raises the request's error)."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Callable[[], Embedded]) -> None:
-        self.result = result
 
 
 def slices(ids: Sequence[Sequence[int]], max_items: int, max_tokens: int

@@ -23,19 +23,21 @@ from typing import TYPE_CHECKING
 from prometheus_client import generate_latest
 
 from . import __version__
-from .batching.batcher import Batcher, BatchLimits, ShutdownReport
 from .engine import Engine
 from .errors import Unavailable, shutting_down
 from .metrics import Metrics, exposition
-from .model import backend
-from .model.encoder import Encoder, ModelInfo
-from .model.st_encoder import SentenceTransformerEncoder
-from .runner import LocalPort, Runner
 from .settings import Settings
 from .tenants import Keyring, Quotas
+from .work import ModelInfo, ShutdownReport
 
+# The model side (batching/, runner, model/) is imported where this process loads a model:
+# an HTTP process in front of the engine process never does (tests/unit/test_layers.py).
 if TYPE_CHECKING:
+    from .batching.batcher import Batcher, BatchLimits
+    from .model.encoder import Encoder
+    from .model.st_encoder import SentenceTransformerEncoder
     from .remote.client import Link
+    from .runner import LocalPort, Runner
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ def load_encoder(
     settings: Settings, preloaded: SentenceTransformerEncoder | None = None
 ) -> Encoder:
     """Load (unless a pre-fork master already did) and place the model in this process."""
+    from .model import backend
+
     return backend.load_encoder(settings, preloaded)
 
 
@@ -288,6 +292,9 @@ class Service:
 
 def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalPort:
     """The model side in this process, its batcher started."""
+    from .batching.batcher import Batcher
+    from .runner import LocalPort, Runner
+
     batcher = Batcher(encoder.encode, batch_limits(settings, encoder), metrics=metrics)
     batcher.start()
     return LocalPort(Runner(settings, encoder, batcher, metrics))
@@ -303,6 +310,8 @@ def local_engine(settings: Settings, encoder: Encoder, metrics: Metrics | None =
 def batch_limits(settings: Settings, encoder: Encoder) -> BatchLimits:
     """The batcher's limits; an encoder with wide rows (sparse: vocabulary-wide logits per
     token) caps the tokens of a batch (``batch_tokens``) so that their memory stays bounded."""
+    from .batching.batcher import BatchLimits
+
     limits = BatchLimits.from_settings(settings)
     cap = getattr(encoder, "batch_tokens", None)
     if cap is None:

@@ -24,7 +24,7 @@ gives API_KEY's key to a tenant, is refused (at start, in one line; on a reload,
 use stay), as is a file whose ``sha256`` is the hash of an empty key (what hashing an unset
 variable gives) or that gives one key to two tenants.
 
-``Quotas`` holds each tenant's usage where admission is (batching/admission.py): a request
+``Quotas`` holds each tenant's usage where admission is (admission.py): a request
 over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
 so a burst of up to a second's or a minute's worth passes) or inputs in flight is refused
 with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one

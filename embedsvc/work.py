@@ -32,6 +32,45 @@ KINDS = (EMBED, SCORE, SPARSE, TOKENS)
 Decoder = Callable[..., Iterable[str]]
 Disconnected = Callable[[], bool] | None
 SparseRow = tuple[np.ndarray, np.ndarray]  # the active dimensions' indices and values
+Sequenced = str | tuple[str, str]  # one input of a cross-encoder: a text or a pair of texts
+
+
+class Pair(list):
+    """Token ids of a text pair, special tokens in; ids from ``second`` on are segment B.
+
+    It is a list of ids, as the batcher expects of any input (it only takes ``len``), so a
+    pair's tokens count against MAX_BATCH_TOKENS like any input's; ``encode`` reads
+    ``second`` to give segment B token type 1. ``cut``: a text was read only as far as the
+    model's limit (its full token count is unknown, and over the limit).
+    """
+
+    __slots__ = ("second", "cut")
+
+    def __init__(self, ids: Sequence[int], second: int, cut: bool = False) -> None:
+        super().__init__(ids)
+        self.second = second
+        self.cut = cut
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One token as /tokenize shows it; ``start``/``stop`` are character offsets."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What a drain did: counted in inputs (``Batcher.shutdown``, the engine's answer)."""
+
+    completed: int  # inputs computed while draining, for requests that got them
+    failed: int  # inputs of the requests that got no answer (503 at the timeout, or cut off)
+    clean: bool  # the thread ended within the timeout
+    uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
 @dataclass(frozen=True)
@@ -122,3 +161,12 @@ def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
     """
     return [{"index": i, "value": v}
             for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+
+
+class Pending:
+    """An answer on its way: ``result()`` waits for it (or raises the request's error)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Callable[[], Embedded]) -> None:
+        self.result = result

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, request
 from prometheus_client import CollectorRegistry
@@ -44,13 +44,15 @@ from ..errors import (
     internal_error,
 )
 from ..metrics import Metrics
-from ..model.encoder import Encoder
 from ..service import Service
 from ..settings import Settings
 from .lane import BodyLane
 from .routes import ROUTES
 from .tracing import tracing_for
 from .web import Call, Reply, Route, json_reply
+
+if TYPE_CHECKING:  # an encoder given by a test or a library user; the app never loads one
+    from ..model.encoder import Encoder
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("embedsvc.access")

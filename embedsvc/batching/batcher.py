@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..admission import Admission, Ticket, deadline_error
 from ..errors import (
     ApiError,
     BatchFailed,
@@ -40,8 +41,8 @@ from ..errors import (
     shutting_down,
 )
 from ..metrics import Metrics
+from ..work import ShutdownReport
 from . import heap
-from .admission import Admission, Ticket, deadline_error
 
 log = logging.getLogger(__name__)
 
@@ -202,14 +203,6 @@ class _Item:
     queued: float
     tag: float  # its virtual start, in tokens (Batcher.start_tag)
     answered: bool = False  # its admission was given back
-
-
-@dataclass(frozen=True)
-class ShutdownReport:
-    completed: int  # inputs computed while draining, for requests that got them
-    failed: int  # inputs of the requests that got no answer (503 at the timeout, or cut off)
-    clean: bool  # the thread ended within the timeout
-    uncomputed: int = 0  # of ``failed``, those never computed (the rest were, for nobody)
 
 
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0,

@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..work import ModelInfo as ModelInfo  # the boundary's description of a model
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One token as /tokenize shows it; ``start``/``stop`` are character offsets."""
-
-    id: int
-    text: str
-    special: bool
-    start: int | None
-    stop: int | None
+from ..work import Piece as Piece  # one token, as /tokenize shows it
 
 
 class Encoder(Protocol):

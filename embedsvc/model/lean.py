@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from ..settings import Settings
+from ..work import Pair, Sequenced
 from . import runtime
 from .device import pytorch_installed
 from .encoder import Encoder, ModelInfo, model_name
 from .graph_cache import GraphCache, cache_root
+from .pairs import tokenize_pairs
 from .quantize import calibration_texts
 from .record import (
     GRAPH,
@@ -48,7 +50,7 @@ from .record import (
     read_record,
     write_record,
 )
-from .scorer import Pair, Sequenced, segment_ids, tokenize_pairs
+from .scorer import segment_ids
 from .sparse import sparse_batch_tokens
 from .tokenizer import TextSide, padded, tokenizer_from_json
 

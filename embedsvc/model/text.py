@@ -15,9 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ..work import ModelInfo
-from .fake import FakeEncoder
-from .scorer import Pair, Sequenced, tokenize_pairs
+from ..work import ModelInfo, Pair, Sequenced
+from .pairs import tokenize_pairs
 from .tokenizer import TextSide, tokenizer_from_json
 
 _SCORERS = ("reranker", "classifier")
@@ -33,7 +32,7 @@ class TokenizerText(TextSide):
 
 class PairText(TokenizerText):
     """A cross-encoder's: texts and pairs, cut as ``CrossEncoder``'s tokenizer call cuts
-    them (scorer.py's ``tokenize_pairs``)."""
+    them (pairs.py's ``tokenize_pairs``)."""
 
     def __init__(self, info: ModelInfo, tokenizer: str) -> None:
         super().__init__(info, tokenizer)
@@ -55,7 +54,9 @@ def text_model(info: dict[str, Any], spec: dict[str, Any]) -> Any:
     """The text side that ``spec`` (an encoder's ``text_spec()``) describes; RuntimeError
     if its template is not the one the engine reported."""
     model = ModelInfo(**{**info, "labels": tuple(info.get("labels", ()))})
-    if "fake" in spec:
+    if "fake" in spec:  # the simulated device's (tests, bench/sim_server.py)
+        from .fake import FakeEncoder
+
         text: Any = FakeEncoder(dimension=model.dimension,
                                 max_input_tokens=model.max_input_tokens, record=False)
         text.info = model
@@ -75,6 +76,8 @@ def text_spec(encoder: Any) -> dict[str, Any]:
     marked = encoder.wrap([-1])
     at = marked.index(-1)
     spec: dict[str, Any] = {"prefix": marked[:at], "suffix": marked[at + 1:]}
+    from .fake import FakeEncoder
+
     tokenizer_json = getattr(encoder, "tokenizer_json", None)
     if tokenizer_json is None:
         if not isinstance(encoder, FakeEncoder):

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .encoder import ModelInfo, Piece
+from ..work import ModelInfo, Piece
 from .window import token_window
 
 

@@ -26,10 +26,8 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..batching.batcher import ShutdownReport
 from ..errors import ApiError, ClientDisconnected, QuotaExceeded, Unavailable, shutting_down
-from ..runner import Pending
-from ..work import Embedded, Work
+from ..work import Embedded, Pending, ShutdownReport, Work
 from . import wire
 
 log = logging.getLogger(__name__)

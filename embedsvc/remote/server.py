@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..batching.admission import Ticket, deadline_error
+from ..admission import Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
 from ..metrics import Metrics, Snapshots, check_families

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from ..metrics import Family  # typed: the decoder refuses a family of another shape
-from ..model.scorer import Pair
+from ..work import Pair
 
 # A process id where one is named (0: none); a negative one would name a process group to
 # os.kill, and one past the largest pid Linux makes names no process.

@@ -23,9 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..model.text import describe, text_spec
 from ..remote.place import engine_address
-from ..remote.server import EngineServer
 from ..service import Service
 from ..settings import Settings
 from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
@@ -38,6 +36,9 @@ log = logging.getLogger(__name__)
 def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -> int:
     """Load the model, then serve it on the engine socket in ``directory`` until SIGTERM or
     until a watched process is gone (then the directory goes too); the exit code."""
+    from ..model.text import describe, text_spec  # the model side: never in a front
+    from ..remote.server import EngineServer
+
     watch_pids = list(watch_pids)
     serving_process(settings)
     orphaned = [pid for pid in watch_pids if not alive(pid)]

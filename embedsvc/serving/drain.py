@@ -11,8 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..batching.batcher import ShutdownReport
 from ..service import Service
+from ..work import ShutdownReport
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05

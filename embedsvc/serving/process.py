@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import Unavailable
 from ..logs import configure_logging, quiet_model_libraries
-from ..model.encoder import Encoder
 from ..service import Service, load_encoder
 from ..settings import Settings
 from .preflight import check_tracing
 
 if TYPE_CHECKING:  # the web stack is imported where the app is built, not with this module
     from flask import Flask
+
+    from ..model.encoder import Encoder
 
 log = logging.getLogger(__name__)
 

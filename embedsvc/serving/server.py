@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from ..api.wsgi import create_app
-from ..batching.batcher import ShutdownReport
 from ..logs import configure_logging
 from ..service import Service
 from ..settings import Settings
+from ..work import ShutdownReport
 from . import drain, waitress_adapter
 from .probe import ProbeListener
 from .process import ensure_open_files

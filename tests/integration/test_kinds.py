@@ -9,9 +9,10 @@ import pytest
 
 from embedsvc.batching.batcher import Batcher, BatchLimits
 from embedsvc.model.kinds import Detected, KindMismatch, detect, load_model, resolve
-from embedsvc.model.scorer import CrossEncoderScorer, Pair
+from embedsvc.model.scorer import CrossEncoderScorer
 from embedsvc.model.sparse import SparseEmbedder, active
 from embedsvc.settings import Settings, SettingsError
+from embedsvc.work import Pair
 
 QUERY = "How many people live in Berlin?"
 DOCS = [

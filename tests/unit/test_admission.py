@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from embedsvc.batching.admission import Admission
+from embedsvc.admission import Admission
 from embedsvc.errors import (
     ClientDisconnected,
     DeadlineExceeded,

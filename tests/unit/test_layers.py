@@ -12,6 +12,9 @@ functions and under TYPE_CHECKING count too: a lazy import upward is still an up
 """
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ PACKAGE = Path(__file__).parents[2] / "embedsvc"
 LAYERS = {
     "settings": (0, "foundation"), "errors": (0, "foundation"),
     "metrics": (0, "foundation"), "logs": (0, "foundation"), "work": (0, "foundation"),
-    "tenants": (0, "foundation"),
+    "tenants": (0, "foundation"), "admission": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
     "image": (1, "image"),
     "engine": (2, "engine"), "runner": (2, "runner"),
@@ -35,6 +38,18 @@ LAYERS = {
 MODEL_SIDE = ("model", "batching", "runner", "remote")
 # The app factory wires a service (it takes an encoder for tests and library users).
 BOUNDARY_EXEMPT = {"embedsvc.api.wsgi"}
+# serving/'s modules on an HTTP process's path in front of the engine process, and in
+# children.py every function but the engine's own entry
+FRONT_PATH = ("server.py", "waitress_adapter.py", "http_errors.py", "drain.py", "lifeline.py",
+              "children.py")
+ENGINE_ENTRIES = {"run_engine"}
+# What a front process may hold of model/: the tokenizer rebuilt from the engine's card
+FRONT_MODEL = {"embedsvc.model", "embedsvc.model.text", "embedsvc.model.tokenizer",
+               "embedsvc.model.window", "embedsvc.model.pairs"}
+# What a front imports, as `embedsvc front` and its first connection to the engine do
+FRONT_IMPORTS = ("embedsvc.cli", "embedsvc.serving.children", "embedsvc.serving.server",
+                 "embedsvc.api.wsgi", "embedsvc.api.routes", "embedsvc.remote.client",
+                 "embedsvc.model.text")
 
 
 def module_name(path: Path) -> str:
@@ -47,12 +62,19 @@ def is_module(dotted: str) -> bool:
     return where.with_suffix(".py").exists() or where.is_dir()
 
 
-def imports(path: Path) -> list[tuple[int, str, list[str]]]:
-    """(line, imported module, names) for every import of embedsvc's own code in ``path``."""
+def imports(path: Path, skip: frozenset[str] = frozenset()
+            ) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names) for every import of embedsvc's own code in ``path``,
+    but those in the functions named in ``skip``."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               and f.name in skip for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name, []) for a in node.names
                       if a.name.split(".")[0] == "embedsvc"]
@@ -119,20 +141,44 @@ def test_no_import_runs_upward_or_sideways():
 
 def boundary_violations() -> list[str]:
     found = []
-    for path in sorted((PACKAGE / "api").rglob("*.py")):
+    front = [PACKAGE / "serving" / name for name in FRONT_PATH]
+    for path in [*sorted((PACKAGE / "api").rglob("*.py")), *front]:
         importer = module_name(path)
-        if importer in BOUNDARY_EXEMPT:
+        if importer in BOUNDARY_EXEMPT or not path.exists():
             continue
-        for line, target, _ in imports(path):
+        on_front = path in front  # which reaches the engine through remote/'s link
+        for line, target, _ in imports(path, frozenset(ENGINE_ENTRIES)):
             parts = target.split(".")
+            if on_front and parts[1:2] == ["remote"] and target != "embedsvc.remote.server":
+                continue
             if len(parts) > 1 and parts[1] in MODEL_SIDE:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}, "
                              "which is the model's side of the boundary (build a Work)")
     return found
 
 
-def test_the_api_imports_nothing_of_the_model_side():
+def test_the_api_and_the_front_path_import_nothing_of_the_model_side():
     assert boundary_violations() == []
+
+
+def test_a_front_process_imports_only_the_tokenizer_of_the_model_side():
+    """The boundary for processes, not only for import lines: what `embedsvc front` imports
+    (its entry, the HTTP server, the app and its routes, the link to the engine and the
+    tokenizer it rebuilds from the engine's card), in a fresh interpreter. Of model/ only
+    the tokenizer's modules; nothing of batching/, runner, the engine's server or bulk/;
+    no ONNX Runtime, PyTorch or tokenizers' model code beyond the tokenizer."""
+    code = ("import importlib, json, sys\n"
+            f"for name in {FRONT_IMPORTS!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=PACKAGE.parent).stdout
+    modules = set(json.loads(out))
+    ours = {m for m in modules if m.startswith("embedsvc.")}
+    model_side = {m for m in ours if m.split(".")[1] in (*MODEL_SIDE, "bulk", "image")}
+    assert model_side - FRONT_MODEL == {"embedsvc.remote", "embedsvc.remote.client",
+                                        "embedsvc.remote.place", "embedsvc.remote.wire"}
+    assert not {"onnxruntime", "torch", "transformers", "sentence_transformers"} & modules
 
 
 def test_the_boundary_check_sees_a_model_import(tmp_path, monkeypatch):

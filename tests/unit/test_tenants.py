@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from embedsvc.batching.admission import Admission
+from embedsvc.admission import Admission
 from embedsvc.errors import Overloaded, QuotaExceeded, Unauthorized
 from embedsvc.metrics import Metrics
 from embedsvc.tenants import (

@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import (
+from .errors import (
     ApiError,
     ClientDisconnected,
     DeadlineExceeded,
@@ -44,10 +44,10 @@ from ..errors import (
     PayloadTooLarge,
     shutting_down,
 )
-from ..metrics import Metrics
+from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from ..tenants import Quotas
+    from .tenants import Quotas
 
 _WATCH_S = 0.1  # how often a waiting request checks whether its client is still there
 _RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured inputs per second
