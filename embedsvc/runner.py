@@ -1,9 +1,10 @@
 """The model side of the boundary: one loaded encoder, its batcher and the device's admission.
 
-A ``Runner`` takes ``Work`` whose ``ids`` the front side (engine.py) filled in and returns its
-rows, activated for scorers and reduced to active pairs for sparse models: everything that
-needs the model happens here, and nothing else does. It serves this process's request threads
-(``LocalPort``) or, in the engine process, the HTTP processes' frames (remote/server.py).
+A ``Runner`` takes ``Work`` whose ``ids`` the front side (engine_client.py) filled in and
+returns its rows, activated for scorers and reduced to active pairs for sparse models:
+everything that needs the model happens here, and nothing else does. It serves this process's
+request threads (``LocalPort``) or, in the engine process, the HTTP processes' frames
+(remote/server.py).
 
 >>> import time
 >>> from embedsvc.batching.batcher import Batcher, BatchLimits
@@ -148,7 +149,7 @@ class Runner:
 
 
 class LocalPort:
-    """The model side in this process: what the front side (engine.py) calls on a Runner."""
+    """The model side in this process: what the front side (engine_client.py) calls on a Runner."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner

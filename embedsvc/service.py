@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import generate_latest
 
 from . import __version__
-from .engine import Engine
+from .engine_client import EngineClient
 from .errors import Unavailable, shutting_down
 from .metrics import Metrics, exposition
 from .settings import Settings
@@ -62,12 +62,12 @@ class Service:
     """Loads the model, then runs its batcher and a watchdog until drained.
 
     States: ``loading`` -> ``ready`` -> ``draining``; ``unhealthy`` when loading failed or the
-    batcher thread is not running. ``ready()`` hands out the ``Engine`` once there is one.
+    batcher thread is not running. ``ready()`` hands out the ``EngineClient`` once there is one.
 
     With ``engine_address`` the model is in the engine process at that socket
-    (remote/server.py): this process loads nothing, builds its engine from the engine's card
-    (its tokenizer, the model's description) and says ``loading`` while that process starts,
-    or restarts after it was lost.
+    (remote/server.py): this process loads nothing, builds its engine client from the engine's
+    card (its tokenizer, the model's description) and says ``loading`` while that process
+    starts, or restarts after it was lost.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class Service:
         self.pid = os.getpid()
         self.failure: str | None = None
         self.on_ready: list[Callable[[ModelInfo], object]] = []  # called once the model is warm
-        self._engine: Engine | None = None
+        self._client: EngineClient | None = None
         self._runner: Runner | None = None
         self._given = encoder
         self._loader = loader or (lambda: load_encoder(settings))
@@ -118,12 +118,12 @@ class Service:
     def state(self) -> str:
         if self._draining:
             return "draining"
-        engine = self._engine
+        client = self._client
         if self.failure:
             return "unhealthy"
-        if engine is None:  # no card yet: the link says whether an engine is coming
+        if client is None:  # no card yet: the link says whether an engine is coming
             return self._link.state if self._link is not None else "loading"
-        return engine.port.state
+        return client.port.state
 
     def settle(self, timeout: float = _SETTLE_S) -> None:
         """A front that has not met the engine yet (a gunicorn worker's first request
@@ -141,7 +141,7 @@ class Service:
         """The pid of the process that holds the model (this one, or the engine process)."""
         if self._link is not None:
             return self._link.engine_pid
-        return self.pid if self._engine is not None else None
+        return self.pid if self._client is not None else None
 
     @property
     def front_pids(self) -> list[int]:
@@ -164,41 +164,42 @@ class Service:
     @property
     def model(self) -> ModelInfo | None:
         """The loaded model's description, or None while loading."""
-        engine = self._engine
-        return engine.info if engine is not None else None
+        client = self._client
+        return client.info if client is not None else None
 
     @property
     def queue_limit(self) -> int | None:
         """MAX_QUEUE in effect (derived from the measured rate when unset)."""
-        engine = self._engine
-        return engine.port.queue_limit if engine is not None else self.settings.max_queue
+        client = self._client
+        return client.port.queue_limit if client is not None else self.settings.max_queue
 
     @property
     def runner(self) -> Runner | None:
         """The model side, when it is in this process and loaded (its batcher, encoder)."""
         return self._runner
 
-    def ready(self, timeout: float | None = None) -> Engine:
-        """The engine, waiting up to ``timeout`` for the model; 503 if it is not there."""
-        if self._engine is None and not self.failure:
+    def ready(self, timeout: float | None = None) -> EngineClient:
+        """The handle on the engine, waiting up to ``timeout`` for the model; 503 if it is
+        not there."""
+        if self._client is None and not self.failure:
             self._loaded.wait(timeout)
-        state, engine = self.state, self._engine
+        state, client = self.state, self._client
         if state == "draining":
             raise shutting_down({"Retry-After": "1"})
-        if state != "ready" or engine is None:
+        if state != "ready" or client is None:
             message = _LOADING if state == "loading" else (
                 "the model failed to load; the server log says why" if self.failure
                 else "the service is unhealthy; see its log")
             raise Unavailable(message, code=state, headers={"Retry-After": "1"})
-        return engine
+        return client
 
     def drain(self, timeout: float) -> ShutdownReport:
         """Refuse new work, finish what was admitted within ``timeout``."""
         self._draining = True
         self._stop.set()
         report = ShutdownReport(0, 0, True)
-        if self._engine is not None:
-            report = self._engine.shutdown(timeout)
+        if self._client is not None:
+            report = self._client.shutdown(timeout)
         if self._link is not None:
             self._link.close()
         return report
@@ -224,7 +225,7 @@ class Service:
         port.admission.quotas = self.quotas
         self._runner = port.runner
         batcher = port.runner.batcher
-        self._engine = Engine(self.settings, encoder, port, self.metrics)
+        self._client = EngineClient(self.settings, encoder, port, self.metrics)
         threading.Thread(target=self._watch, args=(batcher,), name="embedsvc-watchdog",
                          daemon=True).start()
         self._announce(encoder.info, time.monotonic() - started)
@@ -234,7 +235,7 @@ class Service:
             callback(encoder.info)
 
     def _connect(self, address: str) -> None:
-        """Wait for the engine process's card; build this process's engine from it."""
+        """Wait for the engine process's card; build this process's engine client from it."""
         from .model.text import text_model
         from .remote.client import Link, RemotePort
 
@@ -251,7 +252,7 @@ class Service:
                 self.failure = f"the engine's tokenizer cannot be rebuilt here: {_reason(exc)}"
                 log.error("%s", self.failure)
             else:
-                self._engine = Engine(self.settings, text, RemotePort(link), self.metrics)
+                self._client = EngineClient(self.settings, text, RemotePort(link), self.metrics)
                 log.info("front ready: pid=%d, the model in the engine process (pid %d)",
                          self.pid, card.pid)
                 _settle()
@@ -300,11 +301,11 @@ def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalP
     return LocalPort(Runner(settings, encoder, batcher, metrics))
 
 
-def local_engine(settings: Settings, encoder: Encoder, metrics: Metrics | None = None
-                 ) -> Engine:
-    """An engine whose model is in this process (its batcher started; no watchdog)."""
+def local_client(settings: Settings, encoder: Encoder, metrics: Metrics | None = None
+                 ) -> EngineClient:
+    """An engine client whose model is in this process (its batcher started; no watchdog)."""
     metrics = metrics or Metrics()
-    return Engine(settings, encoder, local_port(settings, encoder, metrics), metrics)
+    return EngineClient(settings, encoder, local_port(settings, encoder, metrics), metrics)
 
 
 def batch_limits(settings: Settings, encoder: Encoder) -> BatchLimits:

@@ -106,4 +106,4 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
 def _as_type(call: Call, rows: np.ndarray, dtype: str, dimensions: int | None) -> Any:
     if dtype == "base64":
         return typed.base64_rows(rows.astype(np.float32))
-    return call.engine().codes(rows, dtype, dimensions=dimensions)
+    return call.engine_client().codes(rows, dtype, dimensions=dimensions)

@@ -46,7 +46,8 @@ def embeddings(call: Call) -> Reply:
     inputs = _prompted(inputs, prefix, req, ids_take_prompts=decode is not None)
     out = call.run(call.work(EMBED, inputs, normalize=normalize, dimensions=dimensions,
                              truncate=req.truncation, decode=decode))
-    rows = call.engine().codes(out.vectors, dtype, normalize=normalize, dimensions=dimensions)
+    rows = call.engine_client().codes(out.vectors, dtype, normalize=normalize,
+                                      dimensions=dimensions)
     encoded: list[Any] = typed.base64_rows(rows) if encoding == "base64" else list(rows)
     body = {
         "object": "list",
@@ -60,12 +61,12 @@ def embeddings(call: Call) -> Reply:
 
 def models(call: Call) -> Reply:
     """GET /v1/models: the served model, as OpenAI lists its models."""
-    return json_reply({"object": "list", "data": [_model(call.engine().info)]})
+    return json_reply({"object": "list", "data": [_model(call.engine_client().info)]})
 
 
 def model(call: Call) -> Reply:
     """GET /v1/models/{model}: the served model by its name; any other is OpenAI's 404."""
-    info, asked = call.engine().info, call.params.get("model", "")
+    info, asked = call.engine_client().info, call.params.get("model", "")
     if asked != info.name:
         raise NotFound(f"The model '{asked}' does not exist; this server serves '{info.name}' "
                        "(see GET /v1/models)", param="model", code="model_not_found")

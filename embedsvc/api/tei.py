@@ -68,7 +68,7 @@ def decode(call: Call) -> Reply:
     """POST /decode: the TEI shape, the served model's token ids back to text."""
     req = parse(DecodeRequest, call)
     batch = as_list(req.ids)
-    texts = call.engine().decode(batch, req.skip_special_tokens, deadline=call.deadline,
+    texts = call.engine_client().decode(batch, req.skip_special_tokens, deadline=call.deadline,
                                  disconnected=call.disconnected)  # the host: no device turn
     reply = json_reply(texts)
     reply.inputs = len(batch)
@@ -79,7 +79,7 @@ def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
     req = parse(TokenizeRequest, call)
     texts = as_list(req.inputs)
-    pieces = call.engine().pieces(texts, deadline=call.deadline,  # the host: no device turn
+    pieces = call.engine_client().pieces(texts, deadline=call.deadline,  # the host: no device turn
                                   disconnected=call.disconnected)
     reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)

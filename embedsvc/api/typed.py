@@ -1,7 +1,7 @@
 """What the Cohere, Voyage and Jina embedding fields share: an input role (a query, a
 document) mapped to the model's prompts, and vectors out as float, int8, uint8 or packed bits.
 
-int8/uint8 codes need the model's calibration (``Engine.codes``). It is computed at the
+int8/uint8 codes need the model's calibration (``EngineClient.codes``). It is computed at the
 first request that asks for them, not at startup: most deployments never ask, and for them
 startup stays as it was; with the cache warm it is read from disk (bench/RESULTS.md has both
 times).

@@ -19,7 +19,7 @@ from ..work import Embedded, ModelInfo, Work
 from .lane import BodyLane
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine_client import EngineClient
     from ..service import Service
 
 JSON = "application/json"
@@ -54,7 +54,7 @@ class Call:
     params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
     lane: BodyLane | None = None  # large bodies' turns (lane.py); None: parsed at once
     tenant: str | None = None  # whose API key it presented (tenants.py)
-    _engine: Engine | None = None
+    _client: EngineClient | None = None
 
     @property
     def deadline(self) -> float:
@@ -70,18 +70,19 @@ class Call:
 
     def run(self, work: Work) -> Embedded:
         """``work``'s answer from the engine (its rows, in input order)."""
-        return self.engine().run(work)
+        return self.engine_client().run(work)
 
     @property
     def info(self) -> ModelInfo:
-        """The served model (waits for it as ``engine`` does)."""
-        return self.engine().info
+        """The served model (waits for it as ``engine_client`` does)."""
+        return self.engine_client().info
 
-    def engine(self) -> Engine:
-        """The loaded engine, waiting for the model up to this request's deadline (else 503)."""
-        if self._engine is None:
-            self._engine = self.service.ready(max(0.0, self.deadline - time.monotonic()))
-        return self._engine
+    def engine_client(self) -> EngineClient:
+        """The handle on the engine, waiting for the model up to this request's deadline (else
+        503)."""
+        if self._client is None:
+            self._client = self.service.ready(max(0.0, self.deadline - time.monotonic()))
+        return self._client
 
 
 Handler = Callable[[Call], Reply]

@@ -214,7 +214,7 @@ class Pipeline:
 
 
 def check_kind(route: Route, call: Call) -> None:
-    kind = call.engine().info.kind
+    kind = call.engine_client().info.kind
     if route.kinds is not None and kind not in route.kinds:
         wanted = " or ".join(sorted(route.kinds))
         raise InvalidRequest(

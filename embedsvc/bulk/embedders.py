@@ -54,8 +54,8 @@ class LocalEmbedder:
             self.service.start(background=False)
         except RuntimeError as exc:  # the service's message already says what failed
             raise BulkError(str(exc)) from None
-        self.engine = self.service.ready()
-        self.kind = self.engine.info.kind
+        self.client = self.service.ready()
+        self.kind = self.client.info.kind
         self.max_chars = settings.max_input_chars
         problem = kind_problem(self.kind, None)
         if problem:
@@ -67,9 +67,9 @@ class LocalEmbedder:
         deadline = time.monotonic() + _BULK_DEADLINE_S
         try:
             if self.kind == "sparse":
-                out, pairs = self.engine.embed_sparse(texts, deadline=deadline)
+                out, pairs = self.client.embed_sparse(texts, deadline=deadline)
                 return [elements(i, v) for i, v in pairs], out.tokens
-            out = self.engine.embed(texts, deadline=deadline)
+            out = self.client.embed(texts, deadline=deadline)
         except InputRefused:
             raise  # the job names the file and record it came from
         except ApiError as exc:
@@ -96,7 +96,7 @@ class Quantized:
         self.scale = None
         if dtype in (quantize.INT8, quantize.UINT8):
             try:
-                self.scale = embedder.engine.calibration().scale()
+                self.scale = embedder.client.calibration().scale()
             except ApiError as exc:
                 raise BulkError(f"calibrating the int8 scale failed: {exc.message}") from None
 

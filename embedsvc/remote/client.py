@@ -1,5 +1,5 @@
 """A front's side of the engine's socket: ``Link`` (the card, the engine's state, its
-liveness) and ``RemotePort`` (the engine as ``Engine``'s port).
+liveness) and ``RemotePort`` (the engine as ``EngineClient``'s port).
 
 Each request thread has its own socket to the engine (``Link.socket``): it sends its
 ``Submit`` and waits on that socket for the answer, so no other thread of the front is
@@ -249,7 +249,7 @@ def _send(sock: zmq.Socket, frame: wire.Frame) -> None:
 
 
 class RemotePort:
-    """The engine process as ``Engine``'s port: admission and batching happen there.
+    """The engine process as ``EngineClient``'s port: admission and batching happen there.
 
     Tenants' quotas are charged there too, on arrival, after this process tokenized the
     request. So that a tenant over a rate quota does not cost its fronts the tokenizing of

@@ -28,7 +28,7 @@ LAYERS = {
     "tenants": (0, "foundation"), "admission": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
     "image": (1, "image"),
-    "engine": (2, "engine"), "runner": (2, "runner"),
+    "engine_client": (2, "engine_client"), "runner": (2, "runner"),
     "remote": (3, "remote"),
     "service": (4, "service"),
     "api": (5, "api"),
@@ -222,14 +222,15 @@ def test_no_import_circle():
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
-    """The walk itself: an engine module that imported the API would be reported."""
+    """The walk itself: an engine client module that imported the API would be reported."""
     fake = tmp_path / "embedsvc"
     (fake / "api").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "api" / "__init__.py").write_text("")
     (fake / "api" / "routes.py").write_text("")
-    (fake / "engine.py").write_text("from .api import routes\nfrom . import rules\n")
+    (fake / "engine_client.py").write_text("from .api import routes\nfrom . import rules\n")
     (fake / "rules.py").write_text("")
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     assert [v.split(": ", 1)[1] for v in violations()] == [
-        "embedsvc.engine (engine) imports embedsvc.api.routes (api), which is not below it"]
+        "embedsvc.engine_client (engine_client) imports embedsvc.api.routes (api), which is not "
+        "below it"]

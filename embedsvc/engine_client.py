@@ -1,12 +1,15 @@
-"""The front side of the boundary: a request's inputs checked, tokenized and sent to the model.
+"""The HTTP side's handle on the engine: a request's inputs checked, tokenized and sent to the
+model. "Engine" names the model side only (the engine process, its loop, the batcher); this is
+its client.
 
-An ``Engine`` takes one ``Work`` (work.py) from a handler, applies the input rules (rules.py),
-turns token ids of another tokenizer into text, is admitted, tokenizes in the calling thread
-(long texts cut to the model's window first), hands the ids to the model side through its
-``Port`` and shapes the rows it gets back (dimensions, normalisation). The port is the model
-in this process (runner.py's ``LocalPort``) or the engine process (remote/client.py): the
-engine never touches the model itself, only its tokenizer (``TextModel``), so an HTTP
-process in front of the engine process holds no model and no device.
+An ``EngineClient`` takes one ``Work`` (work.py) from a handler, applies the input rules
+(rules.py), turns token ids of another tokenizer into text, is admitted, tokenizes in the
+calling thread (long texts cut to the model's window first), hands the ids to the model side
+through its ``Port`` and shapes the rows it gets back (dimensions, normalisation). The port is
+the model in this process (runner.py's ``LocalPort``) or the engine process
+(remote/client.py's ``RemotePort``): the client never touches the model itself, only its
+tokenizer (``TextModel``), so an HTTP process in front of the engine process holds no model
+and no device.
 
 >>> from embedsvc.batching.batcher import Batcher, BatchLimits
 >>> from embedsvc.model.fake import FakeEncoder
@@ -16,10 +19,10 @@ process in front of the engine process holds no model and no device.
 >>> runner = Runner(Settings(), encoder, Batcher(encoder.encode,
 ...                                                BatchLimits.from_settings(Settings())))
 >>> runner.batcher.start()
->>> engine = Engine(Settings(), encoder, LocalPort(runner))
->>> engine.run(Work(EMBED, ["hello world"])).vectors.shape
+>>> client = EngineClient(Settings(), encoder, LocalPort(runner))
+>>> client.run(Work(EMBED, ["hello world"])).vectors.shape
 (1, 4)
->>> engine.shutdown(timeout=1.0).failed
+>>> client.shutdown(timeout=1.0).failed
 0
 """
 
@@ -108,7 +111,7 @@ class Port(Protocol):
     def shutdown(self, timeout: float) -> Any: ...
 
 
-class Engine:
+class EngineClient:
     """The front side of one model: ``run(work)`` for every kind of work.
 
     ``pieces`` and ``decode`` (/tokenize, /decode) never reach the model: they are admitted

@@ -1,4 +1,4 @@
-"""engine.py: the request path of a loaded model, without HTTP."""
+"""engine_client.py: the request path of a loaded model, without HTTP."""
 
 import threading
 import time
@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.engine import Engine, l2_normalize
+from embedsvc.engine_client import EngineClient, l2_normalize
 from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
-from embedsvc.service import local_engine
+from embedsvc.service import local_client
 from embedsvc.settings import Settings
 
 from .conftest import make_app
@@ -20,7 +20,7 @@ from .conftest import make_app
 def engine(registry):
     settings = Settings(max_inputs_per_request=8, max_queue=64, max_input_chars=50)
     encoder = FakeEncoder(dimension=6, max_input_tokens=8)
-    engine = local_engine(settings, encoder, Metrics(registry))
+    engine = local_client(settings, encoder, Metrics(registry))
     yield engine
     engine.shutdown(timeout=1)
 
@@ -198,10 +198,10 @@ def test_tokenize_and_decode_are_admitted_on_their_own_cost_not_the_devices(engi
 
 
 def test_embed_all_takes_at_most_its_cap(engine):
-    from embedsvc.engine import EMBED_ALL_MAX_INPUTS
+    from embedsvc.engine_client import EMBED_ALL_MAX_INPUTS
 
     assert EMBED_ALL_MAX_INPUTS == 32
-    small = Engine(Settings(max_inputs_per_request=64), engine.text, engine.port)
+    small = EngineClient(Settings(max_inputs_per_request=64), engine.text, engine.port)
     with pytest.raises(InvalidRequest) as info:
         small.embed_all(["x"] * 33)
     assert info.value.code == "too_many_inputs" and "(32)" in info.value.message
