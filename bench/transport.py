@@ -62,12 +62,13 @@ def receive_packet(sock: socket.socket, buffer: bytearray) -> bytes:
 
 
 def answer(payload: bytes, rows: bytes) -> bytes | None:
-    """The engine's answer to one frame: its ``Rows``, or None for the stop frame."""
+    """The engine's answer to one frame: its ``Answer`` (rows), or None for the stop frame."""
     frame = wire.decode_to_engine(payload)
     if isinstance(frame, wire.Cancel):
         return None
     n = len(frame.lengths) // 4
-    return wire.encode(wire.Rows(frame.id, rows[:n * WIDTH * 4], (n, WIDTH), 0.0, 0.0))
+    return wire.encode(wire.Answer(frame.id, [rows[:n * WIDTH * 4]], ["<f4"], [(n, WIDTH)],
+                                   0.0, 0.0))
 
 
 def zmq_engine(address: str, conns: int, rows: bytes) -> None:
@@ -312,7 +313,7 @@ def measure(front: Front, engine_pid: int, name: str, inputs: int, depth: int, i
     trips, until, marked = 0, time.perf_counter() + seconds / 3, False
     while True:
         frame = wire.decode_to_front(front.receive())
-        assert isinstance(frame, wire.Rows) and frame.shape == (inputs, WIDTH), frame
+        assert isinstance(frame, wire.Answer) and frame.shapes == [(inputs, WIDTH)], frame
         trips += 1
         front.send(submit(next(ids), inputs))
         if trips % 64 == 0 and time.perf_counter() >= until:

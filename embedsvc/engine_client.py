@@ -56,12 +56,11 @@ from .work import (
     SparseRow,
     Work,
 )
+from .work_kinds import kind_of
 
 if TYPE_CHECKING:
     from .model.quantize import Calibration
 
-# /embed_all answers a vector per token (about 4,600 times its body): TEI's cap, 32 inputs.
-EMBED_ALL_MAX_INPUTS = 32
 _CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
 _TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline and the client
 _CALIBRATION_BATCH = 64  # calibration texts per request through the model
@@ -152,14 +151,9 @@ class EngineClient:
         arrived = time.monotonic()
         if work.deadline is None:
             work.deadline = arrived + self.settings.request_timeout_s
-        if work.kind == EMBED or work.kind == SPARSE:
-            out = self._embed(work)
-        elif work.kind == SCORE:
-            out = self._score(work)
-        elif work.kind == TOKENS:
-            out = self._embed_all(work)
-        else:
-            raise ValueError(f"unknown kind of work {work.kind!r}")
+        kind = kind_of(work)
+        estimate, tokenize = kind.prepare(self, work)
+        out = kind.shape(self, work, self._through(work, estimate, tokenize))
         out.total_s = time.monotonic() - arrived
         return out
 
@@ -238,44 +232,7 @@ class EngineClient:
         """Unnormalised rows, each call one admitted request through the model."""
         return self.run(Work(EMBED, texts, normalize=False, truncate=True)).vectors
 
-    # -- each kind ----------------------------------------------------------------------------
-
-    def _embed(self, work: Work) -> Embedded:
-        rules.check_dimensions(work.dimensions, self.info.dimension)
-        work.inputs = self._decoded(work)
-        self.check(work.inputs)
-        out = self._through(work, self.estimate(work.inputs), lambda: self.tokens(
-            work.inputs, truncate=work.truncate, direction=work.direction,
-            deadline=work.deadline, disconnected=work.disconnected))
-        if work.kind == EMBED:
-            if work.dimensions is not None:  # a copy: rows from the engine process are
-                out.vectors = np.ascontiguousarray(out.vectors[:, :work.dimensions])  # views
-            if work.normalize:
-                out.vectors = l2_normalize(out.vectors)
-        return out
-
-    def _score(self, work: Work) -> Embedded:
-        s = self.settings
-        if work.query is not None:  # a rerank: each text against the query
-            rules.check_query(work.query, s.max_input_chars)
-            rules.check_listed(work.inputs, work.param)
-            work.inputs = [(work.query, text) for text in work.inputs]
-        rules.check_sequences(work.inputs, max_inputs=s.max_inputs_per_request,
-                              max_chars=s.max_input_chars)
-        truncate = s.auto_truncate if work.truncate is None else work.truncate
-        return self._through(work, self._estimate_sequences(work.inputs),
-                             lambda: self._sequences(work, truncate))
-
-    def _embed_all(self, work: Work) -> Embedded:
-        """A debugging route, not batched with other requests: at most
-        EMBED_ALL_MAX_INPUTS inputs, admitted at the model's limit for each (what it can
-        produce), run by the model side one slice at a time between batches."""
-        self.check(work.inputs)
-        rules.check_embed_all_count(work.count, EMBED_ALL_MAX_INPUTS)
-        most = work.count * self.info.max_input_tokens
-        return self._through(work, most, lambda: self.tokens(
-            work.inputs, truncate=work.truncate, direction=work.direction,
-            deadline=work.deadline, disconnected=work.disconnected))
+    # -- how every kind reaches the model ----------------------------------------------------
 
     def _through(self, work: Work, estimate: int, tokenize: Callable[[], list[list[int]]]
                  ) -> Embedded:
@@ -395,7 +352,7 @@ class EngineClient:
             still_wanted(self.metrics, len(items) - start, deadline, disconnected)
             yield items[start:start + _TOKENIZE_CHUNK]
 
-    def _decoded(self, work: Work) -> Inputs:
+    def decoded(self, work: Work) -> Inputs:
         """Texts of token-id inputs meant for another tokenizer, checked as they come."""
         inputs = work.inputs
         if work.decode is None or not inputs or isinstance(inputs[0], str):
@@ -405,14 +362,14 @@ class EngineClient:
         return rules.check_decoded(work.decode(inputs, max_chars=s.max_input_chars),
                                    max_chars=s.max_input_chars, max_total=s.max_body_bytes)
 
-    def _estimate_sequences(self, inputs: Sequence[Sequenced]) -> int:
+    def estimate_sequences(self, inputs: Sequence[Sequenced]) -> int:
         """``estimate`` for texts and pairs, from their lengths (no pair is joined)."""
         most = self.info.max_input_tokens
         special = self.text.special_tokens + 1  # a pair's template adds one more
         return sum(min(most, (len(item) if isinstance(item, str) else len(item[0]) + len(item[1]))
                        // _CHARS_PER_TOKEN + 1 + special) for item in inputs)
 
-    def _sequences(self, work: Work, truncate: bool) -> list[list[int]]:
+    def sequences(self, work: Work, truncate: bool) -> list[list[int]]:
         """Ids of each text or pair, within the deadline while the client is there; refused
         past the model's limit when not truncating."""
         tokenize = getattr(self.text, "tokenize_sequences", None)
@@ -438,8 +395,3 @@ class EngineClient:
                 and ids[len(ids) - tail:] == self._suffix:
             return ids[head:len(ids) - tail]
         return ids
-
-
-def l2_normalize(rows: np.ndarray) -> np.ndarray:
-    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))[:, None]
-    return rows / np.maximum(norms, 1e-12)

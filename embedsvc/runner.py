@@ -32,12 +32,11 @@ import numpy as np
 
 from .admission import Admission, Ticket, still_wanted
 from .batching.batcher import Batcher, Job
-from .errors import InvalidRequest
 from .metrics import Metrics
-from .model.encoder import Encoder, ModelInfo, Scorer, Sparse
-from .model.sparse import active
+from .model.encoder import Encoder, ModelInfo
 from .settings import Settings
-from .work import SCORE, SPARSE, TOKENS, Disconnected, Embedded, Pending, ShutdownReport, Work
+from .work import Disconnected, Embedded, Pending, ShutdownReport, Work
+from .work_kinds import kind_of
 
 _LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
 
@@ -72,13 +71,9 @@ class Runner:
 
     def check(self, work: Work) -> None:
         """400 for work this model cannot do (a kind it does not serve)."""
-        if work.kind == SCORE and not isinstance(self.encoder, Scorer):
-            raise self._not_serving("scores no texts or pairs")
-        if work.kind == SPARSE and not isinstance(self.encoder, Sparse):
-            raise self._not_serving("gives no sparse vectors; use /embed")
-        if work.kind == TOKENS and getattr(self.encoder, "encode_tokens", None) is None:
-            raise InvalidRequest("this model's backend gives no per-token vectors; use /embed",
-                                 code="not_supported")
+        refusal = kind_of(work).refusal(self.encoder)
+        if refusal is not None:
+            raise refusal
 
     def submit(self, work: Work, ticket: Ticket | None,
                on_done: Callable[[Job], None] | None = None) -> Job:
@@ -91,12 +86,7 @@ class Runner:
 
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""
-        if work.kind == SCORE:
-            return Embedded(self.encoder.activate(rows, work.raw), 0)  # type: ignore[attr-defined]
-        if work.kind == SPARSE:
-            pairs = active(rows, self.encoder.max_active_dims)  # type: ignore[attr-defined]
-            return Embedded(np.empty((len(rows), 0), np.float32), 0, sparse=pairs)
-        return Embedded(rows, 0)
+        return kind_of(work).finish(self.encoder, work, rows)
 
     def embed_all(self, work: Work) -> Embedded:
         """Per-token vectors of ``work.ids``, in the calling thread, in slices of at most one
@@ -142,10 +132,6 @@ class Runner:
             if lock.acquire(timeout=wait, tag=tag):
                 return
 
-    def _not_serving(self, what: str) -> InvalidRequest:
-        """A 400 that says what this model is."""
-        return InvalidRequest(f"this server's {self.info.kind} model {what}",
-                              code="not_supported")
 
 
 class LocalPort:
@@ -181,7 +167,7 @@ class LocalPort:
         return self.runner.shutdown(timeout)
 
     def submit(self, work: Work, ticket: Ticket) -> Pending:
-        if work.kind == TOKENS:
+        if not kind_of(work).batched:
             done = self.runner.embed_all(work)  # in this thread; the ticket is held meanwhile
             return Pending(lambda: done)
         job = self.runner.submit(work, ticket)

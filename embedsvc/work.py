@@ -25,7 +25,6 @@ EMBED = "embed"  # one vector per input (dense embedding models)
 SCORE = "score"  # one row of scores per text or pair (rerankers, classifiers)
 SPARSE = "sparse"  # the active (index, value) pairs of each input (SPLADE)
 TOKENS = "tokens"  # one vector per token of each input (/embed_all): never batched
-KINDS = (EMBED, SCORE, SPARSE, TOKENS)
 
 # Token-id inputs of another tokenizer (OpenAI's) to texts, each as it is decoded, given
 # ``max_chars`` (MAX_INPUT_CHARS) so that one input's decoding stops once it is too long.
@@ -102,10 +101,12 @@ class Work:
     ``dimensions`` (``EMBED``: the first N components, then L2-normalised), ``truncate``
     (None: the AUTO_TRUNCATE setting) and ``direction``, ``raw`` (``SCORE``: logits instead
     of the model's activation), ``decode`` (token ids of another tokenizer, turned to text
-    first). What the pipeline knows of the request: ``deadline`` (monotonic seconds;
-    reaching the model after it is a 504), ``disconnected`` (True once the client left),
-    ``flow`` (the client's connection: its turn among others') and ``tenant`` (the API key's
-    name). ``ids`` are filled in by the front side: the wrapped token ids the model computes.
+    first), ``codes`` (``EMBED``: the vectors also as these dtypes, ``Embedded.codes``:
+    int8, uint8, binary, ubinary). What the pipeline knows of the request: ``deadline``
+    (monotonic seconds; reaching the model after it is a 504), ``disconnected`` (True once
+    the client left), ``flow`` (the client's connection: its turn among others') and
+    ``tenant`` (the API key's name). ``ids`` are filled in by the front side: the wrapped
+    token ids the model computes.
     """
 
     kind: str
@@ -118,6 +119,7 @@ class Work:
     query: str | None = None
     param: str = "input"
     decode: Decoder | None = None
+    codes: tuple[str, ...] = ()
     deadline: float | None = None
     disconnected: Disconnected = None
     flow: Hashable | None = None
@@ -139,6 +141,7 @@ class Embedded:
     vectors per input. ``tokens``: the real tokens computed (special tokens included).
     ``queue_s`` is the wait for admission (``admit_s``) and then in the batcher's queue;
     ``batch_size``: the inputs of the largest device batch that held some of this work's.
+    ``codes``: the vectors as each dtype ``Work.codes`` asked for.
     """
 
     vectors: np.ndarray
@@ -151,6 +154,7 @@ class Embedded:
     batch_size: int = 0
     sparse: list[SparseRow] | None = None
     token_vectors: list[np.ndarray] | None = None
+    codes: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:

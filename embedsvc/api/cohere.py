@@ -18,7 +18,7 @@ import orjson
 
 from .. import rules
 from ..errors import InvalidRequest
-from ..work import EMBED, SCORE
+from ..work import EMBED, SCORE, Embedded
 from . import typed
 from .bodies import parse
 from .schemas import CohereEmbedRequest, CohereRerankRequest
@@ -88,14 +88,15 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
     rules.check_listed(req.texts, "texts")
     texts = typed.with_role(call.info, req.texts, req.input_type, _ROLES, "input_type")
     truncate, direction = _TRUNCATE[req.truncate]
+    types = dict.fromkeys(req.embedding_types or ["float"])  # in order, once each
+    codes = tuple(t for t in types if t not in ("float", "base64"))
     out = call.run(call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
-                             truncate=truncate, direction=direction))
+                             truncate=truncate, direction=direction, codes=codes))
     body: dict[str, Any] = {"id": str(uuid.uuid4())}
     if v1 and req.embedding_types is None:
         body.update(response_type="embeddings_floats", embeddings=out.vectors)
     else:
-        types = dict.fromkeys(req.embedding_types or ["float"])  # in order, once each
-        by_type = {t: _as_type(call, out.vectors, t, req.output_dimension) for t in types}
+        by_type = {t: _as_type(out, t) for t in types}
         body.update(response_type="embeddings_by_type", embeddings=by_type)
     body["texts"] = req.texts
     body["meta"] = {"api_version": {"version": "1" if v1 else "2"},
@@ -103,7 +104,7 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
     return embedded_reply(body, out, len(texts))
 
 
-def _as_type(call: Call, rows: np.ndarray, dtype: str, dimensions: int | None) -> Any:
+def _as_type(out: Embedded, dtype: str) -> Any:
     if dtype == "base64":
-        return typed.base64_rows(rows.astype(np.float32))
-    return call.engine_client().codes(rows, dtype, dimensions=dimensions)
+        return typed.base64_rows(out.vectors.astype(np.float32))
+    return out.codes.get(dtype, out.vectors)

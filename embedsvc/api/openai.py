@@ -44,10 +44,10 @@ def embeddings(call: Call) -> Reply:
         # they take the role's prompt too
         decode = partial(_decoded, model=req.model, prefix=prefix)
     inputs = _prompted(inputs, prefix, req, ids_take_prompts=decode is not None)
+    codes = () if dtype == "float" else (dtype,)
     out = call.run(call.work(EMBED, inputs, normalize=normalize, dimensions=dimensions,
-                             truncate=req.truncation, decode=decode))
-    rows = call.engine_client().codes(out.vectors, dtype, normalize=normalize,
-                                      dimensions=dimensions)
+                             truncate=req.truncation, decode=decode, codes=codes))
+    rows = out.codes[dtype] if codes else out.vectors
     encoded: list[Any] = typed.base64_rows(rows) if encoding == "base64" else list(rows)
     body = {
         "object": "list",

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ApiError
-from ..model import quantize
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
@@ -63,18 +62,21 @@ class LocalEmbedder:
             raise BulkError(problem)
         self.identity = local_identity(settings, self.kind)
 
-    def __call__(self, texts: list[str]) -> tuple[Rows, int]:
+    def __call__(self, texts: list[str], dtype: str = "float") -> tuple[Rows, int]:
+        """The rows of ``texts`` (as ``dtype`` codes, the server's own: ``Work.codes``) and
+        the tokens computed."""
         deadline = time.monotonic() + _BULK_DEADLINE_S
+        codes = () if dtype == "float" else (dtype,)
         try:
             if self.kind == "sparse":
                 out, pairs = self.client.embed_sparse(texts, deadline=deadline)
                 return [elements(i, v) for i, v in pairs], out.tokens
-            out = self.client.embed(texts, deadline=deadline)
+            out = self.client.embed(texts, deadline=deadline, codes=codes)
         except InputRefused:
             raise  # the job names the file and record it came from
         except ApiError as exc:
             raise BulkError(exc.message) from None
-        return out.vectors, out.tokens
+        return (out.codes[dtype] if codes else out.vectors), out.tokens
 
     def close(self) -> None:
         self.service.drain(timeout=5)
@@ -93,16 +95,14 @@ class Quantized:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
         self.max_chars = embedder.max_chars
-        self.scale = None
-        if dtype in (quantize.INT8, quantize.UINT8):
+        if dtype in ("int8", "uint8"):  # calibrated now: a failure stops the job at once
             try:
-                self.scale = embedder.client.calibration().scale()
+                embedder.client.calibration()
             except ApiError as exc:
                 raise BulkError(f"calibrating the int8 scale failed: {exc.message}") from None
 
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
-        rows, tokens = self.embedder(texts)
-        return quantize.quantize(np.asarray(rows), self.dtype, self.scale), tokens
+        return self.embedder(texts, self.dtype)
 
 
 class RemoteEmbedder:

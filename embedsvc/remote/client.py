@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ApiError, ClientDisconnected, QuotaExceeded, Unavailable, shutting_down
 from ..work import Embedded, Pending, ShutdownReport, Work
+from ..work_kinds import WORK_KINDS
 from . import wire
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ class RemotePort:
                             self._spent[work.tenant] = (
                                 now + min(frame.empty_s, _RECHECK_S), now + frame.empty_s,
                                 frame)
-                        return embedded(frame)
+                        return embedded(frame, work.kind)
                     continue  # an answer to an earlier request of this thread
                 if self.link.generation != generation:
                     raise Unavailable(_ENGINE_GONE, code="engine_gone",
@@ -370,30 +370,19 @@ class RemotePort:
         return ShutdownReport(0, left_over, left_over == 0)
 
 
-def embedded(frame: Any) -> Embedded:
-    """An answer frame as ``Embedded`` (its tokens and tokenizing time are the front's)."""
+def embedded(frame: Any, kind: str) -> Embedded:
+    """An answer frame to work of ``kind`` as ``Embedded`` (its tokens and tokenizing time
+    are the front's)."""
     if isinstance(frame, wire.Failed):
         raise error_of(frame)
-    if isinstance(frame, wire.Rows):
-        return Embedded(wire.float_rows(frame.rows, frame.shape), 0, queue_s=frame.queue_s,
-                        inference_s=frame.inference_s, batch_size=frame.batch_size)
-    if isinstance(frame, wire.Sparse):
-        counts = np.frombuffer(frame.counts, dtype="<i4")
-        bounds = np.concatenate(([0], np.cumsum(counts)))
-        indices = np.frombuffer(frame.indices, dtype="<i4")
-        values = np.frombuffer(frame.values, dtype="<f4")
-        pairs = [(indices[a:b].astype(np.int64), values[a:b])
-                 for a, b in itertools.pairwise(bounds.tolist())]
-        return Embedded(np.empty((len(pairs), 0), np.float32), 0, sparse=pairs,
-                        queue_s=frame.queue_s, inference_s=frame.inference_s,
-                        batch_size=frame.batch_size)
-    if isinstance(frame, wire.TokenRows):
-        counts = np.frombuffer(frame.counts, dtype="<i4")
-        rows = np.frombuffer(frame.rows, dtype="<f4").reshape(-1, frame.width)
-        bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-        vectors = [rows[a:b] for a, b in itertools.pairwise(bounds)]
-        return Embedded(np.empty((len(vectors), 0), np.float32), 0, token_vectors=vectors,
-                        queue_s=frame.queue_s, inference_s=frame.inference_s,
-                        batch_size=frame.batch_size)
+    if isinstance(frame, wire.Answer):
+        try:
+            out = WORK_KINDS[kind].unpack(wire.arrays(frame))
+        except (KeyError, ValueError) as exc:
+            raise Unavailable(f"the engine's answer does not read as {kind} work ({exc})",
+                              code="engine_protocol") from None
+        out.queue_s, out.inference_s = frame.queue_s, frame.inference_s
+        out.batch_size = frame.batch_size
+        return out
     raise Unavailable(f"the engine answered with {type(frame).__name__}",
                       code="engine_protocol")

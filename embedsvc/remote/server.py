@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
 import zmq
 
 from ..admission import Ticket, deadline_error
@@ -39,7 +38,8 @@ from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
 from ..metrics import Metrics, Snapshots, check_families
 from ..runner import Runner
-from ..work import KINDS, SPARSE, TOKENS, Embedded, Work
+from ..work import Embedded, Work
+from ..work_kinds import WORK_KINDS, kind_of
 from . import wire
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class EngineServer:
     def _work(self, frame: wire.Submit) -> Work:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
         never a failed batch that takes other requests down with it."""
-        if frame.kind not in KINDS:
+        if frame.kind not in WORK_KINDS:
             raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}",
                                  code="invalid_frame")
         if not math.isfinite(frame.timeout):
@@ -263,7 +263,7 @@ class EngineServer:
     def _start(self, req: _Request) -> None:
         key = (req.peer, req.id)
         self._running[key] = req
-        if req.work.kind == TOKENS:
+        if not kind_of(req.work).batched:
             threading.Thread(target=self._embed_all, args=(req,), name="embedsvc-embed-all",
                              daemon=True).start()
             return
@@ -406,24 +406,9 @@ class EngineServer:
 
 
 def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
-    """The frame of a computed answer (rows, sparse pairs or per-token rows)."""
-    if kind == SPARSE:
-        assert out.sparse is not None
-        counts = np.array([len(i) for i, _ in out.sparse], dtype="<i4")
-        indices = np.concatenate([i for i, _ in out.sparse] or [np.empty(0)]).astype("<i4")
-        values = np.concatenate([v for _, v in out.sparse] or [np.empty(0)]).astype("<f4")
-        return wire.Sparse(request_id, counts.tobytes(), indices.tobytes(), values.tobytes(),
-                           out.queue_s, out.inference_s, out.batch_size)
-    if kind == TOKENS:
-        rows = out.token_vectors or []
-        counts = np.array([len(r) for r in rows], dtype="<i4")
-        width = rows[0].shape[1] if rows else 0
-        flat = np.concatenate(rows).astype("<f4") if rows else np.empty((0, 0), "<f4")
-        return wire.TokenRows(request_id, counts.tobytes(), flat.tobytes(), width,
-                              out.queue_s, out.inference_s, out.batch_size)
-    vectors = np.ascontiguousarray(out.vectors, dtype="<f4")
-    return wire.Rows(request_id, vectors.tobytes(), (int(vectors.shape[0]),
-                     int(vectors.shape[1])), out.queue_s, out.inference_s, out.batch_size)
+    """The frame of a computed answer: the arrays its kind packs it into."""
+    return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
+                       out.batch_size)
 
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:

@@ -2,7 +2,7 @@
 
 A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
 side: the kind, the token ids, the options), ``Cancel`` (its client left), ``Ping`` and
-``Snapshot`` (its metrics); the engine answers ``Rows``, ``Sparse``, ``TokenRows`` or
+``Snapshot`` (its metrics); the engine answers ``Answer`` (a kind's arrays) or
 ``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
 ``Snapshot`` that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
@@ -16,9 +16,10 @@ into exactly these types or refused: nothing on the socket is ever unpickled or 
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -96,30 +97,19 @@ class Pong(Frame):
     fronts: list[int] = []
 
 
-class Rows(Frame):
+# An answer's arrays: little-endian float32 or int32, each with its shape
+ArrayType = Literal["<f4", "<i4"]
+Size = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Answer(Frame):
+    """A computed answer, as its kind packs it (kinds.py ``Kind.pack``): raw arrays, each
+    with its type and shape, and where the request's time went."""
+
     id: int
-    rows: bytes
-    shape: tuple[int, int]
-    queue_s: float
-    inference_s: float
-    batch_size: int = 0  # the inputs of the largest batch that held this request's
-
-
-class Sparse(Frame):
-    id: int
-    counts: bytes  # int32: the active dimensions of each input
-    indices: bytes  # int32
-    values: bytes  # float32
-    queue_s: float
-    inference_s: float
-    batch_size: int = 0  # the inputs of the largest batch that held this request's
-
-
-class TokenRows(Frame):
-    id: int
-    counts: bytes  # int32: the tokens of each input
-    rows: bytes  # float32, (sum of counts, width)
-    width: int
+    parts: list[bytes]
+    types: list[ArrayType]
+    shapes: list[tuple[Size, ...]]
     queue_s: float
     inference_s: float
     batch_size: int = 0  # the inputs of the largest batch that held this request's
@@ -145,7 +135,7 @@ class Exposition(Frame):
 
 
 ToEngine = Hello | Submit | Cancel | Ping | Snapshot | Scrape
-ToFront = Card | Pong | Rows | Sparse | TokenRows | Failed | Exposition
+ToFront = Card | Pong | Answer | Failed | Exposition
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
@@ -210,6 +200,24 @@ def _int32s(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
-def float_rows(data: bytes, shape: tuple[int, int]) -> np.ndarray:
-    """Rows sent as little-endian float32 bytes (read-only, no copy)."""
-    return np.frombuffer(data, dtype="<f4").reshape(shape)
+def answer(request_id: int, arrays: Sequence[np.ndarray], queue_s: float, inference_s: float,
+           batch_size: int) -> Answer:
+    """The ``Answer`` frame of ``arrays`` (float32 or int32)."""
+    types: list[ArrayType] = ["<f4" if a.dtype == np.float32 else "<i4" for a in arrays]
+    parts = [np.ascontiguousarray(a, dtype=t).tobytes() for a, t in zip(arrays, types,
+                                                                         strict=True)]
+    return Answer(request_id, parts, types, [tuple(int(n) for n in a.shape) for a in arrays],
+                  queue_s, inference_s, batch_size)
+
+
+def arrays(frame: Answer) -> list[np.ndarray]:
+    """An ``Answer``'s arrays (read-only views, no copy); ValueError where a part's bytes
+    are not its shape's."""
+    if not len(frame.parts) == len(frame.types) == len(frame.shapes):
+        raise ValueError("an answer's parts, types and shapes do not match")
+    out = []
+    for data, kind, shape in zip(frame.parts, frame.types, frame.shapes, strict=True):
+        if len(data) != 4 * math.prod(shape):
+            raise ValueError("an answer's part does not hold its shape")
+        out.append(np.frombuffer(data, dtype=kind).reshape(shape))
+    return out

@@ -19,9 +19,15 @@ from embedsvc import service
 from embedsvc.cli import main
 from embedsvc.model.fake import FakeEncoder
 
-if __name__ == "__main__":
+
+def run() -> int:
+    """``embedsvc`` with this process's arguments, its model the fake encoder."""
     encoder = FakeEncoder(dimension=384, max_input_tokens=256, record=False,
                           delay_s=float(os.environ.get("FAKE_SERVE_DELAY_S", "0")),
                           per_token_s=float(os.environ.get("FAKE_SERVE_PER_TOKEN_S", "0")))
     service.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
-    sys.exit(main())
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

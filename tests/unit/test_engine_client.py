@@ -6,12 +6,13 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.engine_client import EngineClient, l2_normalize
+from embedsvc.engine_client import EngineClient
 from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import local_client
 from embedsvc.settings import Settings
+from embedsvc.work_kinds import l2_normalize
 
 from .conftest import make_app
 
@@ -198,7 +199,7 @@ def test_tokenize_and_decode_are_admitted_on_their_own_cost_not_the_devices(engi
 
 
 def test_embed_all_takes_at_most_its_cap(engine):
-    from embedsvc.engine_client import EMBED_ALL_MAX_INPUTS
+    from embedsvc.work_kinds import EMBED_ALL_MAX_INPUTS
 
     assert EMBED_ALL_MAX_INPUTS == 32
     small = EngineClient(Settings(max_inputs_per_request=64), engine.text, engine.port)

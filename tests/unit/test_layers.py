@@ -1,6 +1,7 @@
 """The package's layers, enforced: every import of embedsvc's own modules runs downward.
 
-    api -> service -> remote -> {engine, runner} -> {batching, model, rules} -> foundation
+    api -> service -> remote -> {engine_client, runner} -> work_kinds
+        -> {batching, model, rules} -> foundation
 
 and the boundary between the HTTP side and the model: the API's modules build ``Work`` and
 read ``Embedded`` (work.py) and import nothing of the model side (model/, batching/, runner,
@@ -28,12 +29,13 @@ LAYERS = {
     "tenants": (0, "foundation"), "admission": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
     "image": (1, "image"),
-    "engine_client": (2, "engine_client"), "runner": (2, "runner"),
-    "remote": (3, "remote"),
-    "service": (4, "service"),
-    "api": (5, "api"),
-    "serving": (6, "serving"), "bulk": (6, "bulk"),
-    "cli": (7, "entry"), "__main__": (7, "entry"), "gunicorn_worker": (7, "entry"),
+    "work_kinds": (2, "work_kinds"),
+    "engine_client": (3, "engine_client"), "runner": (3, "runner"),
+    "remote": (4, "remote"),
+    "service": (5, "service"),
+    "api": (6, "api"),
+    "serving": (7, "serving"), "bulk": (7, "bulk"),
+    "cli": (8, "entry"), "__main__": (8, "entry"), "gunicorn_worker": (8, "entry"),
 }
 MODEL_SIDE = ("model", "batching", "runner", "remote")
 # The app factory wires a service (it takes an encoder for tests and library users).

@@ -150,7 +150,7 @@ def test_every_answer_frame_carries_the_batch_size(kind):
     out = Embedded(np.ones((2, 3), np.float32), 0, queue_s=0.5, inference_s=0.25, batch_size=7,
                    sparse=[(np.array([1]), np.array([0.5], np.float32))] * 2,
                    token_vectors=[np.ones((2, 3), np.float32)] * 2)
-    back = embedded(wire.decode_to_front(wire.encode(answer_frame(9, kind, out))))
+    back = embedded(wire.decode_to_front(wire.encode(answer_frame(9, kind, out))), kind)
     assert (back.batch_size, back.queue_s, back.inference_s) == (7, 0.5, 0.25)
 
 
