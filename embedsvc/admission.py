@@ -93,8 +93,8 @@ class Admission:
 
     def __init__(self, *, max_inputs: int | None, max_tokens: int, timeout_s: float,
                  floor_inputs: int, metrics: Metrics | None = None,
-                 queue: QueueModel | None = None, queue_most: QueueBound | None = None
-                 ) -> None:
+                 queue: QueueModel | None = None, queue_most: QueueBound | None = None,
+                 batch: tuple[int, int] | None = None) -> None:
         self.max_inputs = max_inputs  # None: derived from the measured rate (see ``limit``)
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
@@ -102,6 +102,7 @@ class Admission:
         self.metrics = metrics or Metrics()
         self.queue = queue
         self.queue_most = queue_most
+        self.batch = batch  # the device batch's caps (inputs, padded tokens), when known
         self.quotas: Quotas | None = None  # the tenants' limits (tenants.py), when keys have any
         self.used_inputs = 0
         self.used_tokens = 0
@@ -200,7 +201,7 @@ class Admission:
             self._refuse_if_closed()
             opens = not self._waiting and self._fits(ticket)
             if not opens and ahead is not None:  # room first, then its turn in the queue
-                ahead += self._fifo_tokens(ticket)
+                ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
             now = time.monotonic()
             if not final and self.predicted_wait(ahead) > ticket.deadline - now:
                 return False
@@ -343,6 +344,16 @@ class Admission:
         if self.used_inputs + ticket.inputs > self.limit:
             return False
         return self.used_tokens == 0 or self.used_tokens + ticket.tokens <= self.max_tokens
+
+    def _one_batch(self, ticket: Ticket) -> int:
+        """A full device batch of inputs like ``ticket``'s: what a request granted from the
+        FIFO still waits for once room frees (the batch then on the device). The queue's
+        model counts the batch on the device now, which at the start of a burst is a small
+        one; the requests granted near their deadline started one batch past it (504)."""
+        if self.batch is None:
+            return 0
+        items, tokens = self.batch
+        return min(tokens, items * -(-ticket.tokens // max(1, ticket.inputs)))
 
     def _fifo_tokens(self, ticket: Ticket) -> int:
         """The tokens the device computes before room frees for ``ticket`` behind the FIFO:

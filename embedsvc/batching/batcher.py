@@ -267,7 +267,8 @@ class Batcher:
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
             timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics,
-            queue=self.tokens_ahead, queue_most=self.tokens_ahead_most)
+            queue=self.tokens_ahead, queue_most=self.tokens_ahead_most,
+            batch=(limits.max_batch_size, limits.max_batch_tokens))
         self._in_flight = 0
         self._current: list[_Item] = []  # the batch on the device
         self._current_tokens = 0  # its inputs' tokens

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,6 +70,10 @@ class Server:
     def client(self, **kwargs) -> httpx.Client:
         return loopback.Client(base_url=self.url, timeout=60, **kwargs)
 
+    def _poke(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            loopback.get(self.url + "/health", timeout=10)
+
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -83,7 +88,12 @@ class Server:
 
     def wait_fronts(self, fronts: int, timeout: float = 60) -> None:
         """Until ``fronts`` HTTP processes have the current engine's card: /health says ok as
-        soon as one front has it, and a connection the other takes meanwhile gets 503."""
+        soon as one front has it, and a connection the other takes meanwhile gets 503.
+
+        A gunicorn worker meets the engine at its first request, and the kernel may hand
+        every connection of a client that asks one at a time to the same worker: so it asks
+        with ``fronts`` connections at once, and a worker busy meeting the engine leaves the
+        next to another."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ready = [found.groups() for found in _FRONT_READY.finditer(self.output())]
@@ -91,6 +101,11 @@ class Server:
             if len({front for engine, front in ready if engine == latest}) >= fronts:
                 return
             assert self.alive(), f"server exited:\n{self.output()}"
+            pokes = [threading.Thread(target=self._poke) for _ in range(fronts)]
+            for poke in pokes:
+                poke.start()
+            for poke in pokes:
+                poke.join()
             time.sleep(0.1)
         raise AssertionError(f"not {fronts} fronts ready after {timeout}s:\n{self.output()}")
 

@@ -225,6 +225,20 @@ def test_the_queue_model_is_asked_only_where_its_bound_would_refuse():
     assert a.used_inputs == 2 and a.waiting == 0  # the refused one left nothing behind
 
 
+def test_a_request_waiting_for_room_counts_the_batch_it_then_waits_for():
+    """Granted from the FIFO once room frees, a request still waits for the batch then on
+    the device before its first input runs: a full batch of inputs like its own. Without
+    it, a burst's requests granted near their deadline started just past it (504)."""
+    a = gate(max_inputs=10, max_tokens=10_000, queue=lambda flow: 0, batch=(2, 10_000))
+    a.observe(tokens=1000, inputs=10, seconds=1.0)  # 1000 tokens/s
+    a.admit(10, 1000, later())  # the room is full: room for 5 frees after 500 tokens
+    # 0.5 s for room, and a batch of 2 inputs of 100 tokens, 0.2 s: past 0.65 s
+    with pytest.raises(Overloaded):
+        a.request(5, 500, time.monotonic() + 0.65)
+    ticket = a.request(5, 500, time.monotonic() + 0.9)  # in time: waits for room
+    assert ticket.waiting
+
+
 def test_a_request_that_would_wait_for_room_past_its_deadline_gets_429_at_once():
     """The queue's model says the device is free for new work (its turn comes at once), but
     the room is taken: the request would first wait in the FIFO while 500 admitted tokens
