@@ -2,7 +2,7 @@
 
 A handler says what it wants computed as one ``Work``: the kind (``EMBED``, ``SCORE``,
 ``SPARSE``, ``TOKENS``), the inputs (texts, token ids, or for scorers texts and pairs) and
-the options. The front side (engine.py) checks and tokenizes the inputs into ``Work.ids``;
+the options. The front side (engine_client.py) checks and tokenizes the inputs into ``Work.ids``;
 the model side (runner.py) admits them, batches them with every other request's and computes
 their rows; the answer is one ``Embedded``. In one process the same ``Work`` is passed along;
 between an HTTP process and the engine process it travels as a frame (remote/wire.py) holding
