@@ -38,7 +38,7 @@ import numpy as np
 
 from . import rules
 from .admission import Admission, Ticket, still_wanted
-from .errors import InvalidRequest
+from .errors import InvalidRequest, Unavailable
 from .metrics import Metrics
 from .rules import Inputs
 from .settings import Settings
@@ -49,9 +49,11 @@ from .work import (
     TOKENS,
     Disconnected,
     Embedded,
+    ImageRef,
     ModelInfo,
     Pair,
     Piece,
+    Pixels,
     Sequenced,
     SparseRow,
     Work,
@@ -133,6 +135,7 @@ class EngineClient:
         at = marked.index(-1)
         self._prefix, self._suffix = list(marked[:at]), list(marked[at + 1:])
         self._calibration: Calibration | None = None
+        self._image: tuple[Any, Any] | None = None  # the image policy and preprocessor
         self._calibrating = threading.Lock()
 
     @property
@@ -351,6 +354,46 @@ class EngineClient:
         for start in range(0, len(items), _TOKENIZE_CHUNK):
             still_wanted(self.metrics, len(items) - start, deadline, disconnected)
             yield items[start:start + _TOKENIZE_CHUNK]
+
+    def images(self, refs: Sequence[ImageRef], *, deadline: float | None = None,
+               disconnected: Disconnected = None) -> list[Pixels]:
+        """Each image decoded (image/decode.py: the settings' policy, a 400 for anything
+        refused) and preprocessed as the model's ``preprocessor_config.json`` says, while
+        the request is still wanted."""
+        if not refs:
+            return []
+        from .image.decode import decode_image
+
+        policy, preprocess = self._image_side()
+        cost = self.info.image_tokens
+        out = []
+        for i, ref in enumerate(refs):
+            still_wanted(self.metrics, len(refs) - i, deadline, disconnected)
+            started = time.monotonic()
+            out.append(Pixels(preprocess.one(decode_image(ref.source, policy, param=ref.param)),
+                              cost))
+            self.metrics.image_preprocess.observe(time.monotonic() - started)
+        return out
+
+    def _image_side(self) -> tuple[Any, Any]:
+        """The image policy of the settings and the model's preprocessor, built once."""
+        if self._image is None:
+            from .image import require_pillow
+            from .image.decode import ImagePolicy
+            from .image.preprocess import Preprocessor
+
+            try:
+                require_pillow()
+            except ImportError as exc:  # the one line that names the extra
+                raise Unavailable(str(exc), code="image_extra_missing") from None
+
+            s = self.settings
+            hosts = tuple(h.strip().lower() for h in s.image_url_hosts.split(",") if h.strip())
+            policy = ImagePolicy(max_bytes=s.max_image_bytes, max_pixels=s.max_image_pixels,
+                                 url_hosts=hosts)
+            assert self.info.image is not None
+            self._image = policy, Preprocessor.from_config(self.info.image)
+        return self._image
 
     def decoded(self, work: Work) -> Inputs:
         """Texts of token-id inputs meant for another tokenizer, checked as they come."""

@@ -107,6 +107,15 @@ class Metrics:
                             "Real tokens computed (after truncation, with special tokens)")
     input_length = _histogram("embedsvc_input_length_tokens",
                               "Per input: tokens after truncation", _POW2_TOKENS)
+    modality_inputs = _counter("embedsvc_modality_inputs",
+                               "Inputs an image-text model computed, by modality", "modality")
+    modality_seconds = _counter(
+        "embedsvc_modality_seconds",
+        "Seconds an image-text model's towers computed, by modality (text or image)",
+        "modality")
+    image_preprocess = _histogram(
+        "embedsvc_image_preprocess_seconds",
+        "Per image: decoding and preprocessing it, in the HTTP process", _LATENCY)
     queue_depth = _gauge("embedsvc_queue_depth", "Inputs queued for the device")
     in_flight = _gauge("embedsvc_in_flight", "Inputs in the batch on the device")
     rejections = _counter("embedsvc_rejections", "Requests refused, by reason", "reason")

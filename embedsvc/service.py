@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import logging
 import os
 import threading
@@ -274,6 +275,11 @@ class Service:
             info.parameters,
             info.size_bytes / 2**20, seconds,
         )
+        if "image" in info.modalities and importlib.util.find_spec("PIL") is None:
+            from .image import MISSING
+
+            log.warning("%s; until then this %s model embeds texts only, and a request with "
+                        "images gets 503", MISSING, info.kind)
 
     def _watch(self, batcher: Batcher) -> None:
         """Cancel queued requests past their deadline or orphaned; restart a dead batcher
@@ -296,6 +302,8 @@ def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalP
     from .batching.batcher import Batcher
     from .runner import LocalPort, Runner
 
+    if hasattr(encoder, "towers"):  # an image-text model counts each tower's work
+        encoder.towers = metrics  # type: ignore[attr-defined]
     batcher = Batcher(encoder.encode, batch_limits(settings, encoder), metrics=metrics)
     batcher.start()
     return LocalPort(Runner(settings, encoder, batcher, metrics))

@@ -226,6 +226,24 @@ class Settings:
         200_000, _positive(int, 1 << 30),
         "characters in one input string, checked before tokenizing"
     )
+    max_images_per_request: int = _setting(
+        16, _positive(int, 1024), "images in one request (image-text models)",
+        serve_only=True,
+    )
+    max_image_bytes: int = _setting(
+        10 * 1024 * 1024, _positive(int, 1 << 30),
+        "bytes of one image as sent (decoded from base64, or fetched)", serve_only=True,
+    )
+    max_image_pixels: int = _setting(
+        40_000_000, _positive(int, 1 << 32),
+        "pixels of one decoded image; a header declaring more is refused before decoding",
+        serve_only=True,
+    )
+    image_url_hosts: str = _setting(
+        "", _text,
+        "comma-separated hosts whose http(s) image URLs are fetched (never a loopback or "
+        "private address); empty: images only as base64 data URIs", serve_only=True,
+    )
     auto_truncate: bool = _setting(
         True, _bool, "truncate over-long inputs instead of a 400",
         help_for={"embed": "truncate over-long inputs instead of failing the job at the first"},
@@ -337,7 +355,7 @@ class Settings:
     )
     kind: str = _setting(
         "auto",
-        _choice("auto", "embedding", "reranker", "classifier", "sparse"),
+        _choice("auto", "embedding", "reranker", "classifier", "sparse", "image-text"),
         "the model's kind; auto: read from its config files (see docs/api.md, model kinds)",
     )
     workers: int = _setting(

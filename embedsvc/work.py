@@ -25,6 +25,7 @@ EMBED = "embed"  # one vector per input (dense embedding models)
 SCORE = "score"  # one row of scores per text or pair (rerankers, classifiers)
 SPARSE = "sparse"  # the active (index, value) pairs of each input (SPLADE)
 TOKENS = "tokens"  # one vector per token of each input (/embed_all): never batched
+IMAGE = "image"  # one vector per text or image, in one space (image-text models: CLIP, SigLIP)
 
 # Token-id inputs of another tokenizer (OpenAI's) to texts, each as it is decoded, given
 # ``max_chars`` (MAX_INPUT_CHARS) so that one input's decoding stops once it is too long.
@@ -49,6 +50,31 @@ class Pair(list):
         super().__init__(ids)
         self.second = second
         self.cut = cut
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image input as a client sent it (a data URI, or a URL where fetching is allowed);
+    ``param`` names it in errors. The front side decodes and preprocesses it to ``Pixels``."""
+
+    source: str
+    param: str = "input"
+
+
+class Pixels:
+    """One preprocessed image (float32 CHW) as the batcher holds an input: it only takes
+    ``len``, which is what the image costs the device in token-equivalents (the vision
+    tower's patches and its class token), so that images count against MAX_BATCH_TOKENS and
+    admission like texts of that length."""
+
+    __slots__ = ("array", "cost")
+
+    def __init__(self, array: np.ndarray, cost: int) -> None:
+        self.array = array
+        self.cost = cost
+
+    def __len__(self) -> int:
+        return self.cost
 
 
 @dataclass(frozen=True)
@@ -89,6 +115,9 @@ class ModelInfo:
     labels: tuple[str, ...] = ()  # a cross-encoder's output labels, in output order
     pooling: str | None = None  # how token vectors become one (TEI's /info model_type)
     backend: str = "torch"
+    modalities: tuple[str, ...] = ("text",)  # an image-text model's: ("text", "image")
+    image_tokens: int = 0  # what one image costs the device, in token-equivalents (Pixels)
+    image: dict[str, Any] | None = None  # its preprocessor_config.json (image/preprocess.py)
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import rules
 from .errors import InvalidRequest
-from .work import EMBED, SCORE, SPARSE, TOKENS, Embedded, Work
+from .work import EMBED, IMAGE, SCORE, SPARSE, TOKENS, Embedded, ImageRef, Work
 
 # /embed_all answers a vector per token (about 4,600 times its body): TEI's cap, 32 inputs.
 EMBED_ALL_MAX_INPUTS = 32
@@ -100,6 +100,57 @@ class Embed(Kind):
             out.codes[dtype] = client.codes(out.vectors, dtype, normalize=work.normalize,
                                             dimensions=work.dimensions)
         return out
+
+
+class Images(Embed):
+    """Texts and images into one space (image-text models: CLIP, SigLIP), shaped as Embed's.
+
+    An input is a text, tokenized as Embed's, or an ``ImageRef``, decoded and preprocessed
+    on this side (image/: ``EngineClient.images``) into ``Pixels`` once admitted, so that
+    ``--workers N`` spreads the decoding and the model side receives pixel arrays. Admission
+    reserves an image's cost (``ModelInfo.image_tokens``) before any byte of it is decoded."""
+
+    name = IMAGE
+
+    def prepare(self, client: Any, work: Work) -> tuple[int, Tokenize]:
+        info = client.info
+        if "image" not in info.modalities:
+            raise InvalidRequest(f"this server's {info.kind} model embeds text only; send the "
+                                 "inputs as texts", param=work.param, code="not_supported")
+        rules.check_dimensions(work.dimensions, info.dimension)
+        rules.check_count(len(work.inputs), client.settings.max_inputs_per_request,
+                          param=work.param)
+        images = [i for i, item in enumerate(work.inputs) if isinstance(item, ImageRef)]
+        texts = [i for i, item in enumerate(work.inputs) if not isinstance(item, ImageRef)]
+        most = client.settings.max_images_per_request
+        if len(images) > most:
+            raise InvalidRequest(f"the request has {len(images)} images, more than "
+                                 f"MAX_IMAGES_PER_REQUEST ({most}); send at most that many at "
+                                 "once", param=work.param, code="too_many_images")
+        strings = [work.inputs[i] for i in texts]
+        if strings:
+            client.check(strings)
+        estimate = (client.estimate(strings) if strings else 0) + len(images) * info.image_tokens
+
+        def tokenize() -> list[Any]:
+            ids: list[Any] = [None] * len(work.inputs)
+            if strings:
+                rows = client.tokens(strings, truncate=work.truncate, direction=work.direction,
+                                     deadline=work.deadline, disconnected=work.disconnected)
+                for i, row in zip(texts, rows, strict=True):
+                    ids[i] = row
+            pixels = client.images([work.inputs[i] for i in images], deadline=work.deadline,
+                                   disconnected=work.disconnected)
+            for i, image in zip(images, pixels, strict=True):
+                ids[i] = image
+            return ids
+
+        return estimate, tokenize
+
+    def refusal(self, encoder: Any) -> InvalidRequest | None:
+        if "image" in encoder.info.modalities:
+            return None
+        return _not_serving(encoder, "embeds no images")
 
 
 class Score(Kind):
@@ -200,7 +251,8 @@ class Tokens(Kind):
 
 
 # The kinds of work, by name: a new kind is a subclass above and one line here.
-WORK_KINDS: dict[str, Kind] = {kind.name: kind for kind in (Embed(), Score(), Sparse(), Tokens())}
+WORK_KINDS: dict[str, Kind] = {kind.name: kind for kind in (Embed(), Images(), Score(), Sparse(),
+                                                             Tokens())}
 
 
 def kind_of(work: Work) -> Kind:

@@ -116,3 +116,40 @@ def build_embedding(path: Path, pooling="mean", dense: bool = False, normalize: 
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save_pretrained(str(path))
     return path
+
+
+IMAGE_SIZE = 30  # the tiny vision towers' input, in pixels a side (5 x 5 patches of 6)
+TEXT_LENGTH = 16  # their text towers' positions (SigLIP pads every text to it)
+
+
+def build_image_text(path: Path, model_type: str = "clip", seed: int = 0) -> Path:
+    """A tiny random CLIP or SigLIP saved as transformers saves it: the model, the bundled
+    model's tokenizer (SigLIP's takes no attention mask, as its own tokenizer does) and the
+    image processor's ``preprocessor_config.json``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer()
+    tower = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                 num_attention_heads=4)
+    text = dict(tower, vocab_size=tokenizer.vocab_size, max_position_embeddings=TEXT_LENGTH,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                eos_token_id=tokenizer.sep_token_id)
+    vision = dict(tower, image_size=IMAGE_SIZE, patch_size=6)
+    if model_type == "clip":
+        config = transformers.CLIPConfig(text_config=text, vision_config=vision,
+                                         projection_dim=24)
+        model = transformers.CLIPModel(config)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                    crop_size=IMAGE_SIZE)
+    else:
+        model = transformers.SiglipModel(transformers.SiglipConfig(text_config=text,
+                                                                   vision_config=vision))
+        processor = transformers.SiglipImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            tokenizer.name_or_path, model_input_names=["input_ids"])
+    _save_hf(model.eval(), tokenizer, path)
+    processor.save_pretrained(path)
+    return path

@@ -52,8 +52,13 @@ def _parse(model: type[Request], call: Call) -> Any:
 def _expected(model: type[Request]) -> str:
     """What this route's body holds, for the 400 of a body that is not JSON."""
     required = [f"'{field.alias or name}'" for name, field in model.model_fields.items()
-                if field.is_required()]
+                if field.is_required() or _main(field.json_schema_extra)]
     return "a JSON object" + (f" with {' and '.join(required)}" if required else "")
+
+
+def _main(extra: Any) -> bool:
+    """A field the route's body needs unless another one stands in for it (``main``)."""
+    return isinstance(extra, dict) and bool(extra.get("main"))
 
 
 def as_list(value: Any) -> list[Any]:

@@ -18,10 +18,11 @@ import orjson
 
 from .. import rules
 from ..errors import InvalidRequest
-from ..work import EMBED, SCORE, Embedded
+from ..work import EMBED, IMAGE, SCORE, Embedded, ImageRef
 from . import typed
 from .bodies import parse
 from .schemas import CohereEmbedRequest, CohereRerankRequest
+from .shapes import content_item
 from .web import Call, Reply, embedded_reply
 
 _ROLES = {"search_query": "query", "search_document": "document",
@@ -32,8 +33,6 @@ _TRUNCATE: dict[str | None, tuple[bool | None, str]] = {
     "NONE": (False, "right"),
 }
 _REFUSED = {
-    "images": "this server embeds text only; send 'texts'",
-    "inputs": "send the texts as 'texts' (a list of strings)",
     "max_tokens": "inputs are cut to the model's own limit; leave 'max_tokens' out and use "
                   "'truncate'",
 }
@@ -85,23 +84,63 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
         if getattr(req, field) is not None:
             raise InvalidRequest(f"'{field}' is not supported: {fix}", param=field,
                                  code="not_supported")
-    rules.check_listed(req.texts, "texts")
-    texts = typed.with_role(call.info, req.texts, req.input_type, _ROLES, "input_type")
+    param, inputs = _sent(req)
     truncate, direction = _TRUNCATE[req.truncate]
     types = dict.fromkeys(req.embedding_types or ["float"])  # in order, once each
     codes = tuple(t for t in types if t not in ("float", "base64"))
-    out = call.run(call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
-                             truncate=truncate, direction=direction, codes=codes))
+    if param == "texts":
+        texts = typed.with_role(call.info, inputs, req.input_type, _ROLES, "input_type")
+        work = call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
+                         truncate=truncate, direction=direction, codes=codes)
+    else:
+        if codes:
+            raise InvalidRequest(f"{', '.join(codes)} embeddings of images are not served; "
+                                 "ask for float or base64", param="embedding_types",
+                                 code="not_supported")
+        role = None if req.input_type == "image" else req.input_type
+        typed.with_role(call.info, [], role, _ROLES, "input_type")  # an unknown role: 400
+        inputs = [typed.with_role(call.info, [item], role, _ROLES, "input_type")[0]
+                  if type(item) is str else item for item in inputs]
+        work = call.work(IMAGE, inputs, normalize=True, dimensions=req.output_dimension,
+                         truncate=truncate, direction=direction, param=param)
+    out = call.run(work)
     body: dict[str, Any] = {"id": str(uuid.uuid4())}
     if v1 and req.embedding_types is None:
         body.update(response_type="embeddings_floats", embeddings=out.vectors)
     else:
         by_type = {t: _as_type(out, t) for t in types}
         body.update(response_type="embeddings_by_type", embeddings=by_type)
-    body["texts"] = req.texts
+    body["texts"] = req.texts or []
     body["meta"] = {"api_version": {"version": "1" if v1 else "2"},
                     "billed_units": {"input_tokens": out.tokens}}
-    return embedded_reply(body, out, len(texts))
+    return embedded_reply(body, out, len(inputs))
+
+
+def _sent(req: CohereEmbedRequest) -> tuple[str, list[Any]]:
+    """Which of ``texts``, ``images`` and ``inputs`` the request sent (exactly one), and
+    its inputs: texts, or texts and ``ImageRef``s."""
+    sent = [name for name in ("texts", "images", "inputs") if getattr(req, name) is not None]
+    if len(sent) != 1:
+        raise InvalidRequest("send one of 'texts', 'images' and 'inputs'" if sent else
+                             "'texts' is required (or 'images', or 'inputs')",
+                             param=sent[-1] if sent else "texts", code="invalid_texts")
+    param = sent[0]
+    rules.check_listed(getattr(req, param), param)
+    if param == "texts":
+        return param, req.texts  # type: ignore[return-value]
+    if param == "images":
+        return param, [ImageRef(source, "images") for source in req.images or []]
+    return param, [_content(item, i) for i, item in enumerate(req.inputs or [])]
+
+
+def _content(item: Any, i: int) -> str | ImageRef:
+    """One of v2's ``inputs``: ``{"content": [part]}``, one text or image_url part."""
+    parts = item.get("content") if type(item) is dict else None
+    if type(parts) is not list or len(parts) != 1:
+        raise InvalidRequest(f"'inputs[{i}]' must be {{\"content\": [part]}} with one text or "
+                             "image_url part: this model embeds texts and images each alone, "
+                             "not fused", param="inputs", code="invalid_inputs")
+    return content_item(parts[0], f"inputs[{i}].content[0]")
 
 
 def _as_type(out: Embedded, dtype: str) -> Any:

@@ -15,11 +15,12 @@ from functools import partial
 from typing import Any
 
 from ..errors import InvalidRequest, NotFound
-from ..work import EMBED, ModelInfo
+from ..work import EMBED, IMAGE, ImageRef, ModelInfo
 from . import typed
 from .bodies import as_list, parse
 from .openai_tokens import decode_ids
 from .schemas import TypedEmbeddingsRequest
+from .shapes import content_item
 from .web import Call, Reply, embedded_reply, json_reply
 
 _VOYAGE_ROLES = {"query": "query", "document": "document"}
@@ -31,7 +32,9 @@ _JINA_ROLES = {"retrieval.query": "query", "retrieval.passage": "document",
 def embeddings(call: Call) -> Reply:
     """POST /v1/embeddings and /embeddings: the OpenAI shape."""
     req = parse(TypedEmbeddingsRequest, call)
-    inputs = as_list(req.input)
+    inputs = _inputs(req)
+    if any(type(item) is ImageRef for item in inputs):
+        return _media(call, req, inputs)
     dimensions = _agreed(req, "dimensions", "output_dimension")
     dtype = _agreed(req, "output_dtype", "embedding_type") or "float"
     encoding = "base64" if dtype == "base64" else req.encoding_format
@@ -59,6 +62,56 @@ def embeddings(call: Call) -> Reply:
     return embedded_reply(body, out, len(inputs))
 
 
+def _inputs(req: TypedEmbeddingsRequest) -> list[Any]:
+    """The request's inputs: ``input`` (Infinity's ``modality: image`` reads its strings as
+    images), or vLLM's ``messages``, one input each."""
+    if (req.input is None) == (req.messages is None):
+        raise InvalidRequest("send 'input'" + (" or 'messages', not both" if req.input
+                                               is not None else ""),
+                             param="input", code="invalid_input")
+    if req.messages is not None:
+        return [_message(m, i) for i, m in enumerate(req.messages)]
+    inputs = as_list(req.input)
+    if req.modality == "image":
+        return [ImageRef(item, "input") if type(item) is str else item for item in inputs]
+    return inputs
+
+
+def _message(message: Any, i: int) -> str | ImageRef:
+    """One of vLLM's messages as one input: its content, a string or one content part."""
+    content = message.get("content") if type(message) is dict else None
+    if type(content) is list and len(content) == 1:
+        content = content[0]
+    if type(content) is str or type(content) is dict:
+        return content_item(content, f"messages[{i}].content")
+    raise InvalidRequest(f"'messages[{i}]' must be a message whose content is a text or one "
+                         "content part (text or image_url); this model embeds each input "
+                         "alone", param="messages", code="invalid_messages")
+
+
+def _media(call: Call, req: TypedEmbeddingsRequest, inputs: list[Any]) -> Reply:
+    """/v1/embeddings with images among the inputs (an image-text model): floats only."""
+    dtype = _agreed(req, "output_dtype", "embedding_type") or "float"
+    if dtype not in ("float", "base64"):
+        raise InvalidRequest(f"'{dtype}' embeddings of images are not served; ask for float",
+                             param="embedding_type", code="not_supported")
+    prefix = _role_prefix(call, req)
+    inputs = [prefix + item if prefix and type(item) is str else item for item in inputs]
+    out = call.run(call.work(IMAGE, inputs, normalize=req.normalized is not False,
+                             dimensions=_agreed(req, "dimensions", "output_dimension"),
+                             truncate=req.truncation))
+    base64 = dtype == "base64" or req.encoding_format == "base64"
+    encoded: list[Any] = typed.base64_rows(out.vectors) if base64 else list(out.vectors)
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e}
+                 for i, e in enumerate(encoded)],
+        "model": call.info.name,
+        "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
+    }
+    return embedded_reply(body, out, len(inputs))
+
+
 def models(call: Call) -> Reply:
     """GET /v1/models: the served model, as OpenAI lists its models."""
     return json_reply({"object": "list", "data": [_model(call.engine_client().info)]})
@@ -74,7 +127,9 @@ def model(call: Call) -> Reply:
 
 
 def _model(info: ModelInfo) -> dict[str, Any]:
-    return {"id": info.name, "object": "model", "created": _listed_at(), "owned_by": "embedsvc"}
+    return {"id": info.name, "object": "model", "created": _listed_at(), "owned_by": "embedsvc",
+            "kind": info.kind, "dimensions": info.dimension,
+            "modalities": list(info.modalities)}
 
 
 @functools.cache

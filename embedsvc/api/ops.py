@@ -42,6 +42,9 @@ def info(call: Call) -> Reply:
         "kind": model.kind if model else None,
         "labels": list(model.labels) if model else None,
         "dimension": model.dimension if model else None,
+        "modalities": list(model.modalities) if model else None,
+        "max_images_per_request": s.max_images_per_request if model and
+        "image" in model.modalities else None,
         "max_input_length": model.max_input_tokens if model else None,
         "device": model.device if model else None,
         "dtype": model.dtype if model else None,

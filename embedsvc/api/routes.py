@@ -29,7 +29,9 @@ def openapi(call: Call) -> Reply:
     return Reply(200, _openapi_body)
 
 
-_EMBEDDING = frozenset({"embedding"})
+# image-text models embed texts with their text tower on every embedding route, and images
+# on the routes whose APIs carry them (/v1/embeddings, /embeddings, /v1/embed, /v2/embed)
+_EMBEDDING = frozenset({"embedding", "image-text"})
 _MAIN_ROUTE = ("The served model's main route, by its kind, as TEI's: /embed (embedding), "
                "/rerank (reranker), /predict (classifier), /embed_sparse (sparse)")
 _RERANKER = frozenset({"reranker"})

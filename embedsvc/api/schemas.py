@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from .shapes import Shape, listed_fields
+from .shapes import MediaShape, Shape, listed_fields
 
 
 class Request(BaseModel):
@@ -34,6 +34,12 @@ _IDS_OR_TEXTS = "a string, a list of strings, a list of token ids or a list of l
 InputsField = Annotated[Any, PlainValidator(
     Shape(_IDS_OR_TEXTS, text=True, items=(str, int, list), inner=int),
     json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])]
+MediaInputsField = Annotated[Any, PlainValidator(
+    MediaShape(_IDS_OR_TEXTS + ", or a list of texts and images (image-text models: "
+               '{"text": ...}, {"image": ...}, {"type": "image_url", "image_url": '
+               '{"url": ...}})', text=True, items=(str, int, list), inner=int),
+    json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    | list[StrictStr | dict[str, Any]])]
 TextsField = Annotated[Any, PlainValidator(
     Shape("a string or a list of strings", text=True, items=(str,)),
     json_schema_input_type=StrictStr | list[StrictStr])]
@@ -229,7 +235,23 @@ CohereType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 
 
 class TypedEmbeddingsRequest(EmbeddingsRequest):
-    """POST /v1/embeddings with the fields Voyage's and Jina's clients add to OpenAI's."""
+    """POST /v1/embeddings with the fields Voyage's, Jina's, Infinity's and vLLM's clients
+    add to OpenAI's (images: image-text models only)."""
+
+    input: MediaInputsField = Field(
+        None, description="Text, texts, token ids of one text, or token ids of several texts "
+        "(see EmbeddingsRequest); for an image-text model also images, as Jina's "
+        '{"image": ...} items or content parts {"type": "image_url", "image_url": {"url": '
+        "...}}, each a base64 data URI (or an http(s) URL of a host IMAGE_URL_HOSTS lists). "
+        "Required unless 'messages' is given.", json_schema_extra={"main": True}
+    )
+    modality: Literal["text", "image"] | None = Field(
+        None, description="Infinity: 'image' reads every string of 'input' as an image."
+    )
+    messages: list[Any] | None = Field(
+        None, description="vLLM: instead of 'input', one input a message, its content a "
+        "string or one content part (text or image_url)."
+    )
 
     input_type: StrictStr | None = Field(
         None, description="Voyage: 'query' or 'document', mapped to the model's prompts where "
@@ -253,9 +275,12 @@ class TypedEmbeddingsRequest(EmbeddingsRequest):
 
 
 class CohereEmbedRequest(Request):
-    """POST /v1/embed, /v2/embed: Cohere's embed API (texts; images are refused)."""
+    """POST /v1/embed, /v2/embed: Cohere's embed API: texts, and for an image-text model
+    images (``images``, or ``inputs`` of content parts)."""
 
-    texts: list[StrictStr] = Field(description="The texts to embed.")
+    texts: list[StrictStr] | None = Field(
+        None, description="The texts to embed (or 'images', or 'inputs').",
+        json_schema_extra={"main": True})
     model: StrictStr | None = Field(
         None, description="Accepted and ignored: the response names the served model."
     )
@@ -274,8 +299,14 @@ class CohereEmbedRequest(Request):
     output_dimension: StrictInt | None = Field(
         None, description="Keep the first N components, then L2-normalise again."
     )
-    images: list[Any] | None = Field(None, description="Refused: this server embeds text.")
-    inputs: list[Any] | None = Field(None, description="Refused: send 'texts'.")
+    images: list[StrictStr] | None = Field(
+        None, description="Images as base64 data URIs (image-text models; input_type "
+        "'image')."
+    )
+    inputs: list[Any] | None = Field(
+        None, description="Inputs as {\"content\": [part]}: one text or image_url part each "
+        "(image-text models embed each part alone; several parts in one input are refused)."
+    )
     max_tokens: StrictInt | None = Field(
         None, description="Refused: inputs are cut to the model's limit (see 'truncate')."
     )
@@ -356,6 +387,12 @@ OPENAI_MODEL: dict[str, Any] = {
         "object": {"const": "model"},
         "created": {"type": "integer", "description": "Unix time this process first listed it."},
         "owned_by": {"const": "embedsvc"},
+        "kind": {"type": "string", "description": "embedding, reranker, classifier, sparse "
+                 "or image-text."},
+        "dimensions": {"type": "integer", "description": "The width of its vectors or rows."},
+        "modalities": {"type": "array", "items": {"enum": ["text", "image"]},
+                       "description": "What it embeds: text, and image for an image-text "
+                       "model."},
     },
 }
 OPENAI_MODELS: dict[str, Any] = {
@@ -456,6 +493,11 @@ INFO: dict[str, Any] = {
         "labels": {"type": ["array", "null"], "items": {"type": "string"},
                    "description": "A cross-encoder's output labels, in output order."},
         "dimension": {"type": ["integer", "null"]},
+        "modalities": {"type": ["array", "null"], "items": {"enum": ["text", "image"]},
+                       "description": "What the model embeds: text, and image for an "
+                       "image-text model."},
+        "max_images_per_request": {"type": ["integer", "null"],
+                                   "description": "MAX_IMAGES_PER_REQUEST (image-text models)."},
         "max_input_length": {"type": ["integer", "null"]},
         "device": {"type": ["string", "null"]},
         "dtype": {"type": ["string", "null"], "description": "what the model computes in: "

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ValidationInfo
 
 from .. import rules
 from ..errors import InvalidRequest
+from ..work import ImageRef
 
 _SLICE = 65536  # items whose types are checked in one C pass, holding the GIL
 
@@ -116,6 +117,47 @@ class Shape:
         top = param.partition(".")[0]
         return InvalidRequest(f"'{param}' must be {self.what}; {got}", param=top,
                               code=f"invalid_{top}")
+
+
+class MediaShape(Shape):
+    """A ``Shape`` whose lists may also hold content items: texts and images as the clients
+    of image-text models send them, each turned into a text or an ``ImageRef``:
+
+    - Jina's ``{"text": ...}`` and ``{"image": ...}``;
+    - OpenAI's and vLLM's content parts, ``{"type": "text", "text": ...}`` and
+      ``{"type": "image_url", "image_url": "..." | {"url": "..."}}``.
+
+    A list without objects is checked as the plain ``Shape``'s (at the same cost)."""
+
+    def check(self, value: Any, param: str, max_inputs: int | None,
+              max_ids: int | None = None) -> Any:
+        if type(value) is not list or dict not in set(map(type, value)):
+            return super().check(value, param, max_inputs, max_ids)
+        if max_inputs is not None:
+            rules.check_count(len(value), max_inputs, param=param.partition(".")[0])
+        return [content_item(item, f"{param}[{i}]", self) for i, item in enumerate(value)]
+
+
+def content_item(item: Any, where: str, shape: Shape | None = None) -> str | ImageRef:
+    """One text or image of a content list (``MediaShape``), or a 400 naming ``where``."""
+    if type(item) is str:
+        return item
+    if type(item) is dict:
+        kind = item.get("type")
+        if type(item.get("text")) is str and kind in (None, "text"):
+            return item["text"]
+        source = item.get("image_url") if kind in (None, "image_url") else None
+        source = item.get("image") if source is None and kind in (None, "image") else source
+        if type(source) is dict:
+            source = source.get("url")
+        if type(source) is str:
+            return ImageRef(source, where.partition("[")[0].partition(".")[0])
+    top = where.partition("[")[0].partition(".")[0]
+    what = shape.what if shape is not None else "a text or an image"
+    raise InvalidRequest(f"'{where}' must be {what}; it is not: a text is a string or "
+                         '{"text": ...}, an image {"image": ...} or {"type": "image_url", '
+                         '"image_url": {"url": ...}} with a data URI', param=top,
+                         code=f"invalid_{top}")
 
 
 def _first_not(items: list[Any], kind: type) -> int | None:

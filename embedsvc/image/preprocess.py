@@ -87,6 +87,15 @@ class Preprocessor:
             out /= np.asarray(self.std, np.float32)[:, None, None]
         return out
 
+    def output_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of every image's array: what the vision tower takes."""
+        if self.crop is not None:
+            return (3, *self.crop)
+        if self.shortest_edge is None and self.height and self.width:
+            return 3, self.height, self.width
+        raise ValueError("this preprocessor neither crops nor resizes to a fixed size, so its "
+                         "images have no one shape")
+
     def target_size(self, size: tuple[int, int]) -> tuple[int, int] | None:
         """(height, width) to resize an image of Pillow ``size`` (width, height) to."""
         width, height = size

@@ -93,6 +93,8 @@ def load_encoder(settings: Settings, preloaded: SentenceTransformerEncoder | Non
         return warm.encoder
     if warm is not None and not warm.export:
         log.info("backend: not the PyTorch-free path (%s)", warm.reason)
+    if preloaded is None and image_text(settings):
+        return serve_image_text(settings)[0]
     encoder = preloaded or load_model(settings.model, settings.kind)
     device = resolve_device(settings.device)
     if (warm is None or warm.export) and lean.why_not(settings, device) is None:
@@ -140,6 +142,42 @@ def _without_pytorch(settings: Settings) -> Encoder:
         f"in {cache_root(settings.cache_dir)} ({why}): run `{_export_command(settings)}` "
         f"where 'embedsvc[torch]' is installed, then copy DIR here and set EMBEDSVC_CACHE_DIR "
         f"to it; or {extra}")
+
+
+def image_text(settings: Settings) -> bool:
+    """Whether MODEL is an image-text model (kinds.py), which serves from its record only."""
+    from .kinds import resolve
+
+    return resolve(settings.kind, settings.model).kind == "image-text"
+
+
+def serve_image_text(settings: Settings) -> tuple[lean.LeanEncoder, Path]:
+    """The encoder of an image-text model's record (image_export.py), exported with PyTorch
+    on its first start, and where the record is; RuntimeError, in one line, where it cannot
+    be."""
+    from .image_export import build_image_record
+
+    why = lean.why_not(settings, resolve_device(settings.device))
+    if why is not None:
+        raise RuntimeError(f"image-text models are served by ONNX Runtime on the CPU, not with "
+                           f"{why}: set EMBEDSVC_DEVICE=cpu and EMBEDSVC_BACKEND=auto")
+    found = lean.record_path(settings)
+    source = model_source(settings.model)
+    if found is None or source is None:
+        raise RuntimeError(f"{model_name(settings.model)}'s files are not on this machine and "
+                           "no record of it was exported here: set MODEL to its directory")
+    path, key = found
+    if not path.exists():
+        log.info("first start of %s: exporting its two towers once to %s",
+                 model_name(settings.model), path)
+    served, path = record_cache(settings).get_or_build(
+        path, partial(build_image_record, source, key, name=model_name(settings.model),
+                      kind_setting=settings.kind),
+        partial(lean.open_lean, settings, key=key))
+    if isinstance(served, NotLean):
+        raise RuntimeError(f"{model_name(settings.model)} cannot be served: {served.reason}")
+    log.info("%s", lean.startup_line(served, path))
+    return served, path
 
 
 def _export_command(settings: Settings) -> str:
@@ -221,6 +259,8 @@ def export(settings: Settings) -> str:
                            "install does not have: pip install 'embedsvc[torch]' where you "
                            "export (the record then serves where it is not)")
     _check_writable(cache_root(settings.cache_dir))
+    if image_text(settings):
+        return lean.startup_line(*serve_image_text(settings))
     encoder = load_model(settings.model, settings.kind)
     if lean.why_not(settings, "cpu") is None:
         served = _serve_lean(encoder, settings)

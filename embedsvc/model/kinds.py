@@ -6,9 +6,12 @@ Kinds, as text-embeddings-inference serves them:
 - ``reranker``: a cross-encoder with one output label (``/rerank``, ``/v1/rerank``)
 - ``classifier``: a cross-encoder or sequence classifier with labels (``/predict``)
 - ``sparse``: a sentence-transformers SparseEncoder such as SPLADE (``/embed_sparse``)
+- ``image-text``: a CLIP or SigLIP model, texts and images into one space (``/v1/embeddings``
+  and ``/v2/embed`` with images; served from its two-tower record, image_export.py)
 
 Detection reads only the small config files sentence-transformers and transformers write:
 
+0. ``config.json`` with a ``text_config`` and a ``vision_config``: an image-text model;
 1. ``config_sentence_transformers.json`` ``model_type`` (written by sentence-transformers
    since v5): ``SentenceTransformer``, ``SparseEncoder`` or ``CrossEncoder``;
 2. else ``modules.json`` (any sentence-transformers model): sparse when a module is one of
@@ -25,7 +28,7 @@ cross-encoder's classification head and a sparse model SPLADE's (or a masked LM'
 refused; ``KIND=embedding`` takes any model's transformer and pools it.
 
 >>> KINDS
-('embedding', 'reranker', 'classifier', 'sparse')
+('embedding', 'reranker', 'classifier', 'sparse', 'image-text')
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from typing import Any
 
 from .encoder import bundled
 from .hub import check_fetchable
+from .image_export import is_image_text
 from .st_encoder import SentenceTransformerEncoder
 
 log = logging.getLogger(__name__)
 
-KINDS = ("embedding", "reranker", "classifier", "sparse")
+KINDS = ("embedding", "reranker", "classifier", "sparse", "image-text")
 _SPARSE_MODULES = ("SpladePooling", "MLMTransformer", "SparseStaticEmbedding", "SparseAutoEncoder")
 _ST_TYPES = {"SentenceTransformer": "embedding", "SparseEncoder": "sparse"}
 # A saved model holds at least one of these (transformers' save_pretrained writes config.json,
@@ -56,7 +60,7 @@ ReadJson = Callable[[str], "dict[str, Any] | list[Any] | None"]
 
 # The head each kind computes with; KIND may choose among kinds of one head only.
 _HEADS = {"embedding": "no", "reranker": "a classification", "classifier": "a classification",
-          "sparse": "a masked-language-model"}
+          "sparse": "a masked-language-model", "image-text": "a vision tower and a text"}
 
 
 class KindMismatch(ValueError):
@@ -78,6 +82,10 @@ def detect(model: str, read: ReadJson | None = None) -> Detected:
     if bundled(model):
         return Detected("embedding", "the bundled model")
     read = read or _reader(model)
+    config = read("config.json")
+    if isinstance(config, dict) and is_image_text(config):
+        return Detected("image-text", f"config.json: {config.get('model_type')} with a "
+                                      "text and a vision tower")
     st_config = read("config_sentence_transformers.json")
     model_type = st_config.get("model_type") if isinstance(st_config, dict) else None
     if model_type in _ST_TYPES:

@@ -16,8 +16,10 @@ same tokenizer code (``TextSide``), so token windows, pieces and truncation are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..settings import Settings
-from ..work import Pair, Sequenced
+from ..work import Pair, Pixels, Sequenced
 from . import runtime
 from .device import pytorch_installed
 from .encoder import Encoder, ModelInfo, model_name
@@ -40,6 +42,7 @@ from .record import (
     INT8,
     PROBE,
     TOKENIZER,
+    VISION,
     NotLean,
     RecordError,
     compare,
@@ -131,6 +134,12 @@ class LeanEncoder(TextSide):
         """The recorded probe inputs (texts) as this encoder's wrapped ids."""
         return [self.wrap(ids) for ids in self.tokenize(list(inputs))]
 
+    def probe_output(self, name: str, feeds: dict[str, np.ndarray],
+                     recorded: dict[str, np.ndarray]) -> np.ndarray | None:
+        """This encoder's ``name`` output for the probe (``feeds``: the probe texts' graph
+        inputs; ``recorded``: the probe file's arrays); None for an array that is an input."""
+        return self._session.run([name], feeds)[0]
+
     def quantized(self, path: Path, session: Any) -> LeanEncoder:
         """The same model on another session (its int8 graph at ``path``)."""
         twin = type(self).__new__(type(self))
@@ -184,9 +193,90 @@ class LeanScorer(LeanEncoder):
             scores /= scores.sum(axis=1, keepdims=True)
         return scores.astype(np.float32)
 
+    def probe_output(self, name: str, feeds: dict[str, np.ndarray],
+                     recorded: dict[str, np.ndarray]) -> np.ndarray | None:
+        if name == "activated":
+            return self.activate(recorded[self.output], raw=False)
+        return super().probe_output(name, feeds, recorded)
+
     def probe_batch(self, inputs: Sequence[Any]) -> list[list[int]]:
         return list(self.tokenize_sequences([tuple(i) if isinstance(i, list) else i
                                              for i in inputs], None))
+
+
+class LeanImageText(LeanEncoder):
+    """An image-text model (CLIP, SigLIP): two towers, ``model.onnx`` (ids, mask ->
+    text_embeds) and ``vision.onnx`` (pixels -> image_embeds), texts and images into one space.
+
+    The fronts decode and preprocess images (image/) into ``Pixels``; the batcher holds them
+    beside texts' ids, each image counting as many tokens as its tower's patches
+    (``ModelInfo.image_tokens``). ``encode`` runs each tower once a batch, on its own inputs
+    (images batch with images, texts with texts) and returns the rows in the batch's order.
+    The model's quirks are its record's, as image_export.py read them from its config:
+    SigLIP pads texts to a fixed length and attends to the padding (its processor gives no
+    mask), so a text's vector never depends on its batch-mates; CLIP pads to the longest."""
+
+    output = "text_embeds"
+
+    def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
+        super().__init__(path, record, session, precision)
+        towers = record["towers"]
+        self.text_length: int | None = towers["text_length"]  # pad every text to it
+        self.text_mask: bool = towers["text_mask"]  # False: the tower attends to padding
+        self.info = dataclasses.replace(self.info, modalities=tuple(self.info.modalities))
+        threads = session.get_session_options().intra_op_num_threads
+        self._vision = runtime.session(path / VISION, threads)
+
+    towers: Any = None  # the Metrics that count each tower's inputs and seconds (service.py)
+
+    def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        images = [i for i, item in enumerate(batch) if isinstance(item, Pixels)]
+        if not images:
+            return self._texts(batch)
+        pixels = np.stack([batch[i].array for i in images])  # type: ignore[attr-defined]
+        if len(images) == len(batch):
+            return self.embed_pixels(pixels)
+        rows = np.empty((len(batch), self.info.dimension), np.float32)
+        texts = [i for i in range(len(batch)) if i not in set(images)]
+        rows[texts] = self._texts([batch[i] for i in texts])
+        rows[images] = self.embed_pixels(pixels)
+        return rows
+
+    def embed_pixels(self, pixels: np.ndarray) -> np.ndarray:
+        """Raw rows of a float32 NCHW batch, as image/preprocess.py makes it."""
+        started = time.monotonic()
+        (out,) = self._vision.run(None, {"pixel_values": pixels.astype(np.float32, copy=False)})
+        self._count("image", len(pixels), time.monotonic() - started)
+        return out.astype(np.float32, copy=False)
+
+    def _texts(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        started = time.monotonic()
+        rows = runtime.run_sliced(self._session, self.output, self.features(batch))
+        self._count("text", len(batch), time.monotonic() - started)
+        return rows
+
+    def _count(self, modality: str, inputs: int, seconds: float) -> None:
+        if self.towers is not None:
+            self.towers.modality_inputs.labels(modality).inc(inputs)
+            self.towers.modality_seconds.labels(modality).inc(seconds)
+
+    def features(self, batch: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+        ids, mask = padded(batch, self._pad_id)
+        if self.text_length is not None and ids.shape[1] < self.text_length:
+            extra = ((0, 0), (0, self.text_length - ids.shape[1]))
+            ids = np.pad(ids, extra, constant_values=self._pad_id)
+            mask = np.pad(mask, extra, constant_values=0)
+        if not self.text_mask:
+            mask = np.ones_like(mask)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def probe_output(self, name: str, feeds: dict[str, np.ndarray],
+                     recorded: dict[str, np.ndarray]) -> np.ndarray | None:
+        if name == "pixels":  # the probe's images, an input
+            return None
+        if name == "image_embeds":
+            return self.embed_pixels(recorded["pixels"])
+        return super().probe_output(name, feeds, recorded)
 
 
 def activation_names() -> tuple[str, ...]:
@@ -195,7 +285,8 @@ def activation_names() -> tuple[str, ...]:
 
 
 def _encoder_class(kind: str) -> type[LeanEncoder]:
-    return {"embedding": LeanEncoder, "sparse": LeanSparse}.get(kind, LeanScorer)
+    return {"embedding": LeanEncoder, "sparse": LeanSparse,
+            "image-text": LeanImageText}.get(kind, LeanScorer)
 
 
 def open_record(path: Path, threads: int, record: dict[str, Any] | None = None
@@ -225,10 +316,9 @@ def verify(encoder: LeanEncoder, record: dict[str, Any], probe: Path, whose: str
     feeds = encoder.features(batch)
     lengths = [len(ids) for ids in batch]
     for name, value in want.items():
-        if name == "activated":
-            got = encoder.activate(want[LeanScorer.output], raw=False)  # type: ignore[attr-defined]
-        else:
-            got = encoder._session.run([name], feeds)[0]
+        got = encoder.probe_output(name, feeds, want)
+        if got is None:
+            continue
         compare(got, value, f"the graph's {name} (against {whose})",
                 lengths if value.ndim == 3 else None)
 

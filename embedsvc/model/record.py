@@ -45,6 +45,8 @@ RECORD = "record.json"
 GRAPH = "model.onnx"
 TOKENIZER = "tokenizer.json"
 PROBE = "probe.npz"
+VISION = "vision.onnx"  # an image-text model's vision tower (its text tower is GRAPH)
+PREPROCESSOR = "preprocessor_config.json"  # its image preprocessing, as the model ships it
 INT8 = "int8"  # the int8 record's directory, inside the float32 record's
 # ONNX Runtime against PyTorch, both float32: the largest difference on the probe, relative
 # to the largest output; and the smallest cosine of any output row.

@@ -53,7 +53,8 @@ def describe(info: ModelInfo) -> dict[str, Any]:
 def text_model(info: dict[str, Any], spec: dict[str, Any]) -> Any:
     """The text side that ``spec`` (an encoder's ``text_spec()``) describes; RuntimeError
     if its template is not the one the engine reported."""
-    model = ModelInfo(**{**info, "labels": tuple(info.get("labels", ()))})
+    model = ModelInfo(**{**info, "labels": tuple(info.get("labels", ())),
+                         "modalities": tuple(info.get("modalities", ("text",)))})
     if "fake" in spec:  # the simulated device's (tests, bench/sim_server.py)
         from .fake import FakeEncoder
 

@@ -320,7 +320,8 @@ class RemotePort:
         frame = wire.Submit(request_id, work.kind, ids, lengths, seconds, raw=work.raw,
                             timeout=work.deadline - time.monotonic(),
                             flow=None if work.flow is None else repr(work.flow),
-                            tenant=work.tenant, front=os.getpid())
+                            tenant=work.tenant, front=os.getpid(),
+                            **wire.pack_pixels(work.ids))
         self.link.send(sock, wire.encode(frame))
         with self._cond:
             self._in_flight += 1

@@ -36,6 +36,7 @@ import zmq
 from ..admission import Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
+from ..image.preprocess import Preprocessor
 from ..metrics import Metrics, Snapshots, check_families
 from ..runner import Runner
 from ..work import Embedded, Work
@@ -87,8 +88,15 @@ class EngineServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        info = runner.info
+        # an image-text model's images arrive as float32 arrays of the one shape its
+        # preprocessor gives (image/preprocess.py)
+        self._image_shape = None if info.image is None else \
+            Preprocessor.from_config(info.image).output_shape()
+        image_bytes = 0 if self._image_shape is None else \
+            4 * math.prod(self._image_shape) * runner.settings.max_images_per_request
         self._socket.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(
-            runner.settings.max_inputs_per_request, runner.info.max_input_tokens))
+            runner.settings.max_inputs_per_request, info.max_input_tokens, image_bytes))
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a gone front is dropped
         self._socket.bind(address)
         self._wake_r, self._wake_w = os.pipe()
@@ -242,6 +250,13 @@ class EngineServer:
             raise InvalidRequest("a token id outside the vocabulary", code="invalid_frame")
         if max(map(len, ids)) > info.max_input_tokens:
             raise InvalidRequest("an input longer than the model's limit", code="invalid_frame")
+        if frame.images:
+            if self._image_shape is None:
+                raise InvalidRequest("images for a model that takes none", code="invalid_frame")
+            try:
+                wire.unpack_pixels(frame, ids, self._image_shape, info.image_tokens)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), code="invalid_frame") from None
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front,
                     deadline=time.monotonic() + max(0.0, frame.timeout))

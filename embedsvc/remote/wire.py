@@ -25,11 +25,12 @@ import msgspec
 import numpy as np
 
 from ..metrics import Family  # typed: the decoder refuses a family of another shape
-from ..work import Pair
+from ..work import Pair, Pixels
 
 # A process id where one is named (0: none); a negative one would name a process group to
 # os.kill, and one past the largest pid Linux makes names no process.
 Pid = Annotated[int, msgspec.Meta(ge=0, le=4194304)]
+Size = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Frame(msgspec.Struct, tag=True, tag_field="frame"):
@@ -55,6 +56,11 @@ class Submit(Frame):
     flow: str | None = None
     tenant: str | None = None
     front: Pid = 0  # the sending front's pid
+    # images (image-text models): which inputs they are (int32 positions, whose ids are
+    # empty), and their pixels, one float32 (channels, height, width) array each
+    images: bytes = b""
+    pixels: bytes = b""
+    image_shape: tuple[Size, ...] = ()
 
 
 class Cancel(Frame):
@@ -99,7 +105,6 @@ class Pong(Frame):
 
 # An answer's arrays: little-endian float32 or int32, each with its shape
 ArrayType = Literal["<f4", "<i4"]
-Size = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Answer(Frame):
@@ -155,20 +160,50 @@ def decode_to_front(data: bytes) -> Any:
     return _to_front.decode(data)
 
 
-def max_frame_bytes(inputs: int, tokens: int) -> int:
+def max_frame_bytes(inputs: int, tokens: int, image_bytes: int = 0) -> int:
     """The largest frame a front sends for requests of at most ``inputs`` inputs of at most
-    ``tokens`` tokens: 4 bytes an id, 8 an input (its length, a pair's second segment), and
-    a margin for the rest. The engine's socket closes a larger sender's connection."""
-    return 4 * inputs * tokens + 8 * inputs + (1 << 20)
+    ``tokens`` tokens (and ``image_bytes`` of pixels): 4 bytes an id, 8 an input (its length,
+    a pair's second segment), and a margin for the rest. The engine's socket closes a larger
+    sender's connection."""
+    return 4 * inputs * tokens + 8 * inputs + image_bytes + (1 << 20)
 
 
 def pack_ids(ids: Sequence[Sequence[int]]) -> tuple[bytes, bytes, bytes]:
-    """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments."""
+    """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments
+    (an image's ids are empty: ``pack_pixels`` sends it)."""
     seconds = b""
     if ids and isinstance(ids[0], Pair):
         seconds = _int32_bytes([p.second for p in ids])  # type: ignore[attr-defined]
-    flat = _int32_bytes([i for row in ids for i in row])
-    return flat, _int32_bytes([len(row) for row in ids]), seconds
+    rows = [() if isinstance(row, Pixels) else row for row in ids]
+    flat = _int32_bytes([i for row in rows for i in row])
+    return flat, _int32_bytes([len(row) for row in rows]), seconds
+
+
+def pack_pixels(ids: Sequence[Any]) -> dict[str, Any]:
+    """The ``Submit`` fields of the images among ``ids``; none when there are none."""
+    at = [i for i, row in enumerate(ids) if isinstance(row, Pixels)]
+    if not at:
+        return {}
+    stacked = np.stack([ids[i].array for i in at]).astype("<f4", copy=False)
+    return {"images": _int32_bytes(at), "pixels": stacked.tobytes(),
+            "image_shape": tuple(int(n) for n in stacked.shape[1:])}
+
+
+def unpack_pixels(frame: Submit, ids: list[Any], shape: tuple[int, ...], cost: int) -> None:
+    """``frame``'s images into ``ids`` at their positions, each a ``Pixels`` of ``cost``;
+    ValueError where they are not images of ``shape`` at empty inputs' places."""
+    at = _int32s(frame.images)
+    if tuple(frame.image_shape) != tuple(shape):
+        raise ValueError(f"images of shape {tuple(frame.image_shape)}, not the model's {shape}")
+    if len(set(at)) != len(at) or any(not 0 <= i < len(ids) or ids[i] for i in at):
+        raise ValueError("an image's position is not an empty input's")
+    if len(frame.pixels) != 4 * len(at) * math.prod(shape):
+        raise ValueError("the pixels do not hold the images")
+    arrays = np.frombuffer(frame.pixels, dtype="<f4").reshape((len(at), *shape))
+    if not np.isfinite(arrays).all():
+        raise ValueError("a pixel that is not a number")
+    for i, array in zip(at, arrays, strict=True):
+        ids[i] = Pixels(array, cost)
 
 
 def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"") -> list[list[int]]:

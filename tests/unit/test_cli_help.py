@@ -12,7 +12,8 @@ SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-byte
           "--send-timeout-s",
           "--otlp-endpoint",
           "--max-connections", "--health-port", "--token-ids", "--workers", "--engine",
-          "--keys-file"}
+          "--keys-file", "--max-images-per-request", "--max-image-bytes", "--max-image-pixels",
+          "--image-url-hosts"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",
           "--max-wait-ms", "--max-queue", "--max-inputs-per-request", "--max-input-chars",
           "--auto-truncate", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",

@@ -1,91 +1,117 @@
-"""A tiny random CLIP and SigLIP, exported to two ONNX towers and served without torch: image
-and text vectors equal transformers' get_image_features / get_text_features (cosine > 0.9999)."""
+"""An image-text model's record (image_export.py) and encoder (lean.py's LeanImageText): texts and
+images in one batch come back in order, a SigLIP text's vector does not depend on its
+batch-mates, a changed vision graph is refused; and images across the engine's socket."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("onnxruntime")
-pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
-from embedsvc.image.preprocess import Preprocessor  # noqa: E402
-from embedsvc.model.image_export import export_towers, features  # noqa: E402
-from embedsvc.model.image_text import ImageTextTowers  # noqa: E402
+from embedsvc.errors import InvalidRequest  # noqa: E402
+from embedsvc.model.backend import load_encoder  # noqa: E402
+from embedsvc.model.lean import open_record, record_path  # noqa: E402
+from embedsvc.model.record import VISION, RecordError  # noqa: E402
+from embedsvc.remote import wire  # noqa: E402
+from embedsvc.settings import Settings  # noqa: E402
+from embedsvc.work import ImageRef, Pixels  # noqa: E402
 
-TOWER = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
-TEXT = dict(TOWER, vocab_size=99, max_position_embeddings=16, eos_token_id=98, pad_token_id=1,
-            bos_token_id=97)
-VISION = dict(TOWER, image_size=30, patch_size=6)
-LENGTH = 16  # SigLIP's fixed text length: its max_position_embeddings
+from ..models import IMAGE_SIZE, build_image_text  # noqa: E402
 
 
-def tiny(kind: str):
-    torch.manual_seed(0)
-    if kind == "clip":
-        config = transformers.CLIPConfig(text_config=TEXT, vision_config=VISION,
-                                         projection_dim=24)
-        model = transformers.CLIPModel(config)
-        processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": 30},
-                                                       crop_size=30)
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def encoder(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp(request.param)
+    settings = Settings(model=str(build_image_text(base / "model", request.param)),
+                        cache_dir=str(base / "cache"))
+    return load_encoder(settings), settings
+
+
+def pixels(n: int, seed: int = 0) -> list[Pixels]:
+    rng = np.random.default_rng(seed)
+    return [Pixels(rng.standard_normal((3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32), 26)
+            for _ in range(n)]
+
+
+def texts(enc, words):
+    return [enc.wrap(ids) for ids in enc.tokenize(words)]
+
+
+def test_texts_and_images_in_one_batch_come_back_in_order(encoder):
+    enc, _ = encoder
+    images, words = pixels(2), texts(enc, ["a cat", "a much longer text than the other"])
+    mixed = enc.encode([images[0], words[0], images[1], words[1]])
+    alone = np.concatenate([enc.encode(images), enc.encode(words)])
+    assert np.allclose(mixed, alone[[0, 2, 1, 3]], atol=1e-5)
+    assert enc.info.modalities == ("text", "image") and enc.info.kind == "image-text"
+
+
+def test_a_texts_vector_does_not_depend_on_its_batch_mates(encoder):
+    enc, _ = encoder
+    short, long = texts(enc, ["cat", "a much longer text than the other one"])
+    assert np.allclose(enc.encode([short]), enc.encode([short, long])[:1], atol=1e-5)
+
+
+def test_a_changed_vision_graph_is_refused(encoder, tmp_path):
+    _, settings = encoder
+    path, _ = record_path(settings)
+    copy = tmp_path / "record"
+    import shutil
+
+    shutil.copytree(path, copy)
+    with open(copy / VISION, "r+b") as f:
+        f.seek(-64, 2)
+        f.write(b"\0" * 64)
+    with pytest.raises(RecordError, match=VISION):
+        open_record(copy, threads=1)
+
+
+def test_images_cross_the_socket_at_their_positions():
+    ids = [[101, 7, 102], *pixels(2, seed=3)]
+    ids.insert(1, [101, 8, 102])
+    flat, lengths, seconds = wire.pack_ids(ids)
+    frame = wire.decode_to_engine(wire.encode(wire.Submit(
+        1, "image", flat, lengths, seconds, **wire.pack_pixels(ids))))
+    got = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
+    assert got == [[101, 7, 102], [101, 8, 102], [], []]
+    wire.unpack_pixels(frame, got, (3, IMAGE_SIZE, IMAGE_SIZE), 26)
+    assert [len(row) for row in got] == [3, 3, 26, 26]
+    assert np.array_equal(got[3].array, ids[3].array)
+
+
+@pytest.mark.parametrize("change", ["shape", "position", "bytes"])
+def test_images_that_do_not_add_up_are_refused(change):
+    ids = [[101, 7, 102], *pixels(1)]
+    fields = wire.pack_pixels(ids)
+    shape = (3, IMAGE_SIZE, IMAGE_SIZE)
+    if change == "shape":
+        shape = (3, IMAGE_SIZE, IMAGE_SIZE + 1)
+    elif change == "position":
+        fields["images"] = (0).to_bytes(4, "little")  # a text's place
     else:
-        config = transformers.SiglipConfig(text_config=TEXT, vision_config=VISION)
-        model = transformers.SiglipModel(config)
-        processor = transformers.SiglipImageProcessorPil(size={"height": 30, "width": 30})
-    return model.eval(), processor
+        fields["pixels"] = fields["pixels"][:-4]
+    frame = wire.Submit(1, "image", *wire.pack_ids(ids), **fields)
+    with pytest.raises(ValueError):
+        wire.unpack_pixels(frame, wire.unpack_ids(frame.ids, frame.lengths), shape, 26)
 
 
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return (a * b).sum(axis=1)
+@pytest.mark.parametrize("item,want", [
+    ({"text": "a"}, "a"), ({"type": "text", "text": "a"}, "a"),
+    ({"image": "data:x"}, ImageRef("data:x", "input")),
+    ({"type": "image_url", "image_url": "data:x"}, ImageRef("data:x", "input")),
+    ({"type": "image_url", "image_url": {"url": "data:x"}}, ImageRef("data:x", "input")),
+])
+def test_content_items_of_every_client(item, want):
+    from embedsvc.api.shapes import content_item
+
+    assert content_item(item, "input[0]") == want
 
 
-@pytest.fixture(params=["clip", "siglip"])
-def served(request, tmp_path):
-    model, processor = tiny(request.param)
-    export_towers(model, tmp_path, image_size=30, text_length=7)
-    processor.save_pretrained(tmp_path)
-    fixed = LENGTH if request.param == "siglip" else None
-    return model, processor, ImageTextTowers(tmp_path, text_length=fixed, pad_id=1), tmp_path
+@pytest.mark.parametrize("item", [{"image": 3}, {"type": "audio", "audio": "x"}, {}, 1.5])
+def test_other_content_items_are_refused(item):
+    from embedsvc.api.shapes import content_item
 
-
-def images() -> list[Image.Image]:
-    rng = np.random.default_rng(1)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-            for w, h in [(30, 30), (64, 40), (17, 90)]]
-
-
-def test_image_vectors_equal_transformers(served):
-    model, processor, towers, record = served
-    pixels = processor(images=images(), return_tensors="pt")["pixel_values"]
-    with torch.no_grad():
-        expected = features(model.get_image_features(pixel_values=pixels)).numpy()
-    got = towers.embed_images(Preprocessor.from_dir(record)(images()))
-    assert got.shape == expected.shape
-    assert cosines(got, expected).min() > 0.9999
-
-
-def test_text_vectors_equal_transformers(served):
-    model, _, towers, _ = served
-    ids = np.array([[97, 5, 6, 7, 98, 1, 1], [97, 9, 10, 11, 12, 13, 98]])
-    mask = (np.arange(7)[None, :] < np.array([[5], [7]])).astype(np.int64)
-    length = towers.text_length or 7
-    padded = np.pad(ids, ((0, 0), (0, length - 7)), constant_values=1)
-    padded_mask = np.pad(mask, ((0, 0), (0, length - 7)))
-    with torch.no_grad():
-        expected = features(model.get_text_features(
-            input_ids=torch.tensor(padded), attention_mask=torch.tensor(padded_mask))).numpy()
-    got = towers.embed_tokens(ids, mask)
-    assert cosines(got, expected).min() > 0.9999
-    assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
-
-
-def test_a_texts_vector_does_not_depend_on_its_batch_mates(served):
-    _, _, towers, _ = served
-    alone = towers.embed_tokens(np.array([[97, 5, 98]]), np.ones((1, 3)))
-    ids = np.array([[97, 5, 98, 1, 1, 1], [97, 5, 6, 7, 8, 98]])
-    mask = np.array([[1, 1, 1, 0, 0, 0], [1] * 6])
-    assert cosines(alone, towers.embed_tokens(ids, mask)[:1]).min() > 0.9999
+    with pytest.raises(InvalidRequest, match=r"'input\[0\]'"):
+        content_item(item, "input[0]")

@@ -213,7 +213,8 @@ def test_openapi_describes_every_route_of_the_table(client):
     fields = doc["components"]["schemas"]["TypedEmbeddingsRequest"]["properties"]
     assert set(fields) == {"input", "model", "encoding_format", "dimensions", "user",
                            "input_type", "task", "output_dimension", "output_dtype",
-                           "embedding_type", "truncation", "normalized"}
+                           "embedding_type", "truncation", "normalized", "modality",
+                           "messages"}
     assert orjson.loads(orjson.dumps(doc)) == doc
 
 
