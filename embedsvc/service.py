@@ -303,7 +303,7 @@ def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalP
     from .runner import LocalPort, Runner
 
     if hasattr(encoder, "towers"):  # an image-text model counts each tower's work
-        encoder.towers = metrics  # type: ignore[attr-defined]
+        encoder.towers = metrics
     batcher = Batcher(encoder.encode, batch_limits(settings, encoder), metrics=metrics)
     batcher.start()
     return LocalPort(Runner(settings, encoder, batcher, metrics))
