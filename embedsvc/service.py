@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 import logging
 import os
 import threading
@@ -275,11 +274,14 @@ class Service:
             info.parameters,
             info.size_bytes / 2**20, seconds,
         )
-        if "image" in info.modalities and importlib.util.find_spec("PIL") is None:
-            from .image import MISSING
+        if "image" in info.modalities:
+            from .image import require_pillow
 
-            log.warning("%s; until then this %s model embeds texts only, and a request with "
-                        "images gets 503", MISSING, info.kind)
+            try:
+                require_pillow()
+            except ImportError as exc:
+                log.warning("%s; until then this %s model embeds texts only, and a request "
+                            "with images gets 503", exc, info.kind)
 
     def _watch(self, batcher: Batcher) -> None:
         """Cancel queued requests past their deadline or orphaned; restart a dead batcher

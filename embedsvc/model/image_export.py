@@ -18,6 +18,10 @@ What differs between models is read from their files, not their names:
 - the attention mask: fed only where the tokenizer's ``model_input_names`` has one (SigLIP's
   has not: its tower attends to the padding, as transformers runs it);
 - an image's cost: its tower's patches and class token, ``(image_size / patch_size)^2 + 1``.
+
+Refused in one line (``unsupported``): a model whose config ships its own modeling code
+(``auto_map``: jina-clip, nomic-embed-vision), and SigLIP 2's NaFlex checkpoints (variable
+patches per image); fixed-resolution SigLIP 2 checkpoints are SigLIP models and served.
 """
 
 from __future__ import annotations
@@ -51,6 +55,22 @@ def is_image_text(config: dict[str, Any]) -> bool:
         isinstance(config.get("vision_config"), dict)
 
 
+def unsupported(source: Path) -> str | None:
+    """Why the image-text model in ``source`` cannot be exported, or None."""
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if "auto_map" in config:  # jina-clip, nomic-embed-vision: code shipped with the weights
+        return ("its config names modeling code of its own (auto_map), which embedsvc does "
+                "not run; its towers are not transformers' CLIP or SigLIP")
+    if config.get("model_type") == "siglip2":
+        return ("SigLIP 2's NaFlex checkpoints preprocess each image at its own aspect ratio "
+                "into a variable number of patches, which this path does not; the "
+                "fixed-resolution SigLIP 2 checkpoints (model_type siglip) are served")
+    missing = [n for n in (TOKENIZER, PREPROCESSOR) if not (source / n).is_file()]
+    if missing:
+        return f"its directory has no {' and no '.join(missing)}"
+    return None
+
+
 def build_image_record(source: Path, key: str, path: Path, *, name: str,
                        kind_setting: str = "auto") -> None:
     """Write the record of the image-text model in ``source`` into the new directory
@@ -58,6 +78,9 @@ def build_image_record(source: Path, key: str, path: Path, *, name: str,
     import tokenizers
     import transformers
 
+    reason = unsupported(source)
+    if reason is not None:
+        raise RuntimeError(f"{name} is not served: {reason}")
     path.mkdir()
     model = transformers.AutoModel.from_pretrained(str(source)).float().eval()
     config = model.config

@@ -263,3 +263,22 @@ def test_the_cohere_and_openai_clients_send_images(served):
     rows = np.array([item.embedding for item in answer.data], dtype=np.float32)
     same(rows[:1], want["images"][:1])
     same(rows[1:], want["texts"][:1])
+
+
+def test_without_pillow_texts_serve_and_images_name_the_extra(exported, tmp_path):
+    from .test_lean import BLOCKED
+
+    path, cache, want = exported["clip"]
+    script = tmp_path / "embedsvc_without_pillow.py"
+    script.write_text(GUARD.replace(repr(BLOCKED), repr((*BLOCKED, "PIL"))), encoding="utf-8")
+    cmd = [sys.executable, str(script), "serve", "--port", "0", "--model", str(path),
+           "--cache-dir", str(cache)]
+    with running(cmd, tmp_path / "serve.log") as server:
+        same(openai_rows(post(server, "/v1/embeddings", {"input": TEXTS})), want["texts"])
+        resp = loopback.post(server.url + "/v1/embeddings",
+                             json={"input": [{"image": "data:image/png;base64,AAAA"}]},
+                             timeout=30)
+        log = server.output()
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["message"] == "images need Pillow: pip install 'embedsvc[image]'"
+    assert "images need Pillow: pip install 'embedsvc[image]'; until then" in log

@@ -115,3 +115,22 @@ def test_other_content_items_are_refused(item):
 
     with pytest.raises(InvalidRequest, match=r"'input\[0\]'"):
         content_item(item, "input[0]")
+
+
+@pytest.mark.parametrize("extra,found", [
+    ({"auto_map": {"AutoModel": "modeling_clip.JinaCLIPModel"}}, "modeling code of its own"),
+    ({"model_type": "siglip2"}, "NaFlex"),
+    ({}, "no preprocessor_config.json"),
+])
+def test_models_this_path_cannot_serve_are_refused_in_one_line(tmp_path, extra, found):
+    import json
+
+    from embedsvc.model.backend import serve_image_text
+
+    config = {"model_type": "clip", "text_config": {}, "vision_config": {}, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    settings = Settings(model=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=found) as caught:
+        serve_image_text(settings)
+    assert "\n" not in str(caught.value)
