@@ -64,6 +64,8 @@ def _add_children(commands: argparse._SubParsersAction) -> None:
         child = commands.add_parser(name)
         child.add_argument("--runtime-dir", required=True)
         child.add_argument("--watch-pid", type=int, action="append", default=[])
+        if name == "engine":  # which of several models (catalog.py)
+            child.add_argument("--model-index", type=int, default=0)
         if name == "front":
             child.add_argument("--fd", type=int, required=True)
             child.add_argument("--probe-fd", type=int)
@@ -203,7 +205,7 @@ def _child(args: argparse.Namespace) -> int:
     settings = Settings.from_env(os.environ)
     directory = Path(args.runtime_dir)
     if args.command == "engine":
-        return children.run_engine(settings, directory, args.watch_pid)
+        return children.run_engine(settings, directory, args.watch_pid, args.model_index)
     return children.run_front(settings, directory, args.fd, args.probe_fd, args.watch_pid)
 
 

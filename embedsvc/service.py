@@ -24,8 +24,8 @@ from prometheus_client import generate_latest
 
 from . import __version__
 from .engine_client import EngineClient
-from .errors import Unavailable, shutting_down
-from .metrics import Metrics, exposition
+from .errors import NotFound, Unavailable, shutting_down
+from .metrics import Family, Metrics, exposition, families
 from .settings import Settings
 from .tenants import Keyring, Quotas
 from .work import ModelInfo, ShutdownReport
@@ -47,6 +47,9 @@ _LOADING = "the model is still loading; retry in a few seconds"
 # How long a front's first look at the service waits to meet an engine that is serving (its
 # card, the tokenizer built from it: 1.7 s once on a busy machine)
 _SETTLE_S = 5.0
+# The HTTP side's metric families, which no model owns (Service.exposition)
+_HTTP_FAMILIES = ("embedsvc_requests", "embedsvc_request_duration", "embedsvc_tenant_",
+                  "embedsvc_connections_closed", "embedsvc_open_connections", "process_")
 
 
 def load_encoder(
@@ -99,6 +102,11 @@ class Service:
         self._draining = False
         self._started = False
         self._start_lock = threading.Lock()
+        # Several models (catalog.py): this service is the first's, and holds every model's
+        # by name and alias; the others share its keyring and quotas. Empty: one model.
+        self.name = ""
+        self.others: list[Service] = []
+        self._named: dict[str, Service] = {}
 
     def start(self, background: bool = True) -> None:
         """Load the model and start the batcher, once; ``background`` returns at once."""
@@ -107,6 +115,11 @@ class Service:
                 return
             self._started = True
         self.keyring.watch(self._stop)
+        for other in self.others:
+            other.start(background)
+        if self.others:
+            threading.Thread(target=self._announce_models, name="embedsvc-models",
+                             daemon=True).start()
         if background:
             threading.Thread(target=self._load, name="embedsvc-loader", daemon=True).start()
         else:
@@ -130,6 +143,8 @@ class Service:
         starts it) waits up to ``timeout`` for it when the engine's socket is there (it
         serves), so that /health, /info and /metrics answer the service's state from any
         process, not that this one has just started."""
+        for other in self.others:
+            other.settle(timeout)
         address = self.engine_address
         if address is None or self._loaded.is_set() \
                 or not os.path.exists(address.removeprefix("ipc://")):
@@ -152,14 +167,34 @@ class Service:
 
     def exposition(self) -> bytes:
         """/metrics: this process's metrics; with an engine process, the whole service's
-        (the engine's, every front's) merged, each counted once."""
+        (the engine's, every front's) merged, each counted once. With several models, each
+        model's families carry its name as the label ``model``; the HTTP side's (requests,
+        tenants, connections, ``process_*``) are the first model's service's, unlabelled."""
+        if not self.others:
+            if self._link is None or self._link.state == "loading":
+                return generate_latest(self.metrics.registry)
+            return exposition(self._families())
+        merged: dict[str, Family] = {}
+        for service in self.models:
+            for name, kind, doc, samples in service._families():
+                if name.startswith(_HTTP_FAMILIES):
+                    if service is self:
+                        merged[name] = (name, kind, doc, samples)
+                    continue
+                labelled = [(n, {**labels, "model": service.name}, v)
+                            for n, labels, v in samples]
+                merged.setdefault(name, (name, kind, doc, []))[3].extend(labelled)
+        return exposition(list(merged.values()))
+
+    def _families(self) -> list[Family]:
+        """This model's metrics as families: this process's, or the engine's merged."""
         if self._link is None or self._link.state == "loading":
-            return generate_latest(self.metrics.registry)
+            return families(self.metrics.registry)
         from .remote.wire import Exposition, Scrape
 
         merged = self._link.ask(Scrape(self.pid, *self.metrics.snapshot(self.pid)),
                                 Exposition, timeout=2.0)
-        return exposition(merged.families)
+        return list(merged.families)
 
     @property
     def model(self) -> ModelInfo | None:
@@ -202,7 +237,74 @@ class Service:
             report = self._client.shutdown(timeout)
         if self._link is not None:
             self._link.close()
+        for other in self.others:  # in turn, each within the time left of ``timeout``
+            more = other.drain(timeout)
+            report = ShutdownReport(report.completed + more.completed,
+                                    report.failed + more.failed, report.clean and more.clean,
+                                    report.uncomputed + more.uncomputed)
         return report
+
+    # -- several models -------------------------------------------------------------------
+
+    @property
+    def models(self) -> list[Service]:
+        """Every model's service, the first (this one) first."""
+        return [self, *self.others]
+
+    def serve_also(self, entries: list[tuple[str, tuple[str, ...], Service]]) -> None:
+        """Serve several models: ``entries`` (name, aliases, service), this one's first."""
+        for name, aliases, service in entries:
+            service.name = name
+            if service is not self:
+                service.keyring, service.quotas = self.keyring, self.quotas
+                self.others.append(service)
+            for key in (name, *aliases):
+                self._named[key] = service
+
+    def choose(self, name: str | None, kinds: frozenset[str] | None, timeout: float
+               ) -> Service:
+        """The service of the model a request names (404 naming the served ones for a name
+        not served), or without a name the first model of one of ``kinds``. One model:
+        this one, whatever the name (clients send their own names, as OpenAI's do)."""
+        if not self.others:
+            return self
+        if name:
+            found = self._named.get(name) or self._named.get(name.removesuffix(":latest"))
+            if found is None:
+                served = ", ".join(s.name for s in self.models)
+                raise NotFound(f"the model '{name}' is not served here; this server serves "
+                               f"{served} (GET /v1/models)", param="model",
+                               code="model_not_found")
+            return found
+        if kinds is None:
+            return self
+        deadline = time.monotonic() + timeout
+        for service in self.models:
+            model = service.model
+            if model is None:  # still loading: its kind is known once it is up
+                try:
+                    model = service.ready(max(0.0, deadline - time.monotonic())).info
+                except Unavailable:
+                    continue
+            if model.kind in kinds:
+                return service
+        return self  # the route answers wrong_model_kind, or 503 while models load
+
+    def _announce_models(self) -> None:
+        """Once every model is up: one line with each one's size and the total."""
+        for service in self.models:
+            while not service._loaded.wait(0.5):
+                if self._stop.is_set():
+                    return
+        up = [(s.name, s.model) for s in self.models if s.model is not None]
+        log.info("models ready: %s; %.1f MiB in all",
+                 ", ".join(f"{name} ({model.kind}, {model.device}, "
+                           f"{model.size_bytes / 2**20:.1f} MiB)" for name, model in up),
+                 sum(model.size_bytes for _, model in up) / 2**20)
+
+    def states(self) -> dict[str, str]:
+        """Each model's state, by name."""
+        return {service.name: service.state for service in self.models}
 
     def _load(self, background: bool = True) -> None:
         if self.engine_address is not None:
@@ -221,6 +323,8 @@ class Service:
             self.failure = failure  # only now: waiting requests answer as soon as it is set
             self._loaded.set()
             return
+        if self.name:  # one of several models: clients know it by its name in the list
+            encoder.info = dataclasses.replace(encoder.info, name=self.name)
         port = local_port(self.settings, encoder, self.metrics)
         port.admission.quotas = self.quotas
         self._runner = port.runner
@@ -297,6 +401,19 @@ class Service:
                         batcher.restart()
             except Exception:  # noqa: BLE001 - requests rely on this thread for their deadlines
                 log.exception("watchdog tick failed; continuing")
+
+
+def serve_models(settings: Settings, make: Callable[[Settings, int], Service]) -> Service:
+    """The services of the models ``settings`` list (catalog.py), ``make(settings, index)``
+    building each: the first's, which holds the others when there are several."""
+    from .catalog import catalog
+
+    entries = catalog(settings)
+    services = [make(entry.settings, i) for i, entry in enumerate(entries)]
+    if len(services) > 1:
+        services[0].serve_also([(entry.name, entry.aliases, service)
+                                for entry, service in zip(entries, services, strict=True)])
+    return services[0]
 
 
 def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalPort:

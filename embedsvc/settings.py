@@ -261,6 +261,19 @@ class Settings:
         "and when it changes (docs/operations.md, tenants)",
         serve_only=True,
     )
+    models: str = _setting(
+        "", _text,
+        "several models behind one port: comma-separated NAME=SOURCE (SOURCE as MODEL); a "
+        "request's 'model' field chooses one by NAME, TEI's routes take the first of their "
+        "kind; empty: MODEL alone (docs/deployment.md, several models)",
+        serve_only=True,
+    )
+    models_file: str | None = _setting(
+        None, _optional_text,
+        "a TOML file of models ([[models]] with name, source, aliases and this model's own "
+        "settings), instead of MODELS",
+        serve_only=True,
+    )
     host: str = _setting("127.0.0.1", _text, "address for 'embedsvc serve'", serve_only=True)
     port: int = _setting(8080, _port, "TCP port for 'embedsvc serve' (0: any free port)",
                          serve_only=True)

@@ -44,9 +44,13 @@ def _parse(model: type[Request], call: Call) -> Any:
     max_inputs, max_ids = settings.max_inputs_per_request, settings.max_queue_tokens
     check_lists(listed_fields(model), body, max_inputs, max_ids)
     try:
-        return model.model_validate(body, context={"max_inputs": max_inputs, "max_ids": max_ids})
+        parsed = model.model_validate(body, context={"max_inputs": max_inputs,
+                                                     "max_ids": max_ids})
     except ValidationError as exc:
         raise _invalid(exc) from None
+    if call.service.others:  # several models: the body's ``model`` chooses one (Call)
+        call.model = getattr(parsed, "model", None) or None
+    return parsed
 
 
 def _expected(model: type[Request]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from ..errors import InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound, Unavailable
 from ..work import EMBED, IMAGE, ImageRef, ModelInfo
 from . import typed
 from .bodies import as_list, parse
@@ -113,13 +113,27 @@ def _media(call: Call, req: TypedEmbeddingsRequest, inputs: list[Any]) -> Reply:
 
 
 def models(call: Call) -> Reply:
-    """GET /v1/models: the served model, as OpenAI lists its models."""
-    return json_reply({"object": "list", "data": [_model(call.engine_client().info)]})
+    """GET /v1/models: the served models, as OpenAI lists its models (a model still loading
+    is listed once it is up)."""
+    if not call.service.others:
+        return json_reply({"object": "list", "data": [_model(call.engine_client().info)]})
+    listed = []
+    for service in call.service.models:
+        try:
+            listed.append(_model(service.ready(max(0.0, call.deadline - time.monotonic()))
+                                 .info))
+        except Unavailable:
+            continue
+    return json_reply({"object": "list", "data": listed})
 
 
 def model(call: Call) -> Reply:
-    """GET /v1/models/{model}: the served model by its name; any other is OpenAI's 404."""
-    info, asked = call.engine_client().info, call.params.get("model", "")
+    """GET /v1/models/{model}: a served model by its name; any other is OpenAI's 404."""
+    asked = call.params.get("model", "")
+    if call.service.others:
+        chosen = call.service.choose(asked, None, 0.0)
+        return json_reply(_model(chosen.ready(max(0.0, call.deadline - time.monotonic())).info))
+    info = call.engine_client().info
     if asked != info.name:
         raise NotFound(f"The model '{asked}' does not exist; this server serves '{info.name}' "
                        "(see GET /v1/models)", param="model", code="model_not_found")

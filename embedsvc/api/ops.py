@@ -66,12 +66,32 @@ def info(call: Call) -> Reply:
         "engine_pid": service.engine_pid,  # the process that holds the model
         "front_pids": service.front_pids,  # the HTTP processes in front of it
         "state": service.state,
+        **({"models": [_about(m) for m in service.models]} if service.others else {}),
     })
+
+
+def _about(service: Any) -> dict[str, Any]:
+    """One of several models in /info: its name, kind, dimension, engine and state."""
+    model = service.model
+    return {"name": service.name, "model_id": model.name if model else None,
+            "kind": model.kind if model else None,
+            "dimension": model.dimension if model else None,
+            "modalities": list(model.modalities) if model else None,
+            "device": model.device if model else None,
+            "size_bytes": model.size_bytes if model else None,
+            "engine_pid": service.engine_pid, "state": service.state}
 
 
 def health(call: Call) -> Reply:
     """GET /health: 200 once the model is loaded and the batcher runs, else 503 and why."""
     call.service.settle()
+    if call.service.others:  # several models: ready when every one is, and says which are
+        states = call.service.states()
+        if any(state != "ready" for state in states.values()):
+            waiting = ", ".join(f"{name}: {state}" for name, state in states.items()
+                                if state != "ready")
+            raise Unavailable(f"not every model is ready ({waiting})", code="loading")
+        return json_reply({"status": "ok", "models": states})
     state = call.service.state
     if state != "ready":
         raise Unavailable(_HEALTH_REASONS.get(state, state), code=state)

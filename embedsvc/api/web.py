@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import BaseModel
 
-from ..errors import OPENAI, ErrorShape
+from ..errors import OPENAI, ErrorShape, InvalidRequest
 from ..work import Embedded, ModelInfo, Work
 from .lane import BodyLane
 
@@ -54,6 +54,9 @@ class Call:
     params: dict[str, str] = field(default_factory=dict)  # the path's, by the route's {names}
     lane: BodyLane | None = None  # large bodies' turns (lane.py); None: parsed at once
     tenant: str | None = None  # whose API key it presented (tenants.py)
+    kinds: frozenset[str] | None = None  # the model kinds its route serves (Route.kinds)
+    path: str = ""  # its route's path
+    model: str | None = None  # the model its body names (bodies.parse), with several models
     _client: EngineClient | None = None
 
     @property
@@ -81,8 +84,29 @@ class Call:
         """The handle on the engine, waiting for the model up to this request's deadline (else
         503)."""
         if self._client is None:
-            self._client = self.service.ready(max(0.0, self.deadline - time.monotonic()))
+            timeout = max(0.0, self.deadline - time.monotonic())
+            if not self.service.others:
+                self._client = self.service.ready(timeout)
+            else:  # several models: the one the body names, or the route's kind's first
+                chosen = self.service.choose(self.model, self.kinds, timeout)
+                self._client = chosen.ready(max(0.0, self.deadline - time.monotonic()))
+                check_kind(self.kinds, self._client.info.kind, self.path, chosen.name)
         return self._client
+
+
+def check_kind(kinds: frozenset[str] | None, kind: str, path: str, name: str = "") -> None:
+    """400 ``wrong_model_kind`` for a model of ``kind`` (named ``name``, with several) on a
+    route of ``kinds``."""
+    if kinds is not None and kind not in kinds:
+        wanted = " or ".join(sorted(kinds))
+        served = f"model {name!r} is {_a(kind)} model" if name else \
+            f"this server serves {_a(kind)} model"
+        raise InvalidRequest(f"{path} needs {_a(wanted)} model, but {served}; see /info and "
+                             "/openapi.json for its routes", code="wrong_model_kind")
+
+
+def _a(word: str) -> str:
+    return ("an " if word[:1] in "aeiou" else "a ") + word
 
 
 Handler = Callable[[Call], Reply]

@@ -44,12 +44,12 @@ from ..errors import (
     internal_error,
 )
 from ..metrics import Metrics
-from ..service import Service
+from ..service import Service, serve_models
 from ..settings import Settings
 from .lane import BodyLane
 from .routes import ROUTES
 from .tracing import tracing_for
-from .web import Call, Reply, Route, json_reply
+from .web import Call, Reply, Route, check_kind, json_reply
 
 if TYPE_CHECKING:  # an encoder given by a test or a library user; the app never loads one
     from ..model.encoder import Encoder
@@ -139,9 +139,9 @@ class Pipeline:
                 environ["wsgi.input"] = io.BytesIO(body)
                 return self._to_flask(environ, start_response, started)
             call = Call(self.service, body, started, environ.get("waitress.client_disconnected"),
-                        _flow(environ), params, self.lane, tenant)
-            if route.kinds is not None:
-                check_kind(route, call)
+                        _flow(environ), params, self.lane, tenant, route.kinds, route.path)
+            if route.kinds is not None and not self.service.others:  # else: as it is chosen
+                check_kind(route.kinds, call.engine_client().info.kind, route.path)
             if self.tracing is None:  # no OTLP_ENDPOINT: this look is all tracing costs
                 reply = route.handler(call)
             else:
@@ -211,21 +211,6 @@ class Pipeline:
             access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f%s", method, route, status,
                             inputs, tokens, seconds * 1000,
                             "" if tenant is None else f" tenant={tenant}")
-
-
-def check_kind(route: Route, call: Call) -> None:
-    kind = call.engine_client().info.kind
-    if route.kinds is not None and kind not in route.kinds:
-        wanted = " or ".join(sorted(route.kinds))
-        raise InvalidRequest(
-            f"{route.path} needs {_a(wanted)} model, but this server serves {_a(kind)} model; "
-            "see /info and /openapi.json for its routes",
-            code="wrong_model_kind",
-        )
-
-
-def _a(word: str) -> str:
-    return ("an " if word[:1] in "aeiou" else "a ") + word
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:
@@ -303,8 +288,11 @@ def create_app(
         app.extensions["embedsvc"].start()
     """
     settings = settings or Settings()
-    if service is None:
+    if service is None and encoder is not None:
         service = Service(settings, encoder=encoder, metrics=Metrics(registry))
+    elif service is None:  # each model's metrics in a registry of its own (Service.exposition)
+        service = serve_models(settings, lambda own, i: Service(
+            own, metrics=Metrics(registry if i == 0 else None)))
     app = Flask("embedsvc")
     app.extensions["embedsvc"] = service
     pipeline = Pipeline(service, app.wsgi_app)

@@ -100,6 +100,17 @@ def _bases() -> list[Path]:
             if _fits(base / f"embedsvc-{os.getuid()}" / _LONGEST_RUN_DIR / ENGINE_SOCKET)]
 
 
+def model_dir(directory: Path, index: int) -> Path:
+    """The directory of the ``index``-th model's engine among several (catalog.py): the run's
+    own for the first, a subdirectory, private as the run's is, for each other."""
+    if index == 0:
+        return directory
+    own = directory / f"model-{index}"
+    with contextlib.suppress(FileExistsError):
+        own.mkdir(mode=0o700)
+    return own
+
+
 def engine_address(directory: Path) -> str:
     path = directory / ENGINE_SOCKET
     if not _fits(path):

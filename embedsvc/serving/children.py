@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..remote.place import engine_address
-from ..service import Service
+from ..catalog import catalog
+from ..remote.place import engine_address, model_dir
+from ..service import Service, serve_models
 from ..settings import Settings
 from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
 from .process import serving_process
@@ -33,9 +34,11 @@ log = logging.getLogger(__name__)
 
 
 
-def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -> int:
-    """Load the model, then serve it on the engine socket in ``directory`` until SIGTERM or
-    until a watched process is gone (then the directory goes too); the exit code."""
+def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
+               index: int = 0) -> int:
+    """Load the model (the ``index``-th of several, catalog.py), then serve it on the engine
+    socket in ``directory`` until SIGTERM or until a watched process is gone (then the
+    directory goes too); the exit code."""
     from ..model.text import describe, text_spec  # the model side: never in a front
     from ..remote.server import EngineServer
 
@@ -45,7 +48,10 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int]) -
     if orphaned:
         log.info("engine not started: process %d, which it would serve, is gone", orphaned[0])
         return 0
+    entry = catalog(settings)[index]
+    settings = entry.settings
     service = Service(settings)
+    service.name = entry.name
     try:
         service.start(background=False)
     except RuntimeError as exc:
@@ -89,7 +95,8 @@ def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None
     from .server import Server
 
     serving_process(settings)
-    service = Service(settings, engine_address=engine_address(directory))
+    service = serve_models(settings, lambda own, i: Service(
+        own, engine_address=engine_address(model_dir(directory, i))))
     service.start(background=True)
     sock = socket.socket(fileno=fd)
     probes = socket.socket(fileno=probe_fd) if probe_fd is not None else None

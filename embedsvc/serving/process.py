@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import Unavailable
 from ..logs import configure_logging, quiet_model_libraries
-from ..service import Service, load_encoder
+from ..service import Service, load_encoder, serve_models
 from ..settings import Settings
 from .preflight import check_tracing
 
@@ -251,15 +251,19 @@ class LazyApp:
         serving_process(settings)
         check_fork(settings)
         owner = engine_owner(settings, gunicorn_workers())
-        if owner is not None:  # the model in one engine process that every worker feeds
+        if owner is not None:  # each model in one engine process that every worker feeds
             from ..remote.place import engine_address
 
-            shared = SharedEngine(settings, owner)
-            shared.ensure()
-            service = Service(settings, engine_address=engine_address(shared.directory),
-                              keeper=shared.ensure)
+            def remote(own: Settings, index: int) -> Service:
+                shared = SharedEngine(settings, owner, index)
+                shared.ensure()
+                return Service(own, engine_address=engine_address(shared.directory),
+                               keeper=shared.ensure)
+
+            service = serve_models(settings, remote)
         else:
-            service = Service(settings, loader=partial(self._load, settings, self._preloaded))
+            service = serve_models(settings, lambda own, index: Service(
+                own, loader=partial(self._load, own, self._preloaded if index == 0 else None)))
             service.on_ready.append(lambda info: warn_if_wasteful(
                 info.device, sibling_workers(), _server_software(self._env)))
         app = create_app(settings, service=service)
@@ -277,6 +281,10 @@ class LazyApp:
         if engine_owner(settings, workers) is not None:
             log.info("gunicorn master (pid %d) preloads nothing: its %s workers share one "
                      "engine process, which the first of them starts", os.getpid(), workers)
+            return
+        if settings.models or settings.models_file:
+            log.info("gunicorn master (pid %d) preloads nothing: it serves several models "
+                     "(MODELS), each loaded after the fork", os.getpid())
             return
         if recorded(settings) or not pytorch_installed():
             log.info("gunicorn master (pid %d) preloads nothing: the model serves without "

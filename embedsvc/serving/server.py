@@ -20,7 +20,7 @@ from typing import Any
 
 from ..api.wsgi import create_app
 from ..logs import configure_logging
-from ..service import Service
+from ..service import Service, serve_models
 from ..settings import Settings
 from ..work import ShutdownReport
 from . import drain, waitress_adapter
@@ -171,7 +171,7 @@ def _flush_logs() -> None:
 def serve(settings: Settings) -> int:
     """Load the model, then serve until a signal; the exit code."""
     configure_logging(settings.log_level, settings.log_format)
-    service = Service(settings)
+    service = serve_models(settings, lambda own, i: Service(own))
     try:
         service.start(background=False)
     except RuntimeError as exc:

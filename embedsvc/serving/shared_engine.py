@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..remote.place import owner_dir
+from ..remote.place import model_dir, owner_dir
 from ..settings import Settings
 from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, came_up
 
@@ -80,10 +80,12 @@ def engine_owner(settings: Settings, workers: int | None) -> int | None:
 class SharedEngine:
     """The engine process that serves while ``master_pid`` lives, started on demand."""
 
-    def __init__(self, settings: Settings, master_pid: int) -> None:
+    def __init__(self, settings: Settings, master_pid: int, index: int = 0) -> None:
         self.settings = settings
         self.master_pid = master_pid
-        self.directory = owner_dir(master_pid)
+        self.root = owner_dir(master_pid)
+        self.index = index  # which of several models (catalog.py): one engine each
+        self.directory = model_dir(self.root, index)
 
     def ensure(self) -> str | None:
         """Start the engine unless one is running (any worker may call it, at any time);
@@ -115,7 +117,7 @@ class SharedEngine:
             return
         log.error("the engine process could not start: %s; fix it, then start gunicorn "
                   "again", why.strip())
-        shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
         _flush_logs()
         os._exit(WORKER_BOOT_ERROR)
 
@@ -125,6 +127,8 @@ class SharedEngine:
             return
         cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
                str(self.directory), "--watch-pid", str(self.master_pid)]
+        if self.index:
+            cmd += ["--model-index", str(self.index)]
         env = {**os.environ, **self.settings.to_env()}
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         (self.directory / _PID_FILE).write_text(str(proc.pid))

@@ -34,7 +34,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from ..remote.place import fresh_dir
+from ..catalog import catalog
+from ..remote.place import fresh_dir, model_dir
 from ..settings import Settings
 from .children import child_command
 from .lifeline import ENGINE_BOOT_ERROR, came_up
@@ -57,6 +58,7 @@ class Child:
     role: str  # "engine" or "front"
     proc: subprocess.Popen
     listener: socket.socket | None = None  # a front's, kept for its replacement
+    index: int = 0  # an engine's: which of the models (catalog.py) it holds
     started: float = field(default_factory=time.monotonic)
     restart_at: float | None = None  # it exited: its replacement starts then
 
@@ -70,11 +72,12 @@ class Supervisor:
         self.listeners = _listeners(settings.host, settings.port, settings.workers)
         self.probes = (_listen(settings.host, settings.health_port)
                        if settings.health_port is not None else None)
-        self.engine: Child | None = None
+        self.models = len(catalog(settings))  # one engine process each
+        self.engines: list[Child] = []
         self.fronts: list[Child] = []
         self._signals = 0
         self._draining = False
-        self._failed_starts = {"engine": 0, "front": 0}  # in a row, by role
+        self._failed_starts: dict[str, int] = {}  # in a row, by role (and engine)
 
     @property
     def port(self) -> int:
@@ -85,12 +88,13 @@ class Supervisor:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGHUP, self._pass_on)
         try:
-            self.engine = self._start("engine")
+            self.engines = [self._start("engine", index=i) for i in range(self.models)]
             self.fronts = [self._start("front", self.listeners[i % len(self.listeners)])
                            for i in range(self.settings.workers)]
-            log.info("serving on http://%s:%d (supervisor pid %d; engine pid %d; %d fronts, "
+            log.info("serving on http://%s:%d (supervisor pid %d; engine pid%s %s; %d fronts, "
                      "pids %s)", self.settings.host, self.port, os.getpid(),
-                     self.engine.proc.pid, len(self.fronts),
+                     "s" if len(self.engines) > 1 else "",
+                     ", ".join(str(e.proc.pid) for e in self.engines), len(self.fronts),
                      ", ".join(str(f.proc.pid) for f in self.fronts))
             if self.probes is not None:
                 log.info("probes on http://%s:%d (/health, /info, /metrics)",
@@ -105,8 +109,12 @@ class Supervisor:
 
     # -- children -----------------------------------------------------------------------------
 
-    def _start(self, role: str, listener: socket.socket | None = None) -> Child:
-        args = ["--runtime-dir", str(self.directory), "--watch-pid", str(os.getpid())]
+    def _start(self, role: str, listener: socket.socket | None = None, index: int = 0
+               ) -> Child:
+        directory = model_dir(self.directory, index) if role == "engine" else self.directory
+        args = ["--runtime-dir", str(directory), "--watch-pid", str(os.getpid())]
+        if role == "engine" and self.models > 1:
+            args += ["--model-index", str(index)]
         fds = []
         if listener is not None:
             fds.append(listener.fileno())
@@ -119,14 +127,13 @@ class Supervisor:
         # the supervisor alone, which stops the children in order
         proc = subprocess.Popen(child_command(role, *args), env=env, pass_fds=fds,
                                 start_new_session=True)
-        return Child(role, proc, listener)
+        return Child(role, proc, listener, index)
 
     def _watch(self) -> int:
         """Replace children that die, until a signal has drained them all; the exit code."""
         while not self._draining:
             time.sleep(_POLL_S)
-            for child in [self.engine, *self.fronts]:
-                assert child is not None
+            for child in [*self.engines, *self.fronts]:
                 if self._draining:
                     break
                 if child.restart_at is not None:
@@ -137,8 +144,8 @@ class Supervisor:
                 if code is None:
                     continue
                 if child.role == "engine" and code == ENGINE_BOOT_ERROR:
-                    log.error("the engine could not load the model (its log says why); "
-                              "stopping")
+                    log.error("the engine could not load %s (its log says why); stopping",
+                              "the model" if self.models == 1 else f"model {child.index + 1}")
                     return 1
                 if not self._judge(child, code):
                     return 1
@@ -147,11 +154,14 @@ class Supervisor:
     def _judge(self, child: Child, code: int) -> bool:
         """When to replace ``child``, which exited: at once if it came up, else after a
         backoff; False (stop) after ``_FAILED_STARTS`` in a row that never came up."""
-        if came_up(self.directory, child.proc.pid):
-            self._failed_starts[child.role] = 0
+        role = f"{child.role}-{child.index}" if child.role == "engine" else child.role
+        directory = model_dir(self.directory, child.index) if child.role == "engine" \
+            else self.directory
+        if came_up(directory, child.proc.pid):
+            self._failed_starts[role] = 0
             delay = 0.0
         else:
-            failed = self._failed_starts[child.role] = self._failed_starts[child.role] + 1
+            failed = self._failed_starts[role] = self._failed_starts.get(role, 0) + 1
             if failed >= _FAILED_STARTS:
                 log.error("the %s process exited before it came up %d times in a row (last: "
                           "%s); stopping", child.role, failed, _status(code))
@@ -164,11 +174,11 @@ class Supervisor:
         return True
 
     def _restart(self, child: Child) -> None:
-        new = self._start(child.role, child.listener)
+        new = self._start(child.role, child.listener, child.index)
         log.info("started %s pid %d in place of pid %d", child.role, new.proc.pid,
                  child.proc.pid)
         if child.role == "engine":
-            self.engine = new
+            self.engines[self.engines.index(child)] = new
         else:
             self.fronts[self.fronts.index(child)] = new
 
@@ -177,16 +187,16 @@ class Supervisor:
     def _pass_on(self, signum: int, frame: object) -> None:
         """SIGHUP: every child reloads the keys file (the fronts check keys, the engine
         enforces their quotas)."""
-        for child in [self.engine, *self.fronts]:
-            if child is not None and child.proc.poll() is None:
+        for child in [*self.engines, *self.fronts]:
+            if child.proc.poll() is None:
                 child.proc.send_signal(signum)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals += 1
         if self._signals > 1:
             log.warning("signal %d again: ending every process at once", signum)
-            for child in [self.engine, *self.fronts]:
-                if child is not None and child.proc.poll() is None:
+            for child in [*self.engines, *self.fronts]:
+                if child.proc.poll() is None:
                     child.proc.kill()
             os._exit(128 + signum)
         log.info("signal %d: draining the fronts, then the engine (up to %.0fs)", signum,
@@ -205,8 +215,7 @@ class Supervisor:
         the engine."""
         deadline = time.monotonic() + self.settings.drain_timeout_s + 5
         _stop([f.proc for f in self.fronts], deadline, signal.SIGUSR1)  # a front's "drain"
-        if self.engine is not None:
-            _stop([self.engine.proc], deadline + 5, signal.SIGTERM)
+        _stop([engine.proc for engine in self.engines], deadline + 5, signal.SIGTERM)
 
 
 def _stop(procs: list[subprocess.Popen], deadline: float, signum: int) -> None:

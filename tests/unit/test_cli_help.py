@@ -13,7 +13,7 @@ SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-byte
           "--otlp-endpoint",
           "--max-connections", "--health-port", "--token-ids", "--workers", "--engine",
           "--keys-file", "--max-images-per-request", "--max-image-bytes", "--max-image-pixels",
-          "--image-url-hosts"}
+          "--image-url-hosts", "--models", "--models-file"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",
           "--max-wait-ms", "--max-queue", "--max-inputs-per-request", "--max-input-chars",
           "--auto-truncate", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
