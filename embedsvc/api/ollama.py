@@ -63,22 +63,25 @@ def embeddings(call: Call) -> Reply:
 
 
 def tags(call: Call) -> Reply:
-    """GET /api/tags: the served model, as ``ollama list`` shows models."""
-    info = call.info
-    name = ollama_name(info)
+    """GET /api/tags: the served models, as ``ollama list`` shows models."""
+    infos = [call.info]
+    if call.service.others:
+        infos = [service.ready(max(0.0, call.deadline - time.monotonic())).info
+                 for service in call.service.models]
     return json_reply({"models": [{
-        "name": name, "model": name, "modified_at": _listed_at(),
+        "name": ollama_name(info), "model": ollama_name(info), "modified_at": _listed_at(),
         "size": info.size_bytes, "digest": _digest(info), "details": _details(info),
-    }]})
+    } for info in infos]})
 
 
 def show(call: Call) -> Reply:
     """POST /api/show: the served model's details, by the name /api/tags lists."""
     req = parse(OllamaShowRequest, call)
-    info = call.info
     asked = req.model or req.name
     if asked is None:
         raise InvalidRequest("'model' is required", param="model", code="invalid_model")
+    call.model = asked  # with several models, the one it names (404 for any other)
+    info = call.info
     if not named(info, asked):
         raise NotFound(f"model '{asked}' not found; this server serves '{ollama_name(info)}' "
                        "(see /api/tags)", param="model", code="model_not_found")

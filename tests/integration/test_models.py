@@ -96,6 +96,11 @@ def test_the_models_routes_list_every_model(several):
     assert loopback.get(server.url + "/v1/models/reranker", timeout=30).json()["id"] == \
         "reranker"
     assert loopback.get(server.url + "/v1/models/nope", timeout=30).status_code == 404
+    tags = loopback.get(server.url + "/api/tags", timeout=30).json()["models"]
+    assert [m["name"] for m in tags] == [f"{EMBEDDER}:latest", "reranker:latest",
+                                         "sparse:latest"]
+    shown = loopback.post(server.url + "/api/show", json={"model": "sparse:latest"}, timeout=30)
+    assert shown.json()["model_info"]["general.architecture"] == "sparse", shown.text
     health = loopback.get(server.url + "/health", timeout=30).json()
     assert health == {"status": "ok", "models": dict.fromkeys(
         [EMBEDDER, "reranker", "sparse"], "ready")}
