@@ -19,9 +19,9 @@ ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-s
           "--onnx-threads", "--max-queue-tokens", "--kind", "--max-images-per-request",
           "--max-image-bytes", "--max-image-pixels"}
 LOGS = {"--log-level", "--log-format"}
-JOB = {"--output", "--text-field", "--id-field", "--url", "--chunk-size", "--concurrency",
-       "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus",
-       "--output-dtype"}
+JOB = {"--output", "--text-field", "--id-field", "--image-field", "--url", "--chunk-size",
+       "--concurrency", "--part-size", "--part-seconds", "--restart", "--ray", "--actors",
+       "--actor-cpus", "--output-dtype"}
 EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
           "--onnx-threads"}
 FLAGS = {
