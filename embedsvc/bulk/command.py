@@ -170,7 +170,7 @@ def _check_extras(options: BulkOptions) -> None:
 def _check_kind(kind: str | None, options: BulkOptions) -> None:
     output = PARQUET if options.on_ray else output_kind(Path(options.output))
     problem = (image_problem(kind) if options.images else None) or kind_problem(
-        kind, output) or dtype_problem(kind, options.output_dtype)
+        kind, output) or dtype_problem(kind, options.output_dtype, options.images)
     if problem and options.on_ray and kind == "sparse":
         problem = SPARSE_ON_RAY
     if problem:

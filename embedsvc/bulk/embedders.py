@@ -80,8 +80,8 @@ class LocalEmbedder:
         deadline = time.monotonic() + _BULK_DEADLINE_S
         codes = () if dtype == "float" else (dtype,)
         try:
-            if self.images:
-                return self._images(texts, deadline, codes)
+            if self.images:  # floats only (Quantized refuses codes of images)
+                return self._images(texts, deadline)
             if self.kind == "sparse":
                 out, pairs = self.client.embed_sparse(texts, deadline=deadline)
                 return [elements(i, v) for i, v in pairs], out.tokens
@@ -92,8 +92,7 @@ class LocalEmbedder:
             raise BulkError(exc.message) from None
         return (out.codes[dtype] if codes else out.vectors), out.tokens
 
-    def _images(self, paths: list[str], deadline: float, codes: tuple[str, ...]
-                ) -> tuple[Rows, int]:
+    def _images(self, paths: list[str], deadline: float) -> tuple[Rows, int]:
         """The rows of the image files at ``paths``, in calls of at most
         MAX_IMAGES_PER_REQUEST images; a file the engine refuses is an ``InputRefused`` by
         its index, which the job tells with its record."""
@@ -105,7 +104,7 @@ class LocalEmbedder:
             refs = [ImageRef(image_uri(paths[i], i, self.settings.max_image_bytes), param)
                     for param, i in part.items()]
             try:
-                out = self.client.run(Work(IMAGE, refs, deadline=deadline, codes=codes))
+                out = self.client.run(Work(IMAGE, refs, deadline=deadline))
             except InvalidImage as exc:
                 if exc.param not in part:
                     raise
@@ -113,7 +112,7 @@ class LocalEmbedder:
                 hint = _IMAGE_HINTS.get(exc.code or "", "")
                 raise InputRefused(i, f"is image file {paths[i]!r}, which does not decode: "
                                    f"{exc.message}{hint}", exc.code or "invalid_image") from None
-            rows.append(out.codes[codes[0]] if codes else out.vectors)
+            rows.append(out.vectors)
             tokens += out.tokens
         return np.concatenate(rows), tokens
 
@@ -161,7 +160,7 @@ class Quantized:
         if not isinstance(embedder, LocalEmbedder):
             raise UsageError(f"--output-dtype {dtype} quantizes with the model in this "
                              "process: embed with a LocalEmbedder, or drop --output-dtype")
-        problem = dtype_problem(embedder.kind, dtype)
+        problem = dtype_problem(embedder.kind, dtype, embedder.images)
         if problem:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity

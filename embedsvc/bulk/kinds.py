@@ -57,8 +57,12 @@ def image_problem(kind: str | None) -> str | None:
             "--image-field needs an image-text model (CLIP, SigLIP); name one with --model")
 
 
-def dtype_problem(kind: str | None, dtype: str) -> str | None:
-    """Why rows of a model of ``kind`` cannot be written as ``dtype`` (--output-dtype)."""
+def dtype_problem(kind: str | None, dtype: str, images: bool = False) -> str | None:
+    """Why rows of a model of ``kind`` (of images, with ``images``) cannot be written as
+    ``dtype`` (--output-dtype)."""
+    if dtype != "float" and images:  # the server's codes are calibrated on texts
+        return (f"--output-dtype {dtype} quantizes texts' embeddings; images are written as "
+                "float vectors, as the server answers them: drop --output-dtype")
     if dtype != "float" and kind == "sparse":
         return (f"--output-dtype {dtype} quantizes dense embeddings and MODEL is a sparse "
                 "model: drop --output-dtype")

@@ -413,6 +413,9 @@ class NoModel:
      "an image job reads no text: drop --text-field"),
     (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--image-field", "path"],
      "has no column 'path' (it has text, id): name the image path column with --image-field"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy", "--model", "{clip}", "--output-dtype", "int8"],
+     "--output-dtype int8 quantizes texts' embeddings; images are written as float vectors, as "
+     "the server answers them: drop --output-dtype"),
     (["embed", "{txt}", "-o", "{tmp}/o.csv"], "--output must end in .npy, .jsonl or .parquet"),
     (["embed", "{txt}", "-o", "{tmp}/nowhere/o.npy"], "does not exist"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "32",
@@ -470,11 +473,12 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
 
 
 def config_only_models(tmp_path):
-    """Directories whose config files say sparse and classifier (the command reads the kind
-    from them before any model loads)."""
+    """Directories whose config files say sparse, classifier and image-text (the command
+    reads the kind from them before any model loads)."""
     configs = {"sparse": {"architectures": ["BertForMaskedLM"]},
                "classifier": {"architectures": ["BertForSequenceClassification"],
-                              "id2label": {"0": "a", "1": "b", "2": "c"}}}
+                              "id2label": {"0": "a", "1": "b", "2": "c"}},
+               "clip": {"model_type": "clip", "text_config": {}, "vision_config": {}}}
     for kind, config in configs.items():
         (tmp_path / kind).mkdir()
         (tmp_path / kind / "config.json").write_text(json.dumps(config))
