@@ -134,12 +134,12 @@ def image_uri(path: str, index: int, max_bytes: int) -> str:
     if not path:
         raise InputRefused(index, "names no image file (its path is empty)", "image_file")
     try:
-        mode = os.stat(path)
-        if not stat.S_ISREG(mode.st_mode):  # a FIFO would block the job, a device not end
-            raise refused("is a folder" if stat.S_ISDIR(mode.st_mode) else
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the job, a device not end
+            raise refused("is a folder" if stat.S_ISDIR(info.st_mode) else
                           "is not a regular file")
-        if mode.st_size > max_bytes:
-            raise refused(f"has {mode.st_size} bytes, more than MAX_IMAGE_BYTES ({max_bytes}) "
+        if info.st_size > max_bytes:
+            raise refused(f"has {info.st_size} bytes, more than MAX_IMAGE_BYTES ({max_bytes}) "
                           "(raise --max-image-bytes to take it)", "image_too_large")
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
