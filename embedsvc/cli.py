@@ -77,15 +77,20 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
 
     embed = commands.add_parser(
         "embed",
-        help="embed a file (text, JSONL, Parquet, Arrow) in this process, via --url or on Ray",
+        help="embed a file (text, JSONL, Parquet, Arrow) or a folder of images in this "
+        "process, via --url or on Ray",
         description="Embeds every input of INPUT into --output, in committed parts: Ctrl-C "
         "keeps what is computed, and rerunning the same command after an interrupt or a "
         "crash continues (--restart starts over). The settings flags shape the in-process "
-        "model (also read from EMBEDSVC_<NAME>); with --url the server's settings apply.",
+        "model (also read from EMBEDSVC_<NAME>); with --url the server's settings apply. "
+        "Images (a folder, or --image-field) need an image-text model (CLIP, SigLIP) in "
+        "this process.",
     )
     embed.add_argument("input", help="a text file (one input per line), .jsonl/.ndjson, "
-                       ".parquet or .arrow/.feather; with --ray a Parquet or JSONL file, "
-                       "directory or glob on any filesystem pyarrow reads")
+                       ".parquet or .arrow/.feather, or a folder of images (.png, .jpg, "
+                       ".jpeg, .webp, .gif, .bmp, in its subfolders too; the id is the path "
+                       "relative to it); with --ray a Parquet or JSONL file, directory or "
+                       "glob on any filesystem pyarrow reads")
     embed.add_argument("--output", "-o", required=True,
                        help=".npy, .jsonl or .parquet file; with --ray a directory of Parquet "
                        "shards")
@@ -94,6 +99,10 @@ def _add_embed(commands: argparse._SubParsersAction) -> None:
     embed.add_argument("--id-field", default=None,
                        help="JSONL field or column copied to the output's id (default: 'id' "
                        "where present, else the line or row number)")
+    embed.add_argument("--image-field", default=None,
+                       help="JSONL field or column holding image file paths (relative ones "
+                       "from the input file's folder): embeds the images, with an "
+                       "image-text model, instead of a text field")
     embed.add_argument("--url", help="send to a running server at this URL instead")
     embed.add_argument("--chunk-size", type=_positive(int), default=default("chunk_size"),
                        help="inputs per call to the model or server (default: %(default)s)")

@@ -228,16 +228,19 @@ class Settings:
     )
     max_images_per_request: int = _setting(
         16, _positive(int, 1024), "images in one request (image-text models)",
-        serve_only=True,
+        help_for={"embed": "images in one call to the in-process engine: an image job's "
+                  "chunks go to it in runs of this many"},
     )
     max_image_bytes: int = _setting(
         10 * 1024 * 1024, _positive(int, 1 << 30),
-        "bytes of one image as sent (decoded from base64, or fetched)", serve_only=True,
+        "bytes of one image as sent (decoded from base64, or fetched)",
+        help_for={"embed": "bytes of one image file; a larger one fails the job, naming it"},
     )
     max_image_pixels: int = _setting(
         40_000_000, _positive(int, 1 << 32),
         "pixels of one decoded image; a header declaring more is refused before decoding",
-        serve_only=True,
+        help_for={"embed": "pixels of one decoded image; a file whose header declares more "
+                  "fails the job before it is decoded"},
     )
     image_url_hosts: str = _setting(
         "", _text,

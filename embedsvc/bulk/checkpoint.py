@@ -9,7 +9,8 @@ int8/uint8 codes) and the position to continue from. A part that the manifest do
 
 The identity is what the output depends on: the input file (its absolute path, size,
 modification time in ns and a SHA-256 of its first 64 KiB: cheap on a file of any size, and
-any write to the file changes its size or mtime), the output format, the fields read, and
+any write to the file changes its size or mtime; a folder of images: its image files' names,
+sizes and mtimes), the output format, the fields read, and
 the model (name, device, dtype and kind) or the server's URL and kind, and the output dtype
 of a quantized job (``--output-dtype``; a float job's identity names none). Chunk size,
 concurrency, part size and part seconds change only how the work is cut, so they may change
@@ -33,7 +34,7 @@ import orjson
 
 from .errors import JobChanged
 from .parts import PART_SUFFIX, PartWriter, assemble, row_type
-from .records import Position, Record
+from .records import Position, Record, image_files
 
 MANIFEST = "manifest.json"
 _VERSION = 1
@@ -50,11 +51,27 @@ def parts_dir(target: Path) -> Path:
 
 
 def fingerprint(path: Path) -> dict[str, Any]:
-    """Size, mtime and a hash of the head: what tells a changed input from the same one."""
+    """Size, mtime and a hash of the head: what tells a changed input from the same one (a
+    folder of images: its image files, each one's name, size and mtime, hashed)."""
+    if path.is_dir():
+        return _folder_fingerprint(path)
     stat = path.stat()
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest()
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
+
+
+def _folder_fingerprint(folder: Path) -> dict[str, Any]:
+    names = image_files(folder)
+    listing = hashlib.sha256()
+    for name in names:
+        try:
+            stat = (folder / name).stat()
+            size, mtime = stat.st_size, stat.st_mtime_ns
+        except OSError:  # a link to nothing: the job names it when it comes to it
+            size = mtime = -1
+        listing.update(os.fsencode(f"{name}\0{size}\0{mtime}\n"))
+    return {"images": len(names), "listing_sha256": listing.hexdigest()}
 
 
 def write_json_atomic(path: Path, value: Any) -> None:

@@ -22,10 +22,21 @@ from ..settings import Settings
 from .errors import BulkError, UsageError
 from .interrupt import Interrupted, StopSignals
 from .job import Summary, embed_file, open_checkpoint
-from .kinds import SPARSE_ON_RAY, dtype_problem, expected_kind, kind_problem
-from .options import BulkOptions
+from .kinds import SPARSE_ON_RAY, dtype_problem, expected_kind, image_problem, kind_problem
+from .options import BulkOptions, option_default
 from .parts import PARQUET, output_kind
-from .records import TABLES, check_table, count_records, input_kind
+from .records import (
+    IMAGE_FLAG,
+    IMAGE_SUFFIXES,
+    TABLES,
+    TEXT,
+    TEXT_FLAG,
+    check_table,
+    count_images,
+    count_records,
+    image_files,
+    input_kind,
+)
 
 # Settings that a job through --url sends along or uses itself; the others shape the
 # in-process model, and with --url the server's own apply.
@@ -87,6 +98,7 @@ def check_options(options: BulkOptions, settings: Settings) -> None:
     if options.url and options.on_ray:
         raise UsageError("--url and --ray exclude each other: --url sends to one server, "
                          "--ray runs the model on a Ray cluster")
+    _check_images(options)
     if not options.on_ray:
         given = [f"--{o.replace('_', '-')}" for o in _RAY_OPTIONS
                  if getattr(options, o) is not None]
@@ -111,6 +123,38 @@ def check_options(options: BulkOptions, settings: Settings) -> None:
         _check_kind(expected_kind(settings), options)
 
 
+def _check_images(options: BulkOptions) -> None:
+    """An image job (a folder of images, or a table with --image-field) runs the image-text
+    model in this process and reads no text field."""
+    if not options.images:
+        return
+    source = Path(options.input)
+    for flag, given in (("--url", options.url), ("--ray", options.on_ray)):
+        if given:
+            raise UsageError(f"{flag} embeds texts; images (a folder of images, or "
+                             f"--image-field) are embedded in this process: drop {flag}")
+    if source.is_dir():
+        if options.image_field is not None:
+            raise UsageError(f"input {str(source)!r} is a folder, whose image files are the "
+                             "inputs: drop --image-field (it names a column of image paths "
+                             "in a JSONL, Parquet or Arrow file)")
+        if options.id_field is not None:
+            raise UsageError("a folder's ids are its images' paths, relative to it: drop "
+                             "--id-field")
+        if not image_files(source):
+            raise UsageError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) in the folder "
+                             f"{str(source)!r} (a folder of Parquet or JSONL files needs --ray)")
+    elif input_kind(source) == TEXT:
+        raise UsageError(f"--image-field names a field of a JSONL, Parquet or Arrow file, not "
+                         f"of {source.name!r}")
+    if options.text_field != option_default("text_field"):
+        raise UsageError("an image job reads no text: drop --text-field")
+    if find_spec("PIL") is None:
+        from ..image import MISSING
+
+        raise UsageError(MISSING)
+
+
 def _check_extras(options: BulkOptions) -> None:
     """A feature whose library is an extra that is not installed: one line naming the extra
     (--ray's is said where Ray is imported)."""
@@ -125,7 +169,8 @@ def _check_extras(options: BulkOptions) -> None:
 
 def _check_kind(kind: str | None, options: BulkOptions) -> None:
     output = PARQUET if options.on_ray else output_kind(Path(options.output))
-    problem = kind_problem(kind, output) or dtype_problem(kind, options.output_dtype)
+    problem = (image_problem(kind) if options.images else None) or kind_problem(
+        kind, output) or dtype_problem(kind, options.output_dtype, options.images)
     if problem and options.on_ray and kind == "sparse":
         problem = SPARSE_ON_RAY
     if problem:
@@ -143,15 +188,18 @@ def check_limits(chunk_size: int, settings: Settings) -> None:
 
 def _check_files(options: BulkOptions) -> None:
     source, target = Path(options.input), Path(options.output)
-    _check_input(source)
+    _check_input(source, folder=options.images)
     _check_output(target)
     if target.exists() and target.resolve() == source.resolve():
         raise UsageError("--output is the input file: choose another output")
-    if input_kind(source) in TABLES:
-        check_table(source, options.text_field, options.id_field)
+    if input_kind(source) in TABLES and not source.is_dir():
+        if options.image_field is not None:
+            check_table(source, options.image_field, options.id_field, IMAGE_FLAG)
+        else:
+            check_table(source, options.text_field, options.id_field, TEXT_FLAG)
 
 
-def _check_input(source: Path) -> None:
+def _check_input(source: Path, folder: bool = False) -> None:
     name = str(source)
     try:
         mode = source.stat().st_mode
@@ -161,6 +209,8 @@ def _check_input(source: Path) -> None:
     except OSError as exc:  # a loop of symbolic links, a path through a file
         raise UsageError(f"input file {name!r} cannot be opened: {exc.strerror}") from None
     if stat.S_ISDIR(mode):
+        if folder:  # a folder of images: its files are read as the job comes to them
+            return
         raise UsageError(f"input file {name!r} is a directory (a directory needs --ray)")
     if not stat.S_ISREG(mode):
         raise UsageError(f"input {name!r} is {_special(mode)}, not a file: the job reads its "
@@ -218,9 +268,10 @@ def _run_file(options: BulkOptions, settings: Settings, stop: StopSignals) -> Su
         try:
             with stop.interruptible():
                 if embedder is None:
-                    embedder = LocalEmbedder(settings)
+                    embedder = LocalEmbedder(settings, images=options.images)
                     _check_kind(embedder.kind, options)  # the config files may not have told
-                total = count_records(Path(options.input))
+                count = count_images if options.images else count_records
+                total = count(Path(options.input))
             with progress_bar(total=total, initial=checkpoint.done.records) as bar:
                 return embed_file(options, embedder, progress=bar.update,
                                   checkpoint=checkpoint, stop=stop, total=total)

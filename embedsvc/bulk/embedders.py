@@ -5,11 +5,18 @@ included), so that a resumed job never mixes the vectors of two models, nor dens
 sparse ones. An embedding model gives dense rows (an array); a sparse model (SPLADE) gives
 each input's non-zero entries in TEI's shape, ``[{"index": i, "value": v}, ...]``.
 Rerankers and classifiers are refused: they answer requests, they do not fill files.
+
+An image job's inputs are paths of image files: ``LocalEmbedder(settings, images=True)``
+reads each (a regular file of at most MAX_IMAGE_BYTES) and hands it to the engine as a data
+URI in ``Work`` of the kind ``IMAGE``, so that image/decode.py checks it as it checks a
+request's images (the formats, MAX_IMAGE_PIXELS before decoding, no truncated image).
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import stat
 import time
 from typing import Any, Protocol
 
@@ -19,9 +26,9 @@ from ..errors import ApiError
 from ..rules import InputRefused
 from ..service import Service
 from ..settings import Settings
-from ..work import elements
+from ..work import IMAGE, ImageRef, Work, elements
 from .errors import BulkError, UsageError
-from .kinds import dtype_problem, expected_kind, kind_problem, served_kind
+from .kinds import dtype_problem, expected_kind, image_problem, kind_problem, served_kind
 from .records import DEFAULT_MAX_CHARS
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
@@ -45,9 +52,11 @@ def local_identity(settings: Settings, kind: str | None = None) -> dict[str, Any
 
 
 class LocalEmbedder:
-    """The same engine as ``embedsvc serve``, in this process (loads the model)."""
+    """The same engine as ``embedsvc serve``, in this process (loads the model). With
+    ``images``, the inputs are paths of image files (an image-text model's image job)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, images: bool = False) -> None:
+        self.settings, self.images = settings, images
         self.service = Service(settings)
         try:
             self.service.start(background=False)
@@ -60,6 +69,9 @@ class LocalEmbedder:
         if problem:
             self.close()
             raise BulkError(problem)
+        if images and "image" not in self.client.info.modalities:
+            self.close()
+            raise UsageError(image_problem(self.kind) or "MODEL embeds no images")
         self.identity = local_identity(settings, self.kind)
 
     def __call__(self, texts: list[str], dtype: str = "float") -> tuple[Rows, int]:
@@ -68,6 +80,8 @@ class LocalEmbedder:
         deadline = time.monotonic() + _BULK_DEADLINE_S
         codes = () if dtype == "float" else (dtype,)
         try:
+            if self.images:  # floats only (Quantized refuses codes of images)
+                return self._images(texts, deadline)
             if self.kind == "sparse":
                 out, pairs = self.client.embed_sparse(texts, deadline=deadline)
                 return [elements(i, v) for i, v in pairs], out.tokens
@@ -78,8 +92,64 @@ class LocalEmbedder:
             raise BulkError(exc.message) from None
         return (out.codes[dtype] if codes else out.vectors), out.tokens
 
+    def _images(self, paths: list[str], deadline: float) -> tuple[Rows, int]:
+        """The rows of the image files at ``paths``, in calls of at most
+        MAX_IMAGES_PER_REQUEST images; a file the engine refuses is an ``InputRefused`` by
+        its index, which the job tells with its record."""
+        from ..image.decode import InvalidImage
+
+        most, rows, tokens = self.settings.max_images_per_request, [], 0
+        for first in range(0, len(paths), most):
+            part = {f"images[{i}]": i for i in range(first, min(first + most, len(paths)))}
+            refs = [ImageRef(image_uri(paths[i], i, self.settings.max_image_bytes), param)
+                    for param, i in part.items()]
+            try:
+                out = self.client.run(Work(IMAGE, refs, deadline=deadline))
+            except InvalidImage as exc:
+                if exc.param not in part:
+                    raise
+                i = part[exc.param]
+                hint = _IMAGE_HINTS.get(exc.code or "", "")
+                raise InputRefused(i, f"is image file {paths[i]!r}, which does not decode: "
+                                   f"{exc.message}{hint}", exc.code or "invalid_image") from None
+            rows.append(out.vectors)
+            tokens += out.tokens
+        return np.concatenate(rows), tokens
+
     def close(self) -> None:
         self.service.drain(timeout=5)
+
+
+_IMAGE_HINTS = {"image_too_many_pixels": " (raise --max-image-pixels to take it)",
+                "image_too_large": " (raise --max-image-bytes to take it)"}
+
+
+def image_uri(path: str, index: int, max_bytes: int) -> str:
+    """The image file at ``path`` as a data URI, read here (a regular file of at most
+    ``max_bytes``, MAX_IMAGE_BYTES) so that the engine checks its bytes as it checks a
+    request's image; a file that cannot be is an ``InputRefused`` of input ``index``."""
+    def refused(why: str, code: str = "image_file") -> InputRefused:
+        return InputRefused(index, f"is image file {path!r}, which {why}", code)
+
+    if not path:
+        raise InputRefused(index, "names no image file (its path is empty)", "image_file")
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the job, a device not end
+            raise refused("is a folder" if stat.S_ISDIR(info.st_mode) else
+                          "is not a regular file")
+        if info.st_size > max_bytes:
+            raise refused(f"has {info.st_size} bytes, more than MAX_IMAGE_BYTES ({max_bytes}) "
+                          "(raise --max-image-bytes to take it)", "image_too_large")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise refused("does not exist") from None
+    except OSError as exc:
+        raise refused(f"cannot be read ({exc.strerror})") from None
+    if len(data) > max_bytes:  # it grew since
+        raise refused(f"has more than MAX_IMAGE_BYTES ({max_bytes}) bytes", "image_too_large")
+    return "data:application/octet-stream;base64," + base64.b64encode(data).decode("ascii")
 
 
 class Quantized:
@@ -90,7 +160,7 @@ class Quantized:
         if not isinstance(embedder, LocalEmbedder):
             raise UsageError(f"--output-dtype {dtype} quantizes with the model in this "
                              "process: embed with a LocalEmbedder, or drop --output-dtype")
-        problem = dtype_problem(embedder.kind, dtype)
+        problem = dtype_problem(embedder.kind, dtype, embedder.images)
         if problem:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity

@@ -23,7 +23,7 @@ from .errors import BulkError, UsageError
 from .interrupt import POLL_S, Interrupted, StopSignals
 from .options import BulkOptions
 from .parts import output_kind
-from .records import TEXT, Position, Record, input_kind, read_records
+from .records import TEXT, Position, Record, input_kind, read_images, read_records
 
 Chunk = list[tuple[Record, Position]]
 IN_FLIGHT_SHARE = 8  # the chunks in flight hold at most an eighth of a job's inputs...
@@ -46,14 +46,16 @@ class Summary:
 
 
 def job_identity(source: Path, target: Path, engine: dict[str, Any], text_field: str,
-                 id_field: str | None) -> dict[str, Any]:
+                 id_field: str | None, image_field: str | None = None) -> dict[str, Any]:
     """What the output depends on (see checkpoint.py); a resumed job must match it."""
     identity: dict[str, Any] = {
         "input": {"path": str(source.resolve()), **fingerprint(source)},
         "output format": output_kind(target),
         "model": engine,
     }
-    if input_kind(source) != TEXT:
+    if image_field is not None:
+        identity["fields"] = {"image": image_field, "id": id_field}
+    elif input_kind(source) != TEXT and not source.is_dir():  # a folder's ids are its paths
         identity["fields"] = {"text": text_field, "id": id_field}
     return identity
 
@@ -64,7 +66,8 @@ def open_checkpoint(options: BulkOptions, engine: dict[str, Any]) -> Checkpoint:
     kind = output_kind(target)
     if kind is None:
         raise UsageError(f"--output must end in .npy, .jsonl or .parquet, not {target.name!r}")
-    identity = job_identity(source, target, engine, options.text_field, options.id_field)
+    identity = job_identity(source, target, engine, options.text_field, options.id_field,
+                            options.image_field)
     if options.output_dtype != "float":  # float jobs keep the identity they always had
         identity["output dtype"] = options.output_dtype
     return Checkpoint.open(target, kind, identity, part_size=options.part_size,
@@ -81,7 +84,11 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
     sets ``stop.signum``. ``total``, the inputs the file holds where the caller counted them,
     makes the chunks of a small job smaller (``chunk_size``). With ``options.output_dtype``
     other than float, ``embedder`` must be a ``LocalEmbedder``: its rows are quantized
-    here."""
+    here. An image job (``options.images``) needs ``LocalEmbedder(settings, images=True)``,
+    which reads the image files that the records name."""
+    if options.images != getattr(embedder, "images", False):
+        raise UsageError("an image job (a folder of images, or --image-field) embeds with "
+                         "LocalEmbedder(settings, images=True), and only an image job does")
     checkpoint = checkpoint or open_checkpoint(options, embedder.identity)
     if options.output_dtype != "float":
         embedder = Quantized(embedder, options.output_dtype)
@@ -89,8 +96,12 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
     start = checkpoint.done
     started = time.monotonic()
     source = Path(options.input)
-    records = read_records(source, options.text_field, options.id_field, start,
-                           max_chars=embedder.max_chars)
+    if options.images:
+        records = read_images(source, options.image_field, options.id_field, start,
+                              max_chars=embedder.max_chars)
+    else:
+        records = read_records(source, options.text_field, options.id_field, start,
+                               max_chars=embedder.max_chars)
     job = _Job(checkpoint, progress)
     size = chunk_size(options, None if total is None else total - start.records)
     try:

@@ -1,7 +1,8 @@
 """Which model kinds ``embedsvc embed`` writes, and where: an embedding model's dense rows to
 any output, a sparse model's (SPLADE) elements to JSONL only; rerankers and classifiers not
-at all (they answer requests; they do not fill files). The kind comes from the model's
-config files before it loads, or from a server's GET /info.
+at all (they answer requests; they do not fill files); images only with an image-text model
+(CLIP, SigLIP). The kind comes from the model's config files before it loads, or from a
+server's GET /info.
 
 >>> kind_problem("sparse", ".npy", "MODEL is").split(":")[-1]
 ' use an --output ending in .jsonl'
@@ -16,6 +17,7 @@ from ..settings import Settings
 from .errors import UsageError
 from .parts import JSONL
 
+IMAGE_TEXT = "image-text"  # model/kinds.py's kind of CLIP and SigLIP
 SPARSE_ON_RAY = ("MODEL is a sparse model: --ray writes dense vectors to Parquet shards; drop "
                  "--ray and use an --output ending in .jsonl")
 
@@ -45,8 +47,22 @@ def kind_problem(kind: str | None, output: str | None, serving: str = "MODEL is"
     return None
 
 
-def dtype_problem(kind: str | None, dtype: str) -> str | None:
-    """Why rows of a model of ``kind`` cannot be written as ``dtype`` (--output-dtype)."""
+def image_problem(kind: str | None) -> str | None:
+    """Why a model of ``kind`` cannot embed an image job's images (None: it can, or its kind
+    is not known yet; the loaded model's modalities tell then)."""
+    if kind is None or kind == IMAGE_TEXT:
+        return None
+    what = "a text embedding" if kind == "embedding" else f"a {kind}"
+    return (f"MODEL is {what} model, which embeds no images: a folder of images or "
+            "--image-field needs an image-text model (CLIP, SigLIP); name one with --model")
+
+
+def dtype_problem(kind: str | None, dtype: str, images: bool = False) -> str | None:
+    """Why rows of a model of ``kind`` (of images, with ``images``) cannot be written as
+    ``dtype`` (--output-dtype)."""
+    if dtype != "float" and images:  # the server's codes are calibrated on texts
+        return (f"--output-dtype {dtype} quantizes texts' embeddings; images are written as "
+                "float vectors, as the server answers them: drop --output-dtype")
     if dtype != "float" and kind == "sparse":
         return (f"--output-dtype {dtype} quantizes dense embeddings and MODEL is a sparse "
                 "model: drop --output-dtype")

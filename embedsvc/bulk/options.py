@@ -11,6 +11,7 @@ embedsvc.bulk.errors.UsageError: --chunk-size must be greater than 0, not 0
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from .errors import UsageError
@@ -25,10 +26,12 @@ OUTPUT_DTYPES = ("float", "int8", "uint8", "binary", "ubinary")
 class BulkOptions:
     """One job's input, output and how its work is cut (the settings shape the model)."""
 
-    input: str  # a file; with ray, a file, directory or glob on any filesystem pyarrow reads
+    input: str  # a file, or a folder of images; with ray, a file, directory or glob on any
+    # filesystem pyarrow reads
     output: str  # .npy, .jsonl or .parquet; with ray, a directory of Parquet shards
     text_field: str = "text"
     id_field: str | None = None  # None: "id" where present, else the line or row number
+    image_field: str | None = None  # a column of image paths: an image job (image-text models)
     url: str | None = None  # send to this running server instead of loading the model
     chunk_size: int = 256  # inputs per call to the model or server
     concurrency: int = 4  # chunks in flight
@@ -65,6 +68,12 @@ class BulkOptions:
     @property
     def on_ray(self) -> bool:
         return self.ray is not None
+
+    @property
+    def images(self) -> bool:
+        """An image job: ``image_field`` names a column of image paths, or the input is a
+        folder of images (with ray, a folder is a dataset of Parquet or JSONL files)."""
+        return self.image_field is not None or (not self.on_ray and os.path.isdir(self.input))
 
 
 def option_default(name: str) -> object:

@@ -6,6 +6,11 @@ Kinds, by suffix: text (one input per line; the id is the line number), JSONL (`
 id is the ``id_field`` column or the row number (from 1). Blank lines are skipped; an empty
 text in a JSONL row or a table is an error that names the row.
 
+Images (``read_images``): a folder's image files (``image_files``: by suffix, sorted, its
+subfolders too; the id is the path relative to the folder), or a JSONL, Parquet or Arrow
+column of image paths (``--image-field``), read as a text column is; each record's text is
+then the path of its image file, which the embedder reads.
+
 A ``Position`` is where to start again: the inputs before it, and for line files the line
 number and byte offset, so that a resumed job seeks instead of rereading.
 
@@ -21,9 +26,10 @@ the limit is refused before it becomes a Python string.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import IO, Any
 
 import orjson
@@ -45,12 +51,16 @@ _UTF8_BYTES = 4  # the most bytes a character takes in UTF-8...
 _JSON_BYTES = 12  # ...and in JSON (an astral character as two \uXXXX escapes)
 _JSONL_OTHER_BYTES = 1 << 20  # what a JSONL row may hold beside its text
 _COUNT_BLOCK = 1 << 20
+TEXT_FLAG, IMAGE_FLAG = "--text-field", "--image-field"  # the flag that names the field read
+_FIELD_NOUN = {TEXT_FLAG: "text", IMAGE_FLAG: "image path"}
+# The suffixes of image/decode.py's formats (PNG, JPEG, WebP, GIF, BMP): a folder's images.
+IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".webp")
 
 
 @dataclass(frozen=True)
 class Record:
     id: Any
-    text: str
+    text: str  # the input; in an image job, the path of its image file
 
 
 @dataclass(frozen=True)
@@ -69,22 +79,68 @@ def input_kind(path: PurePath) -> str:
 
 def read_records(path: PurePath, text_field: str = "text", id_field: str | None = None,
                  start: Position = Position(), opener: Opener | None = None,
-                 max_chars: int = DEFAULT_MAX_CHARS) -> Iterator[tuple[Record, Position]]:
+                 max_chars: int = DEFAULT_MAX_CHARS, flag: str = TEXT_FLAG
+                 ) -> Iterator[tuple[Record, Position]]:
     """The inputs of ``path`` from ``start`` on, in order, each with the position after it.
 
     ``id_field=None`` means ``"id"`` where the row has one, else the line or row number.
     ``opener`` opens the file where it is not a local path (Parquet and line files). An input
     certainly longer than ``max_chars`` characters is a ``BulkError`` before it is held.
+    ``flag``: the option that names ``text_field``, as messages say.
     """
     kind = input_kind(path)
     opener = opener or (lambda: open(path, "rb"))  # noqa: SIM115 - the caller closes it
     if kind in TABLES:
-        return _table_records(path, kind, text_field, id_field, start, opener, max_chars)
-    return _line_records(path, kind == JSONL, text_field, id_field, start, opener, max_chars)
+        return _table_records(path, kind, text_field, id_field, start, opener, max_chars, flag)
+    return _line_records(path, kind == JSONL, text_field, id_field, start, opener, max_chars,
+                         flag)
+
+
+def read_images(source: Path, image_field: str | None, id_field: str | None = None,
+                start: Position = Position(), max_chars: int = DEFAULT_MAX_CHARS
+                ) -> Iterator[tuple[Record, Position]]:
+    """An image job's inputs from ``start`` on, each record's text the path of its image
+    file: ``source``'s image files where it is a folder (``image_files``; the id is the path
+    relative to it), else the ``image_field`` of the JSONL, Parquet or Arrow file
+    ``source``, a relative path taken from that file's folder (an empty one stays empty:
+    the embedder refuses it, naming the record)."""
+    if image_field is None:
+        names = image_files(source)
+        for row, name in enumerate(names[start.records:], start.records + 1):
+            yield Record(name, str(source / name)), Position(row)
+        return
+    base = source.parent
+    for record, position in read_records(source, image_field, id_field, start,
+                                         max_chars=max_chars, flag=IMAGE_FLAG):
+        yield Record(record.id, str(base / record.text) if record.text else ""), position
+
+
+def image_files(folder: Path) -> list[str]:
+    """The image files in ``folder`` and its subfolders, as POSIX paths relative to it,
+    sorted: the names ending in one of ``IMAGE_SUFFIXES`` (in any case). A name that starts
+    with "." is skipped, file or folder (hidden; macOS's "._" files beside copied images hold
+    metadata, not images), and a symbolic link to a folder is not followed."""
+    found: list[str] = []
+
+    def refuse(exc: OSError) -> None:
+        raise UsageError(f"cannot list the folder {exc.filename!r} ({exc.strerror}): the job "
+                         "would miss its images")
+
+    for root, folders, files in os.walk(folder, onerror=refuse):
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        where = Path(root).relative_to(folder)
+        found.extend((where / f).as_posix() for f in files
+                     if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(found)
+
+
+def count_images(source: Path) -> int:
+    """How many inputs an image job over ``source`` (a folder, or a table) holds."""
+    return len(image_files(source)) if source.is_dir() else count_records(source)
 
 
 def _line_records(path: PurePath, jsonl: bool, text_field: str, id_field: str | None,
-                  start: Position, opener: Opener, max_chars: int
+                  start: Position, opener: Opener, max_chars: int, flag: str
                   ) -> Iterator[tuple[Record, Position]]:
     records, line, offset = start.records, start.line, start.offset
     limit = _line_limit(jsonl, max_chars)
@@ -98,7 +154,7 @@ def _line_records(path: PurePath, jsonl: bool, text_field: str, id_field: str | 
             if not raw.strip():
                 continue
             records += 1
-            yield _parse_line(path, line, raw, jsonl, text_field, id_field), Position(
+            yield _parse_line(path, line, raw, jsonl, text_field, id_field, flag), Position(
                 records, line, offset)
 
 
@@ -118,7 +174,7 @@ def _line_too_long(path: PurePath, line: int, jsonl: bool, limit: int, max_chars
 
 
 def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: str,
-                id_field: str | None) -> Record:
+                id_field: str | None, flag: str = TEXT_FLAG) -> Record:
     if not jsonl:
         try:
             return Record(line, raw.decode("utf-8").rstrip("\r\n"))
@@ -129,7 +185,7 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
         text = row[text_field]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         raise BulkError(f"{path}:{line}: not a JSON object with a string {text_field!r} field; "
-                        "name the text field with --text-field") from None
+                        f"name the {_FIELD_NOUN[flag]} field with {flag}") from None
     if not isinstance(text, str):  # an empty one is the engine's to refuse, as over HTTP
         raise BulkError(f"{path}:{line}: {text_field!r} must be a string")
     key = id_field or DEFAULT_ID_FIELD
@@ -140,9 +196,9 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
 
 
 def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | None,
-                   start: Position, opener: Opener, max_chars: int
+                   start: Position, opener: Opener, max_chars: int, flag: str
                    ) -> Iterator[tuple[Record, Position]]:
-    id_column = table_id_column(path, text_field, id_field, opener)
+    id_column = table_id_column(path, text_field, id_field, opener, flag)
     row = start.records
     columns = [text_field, *filter(None, [id_column])]
     for first, batch in _batches(path, kind, columns, row, opener):
@@ -269,10 +325,11 @@ def table_schema(path: PurePath, opener: Opener | None = None) -> Any:
     return _open_arrow(path).schema
 
 
-def check_table(path: PurePath, text_field: str, id_field: str | None) -> None:
+def check_table(path: PurePath, text_field: str, id_field: str | None,
+                flag: str = TEXT_FLAG) -> None:
     """The columns named exist and, in Parquet, every page of them decodes: damage is found
     before any work starts, for the cost of one read (little next to embedding it)."""
-    id_column = table_id_column(path, text_field, id_field)
+    id_column = table_id_column(path, text_field, id_field, flag=flag)
     if input_kind(path) != PARQUET:
         return  # Arrow IPC: memory-mapped, its buffers are checked as they are read
     columns = [text_field, *filter(None, [id_column])]
@@ -287,12 +344,12 @@ def check_table(path: PurePath, text_field: str, id_field: str | None) -> None:
 
 
 def table_id_column(path: PurePath, text_field: str, id_field: str | None,
-                    opener: Opener | None = None) -> str | None:
+                    opener: Opener | None = None, flag: str = TEXT_FLAG) -> str | None:
     """The id column to read, after checking that the columns named exist."""
     names = table_schema(path, opener).names
     if text_field not in names:
         raise UsageError(f"{path} has no column {text_field!r} (it has {', '.join(names)}): "
-                         "name the text column with --text-field")
+                         f"name the {_FIELD_NOUN[flag]} column with {flag}")
     if id_field and id_field not in names:
         raise UsageError(f"{path} has no column {id_field!r} (it has {', '.join(names)}): "
                          "name the id column with --id-field, or leave it out to use row numbers")

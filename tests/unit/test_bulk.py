@@ -10,13 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedsvc.bulk import BulkError, BulkOptions, JobChanged, embed_file
+from embedsvc.bulk import BulkError, BulkOptions, JobChanged, UsageError, embed_file
 from embedsvc.bulk.checkpoint import Checkpoint, parts_dir
+from embedsvc.bulk.embedders import image_uri
 from embedsvc.bulk.kinds import served_kind
 from embedsvc.bulk.options import OUTPUT_DTYPES
-from embedsvc.bulk.records import Position, read_records
+from embedsvc.bulk.records import Position, count_images, image_files, read_images, read_records
 from embedsvc.cli import main
 from embedsvc.model import quantize
+from embedsvc.rules import InputRefused
 from embedsvc.work import elements
 
 
@@ -147,6 +149,130 @@ def test_a_touched_file_of_the_same_content_counts_as_changed(tmp_path):
         run_job(inputs["txt"], target, HashEmbedder())
 
 
+class ImageHashEmbedder(HashEmbedder):
+    """An image job's embedder: its inputs are image paths, hashed relative to ``root``."""
+
+    images = True
+
+    def __init__(self, root, fail_at=None):
+        super().__init__(fail_at)
+        self.root = root
+
+    def rows(self, texts):
+        return super().rows([os.path.relpath(t, self.root) for t in texts])
+
+
+def write_images(tmp_path, n=20):
+    """A folder of ``n`` image files (never decoded here), some in a subfolder and in upper
+    case, beside what it skips; the same paths in a JSONL column (relative, and one absolute)
+    and a Parquet column."""
+    folder = tmp_path / "photos"
+    (folder / "sub").mkdir(parents=True)
+    names = [f"sub/s{i:02d}.JPG" if i % 3 == 0 else f"p{i:02d}.png" for i in range(n)]
+    for name in names:
+        (folder / name).write_bytes(name.encode())
+    for skipped in ("notes.txt", "._p00.png", ".cache/x.png", "sub/.hidden.png", "noext"):
+        (folder / skipped).parent.mkdir(exist_ok=True)
+        (folder / skipped).write_bytes(b"not an input")
+    paths = [f"photos/{name}" for name in sorted(names)]
+    paths[1] = str(tmp_path / paths[1])  # absolute: taken as it is
+    jsonl = tmp_path / "images.jsonl"
+    jsonl.write_bytes(b"".join(orjson.dumps({"key": f"k{i}", "path": path}) + b"\n"
+                               for i, path in enumerate(paths)))
+    table = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"path": paths, "key": [f"k{i}" for i in range(n)]}), table,
+                   row_group_size=7)
+    return sorted(names), {"folder": folder, "jsonl": jsonl, "parquet": table}
+
+
+def test_a_folders_images_are_its_image_files_sorted_and_a_column_names_them(tmp_path):
+    names, sources = write_images(tmp_path)
+    assert image_files(sources["folder"]) == names  # "sub/s00.JPG" after "p19.png"
+    records = [r for r, _ in read_images(sources["folder"], None)]
+    assert [r.id for r in records] == names
+    want = [str(sources["folder"] / name) for name in names]
+    assert [r.text for r in records] == want
+    for source in ("jsonl", "parquet"):
+        rows = [r for r, _ in read_images(sources[source], "path", "key")]
+        assert [r.id for r in rows] == [f"k{i}" for i in range(len(names))]
+        assert [os.path.normpath(r.text) for r in rows] == want  # from the file's folder
+        assert count_images(sources[source]) == len(names)
+    assert count_images(sources["folder"]) == len(names)
+    rest = [r.id for r, _ in read_images(sources["folder"], None, start=Position(7))]
+    assert rest == names[7:]
+
+
+@pytest.mark.parametrize("source", ["folder", "jsonl", "parquet"])
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl", ".parquet"])
+def test_an_image_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, source,
+                                                                            suffix):
+    names, sources = write_images(tmp_path, n=26)
+    fields = {} if source == "folder" else {"image_field": "path", "id_field": "key"}
+    whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
+    run_job(sources[source], whole, ImageHashEmbedder(tmp_path), chunk_size=3, part_size=6,
+            **fields)
+    with pytest.raises(BulkError, match="fell over"):
+        run_job(sources[source], resumed, ImageHashEmbedder(tmp_path, fail_at=9), chunk_size=3,
+                part_size=6, **fields)
+    embedder = ImageHashEmbedder(tmp_path)
+    summary = run_job(sources[source], resumed, embedder, chunk_size=4, part_size=5, **fields)
+    assert (summary.inputs, summary.resumed, embedder.calls) == (2, 24, 1)
+    ids, rows = read_output(resumed)
+    want_ids, want = read_output(whole)
+    assert ids == want_ids and np.array_equal(rows, want)
+    if ids is not None:
+        assert ids == (names if source == "folder" else [f"k{i}" for i in range(26)])
+
+
+def test_a_changed_folder_is_refused_until_restart(tmp_path):
+    _, sources = write_images(tmp_path)
+    folder, target = sources["folder"], tmp_path / "out.npy"
+    with pytest.raises(BulkError):
+        run_job(folder, target, ImageHashEmbedder(tmp_path, fail_at=3), chunk_size=4,
+                part_size=4)
+    (folder / "notes.txt").write_text("not an image: the folder's images are the same")
+    run_job(folder, tmp_path / "other.npy", ImageHashEmbedder(tmp_path))  # unrelated output
+    with pytest.raises(BulkError):
+        run_job(folder, target, ImageHashEmbedder(tmp_path, fail_at=2), chunk_size=4,
+                part_size=4)  # continued: it failed later, and its parts are kept
+    for change in (lambda: (folder / "new.webp").write_bytes(b"x"),
+                   lambda: os.utime(folder / "p01.png", ns=(1, 1))):
+        change()
+        with pytest.raises(JobChanged, match=r"different input \(images|listing_sha256"):
+            run_job(folder, target, ImageHashEmbedder(tmp_path))
+    run_job(folder, target, ImageHashEmbedder(tmp_path), restart=True)
+    assert np.load(target).shape == (21, 8)
+
+
+def test_an_image_job_needs_an_image_embedder_and_a_text_job_a_text_one(tmp_path):
+    _, sources = write_images(tmp_path, n=3)
+    _, inputs = write_inputs(tmp_path, n=3)
+    with pytest.raises(UsageError, match="images=True"):
+        run_job(sources["folder"], tmp_path / "a.npy", HashEmbedder())
+    with pytest.raises(UsageError, match="images=True"):
+        run_job(inputs["jsonl"], tmp_path / "b.npy", HashEmbedder(), image_field="path")
+    with pytest.raises(UsageError, match="only an image job"):
+        run_job(inputs["txt"], tmp_path / "c.npy", ImageHashEmbedder(tmp_path))
+
+
+def test_an_image_file_is_read_here_within_max_image_bytes_or_refused_by_its_index(tmp_path):
+    image = tmp_path / "a.png"
+    image.write_bytes(bytes(range(14)))
+    uri = image_uri(str(image), 0, 14)
+    assert uri == "data:application/octet-stream;base64,AAECAwQFBgcICQoLDA0="
+    os.mkfifo(tmp_path / "fifo.png")  # read, it would block the job
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "gone.png")
+    cases = {str(image): (14 - 1, "has 14 bytes, more than MAX_IMAGE_BYTES (13)"),
+             str(tmp_path / "fifo.png"): (100, "is not a regular file"),
+             str(tmp_path): (100, "is a folder"),
+             str(tmp_path / "dangling.png"): (100, "does not exist"),
+             "": (100, "names no image file (its path is empty)")}
+    for path, (most, why) in cases.items():
+        with pytest.raises(InputRefused) as refused:
+            image_uri(path, 3, most)
+        assert refused.value.index == 3 and why in refused.value.detail, refused.value.detail
+
+
 def test_a_kill_between_a_part_and_the_manifest_rewrites_that_part(tmp_path):
     _, inputs = write_inputs(tmp_path)
     target = tmp_path / "out.parquet"
@@ -264,7 +390,32 @@ class NoModel:
      "--output '{tmp}/taken.npy' is a directory: name a file, such as "
      "'{tmp}/taken.npy/vectors.npy'"),
     (["embed", "{txt}", "-o", "/proc/o.npy"], "cannot write in the output's directory '/proc' ("),
-    (["embed", "{tmp}", "-o", "{tmp}/o.npy"], "is a directory (a directory needs --ray)"),
+    (["embed", "{tmp}/taken.npy", "-o", "{tmp}/o.npy"],
+     "no image files (.bmp, .gif, .jpeg, .jpg, .png, .webp) in the folder '{tmp}/taken.npy' (a "
+     "folder of Parquet or JSONL files needs --ray)"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy"],
+     "MODEL is a text embedding model, which embeds no images: a folder of images or "
+     "--image-field needs an image-text model (CLIP, SigLIP); name one with --model"),
+    (["embed", "{jsonl}", "-o", "{tmp}/o.npy", "--image-field", "path", "--model", "{sparse}"],
+     "MODEL is a sparse model, which embeds no images"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy", "--url", "http://127.0.0.1:9"],
+     "--url embeds texts; images (a folder of images, or --image-field) are embedded in this "
+     "process: drop --url"),
+    (["embed", "{jsonl}", "-o", "{tmp}/out", "--image-field", "path", "--ray"],
+     "--ray embeds texts"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy", "--id-field", "key"],
+     "a folder's ids are its images' paths, relative to it: drop --id-field"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy", "--image-field", "path"],
+     "is a folder, whose image files are the inputs: drop --image-field"),
+    (["embed", "{txt}", "-o", "{tmp}/o.npy", "--image-field", "path"],
+     "--image-field names a field of a JSONL, Parquet or Arrow file, not of 'in.txt'"),
+    (["embed", "{jsonl}", "-o", "{tmp}/o.npy", "--image-field", "path", "--text-field", "body"],
+     "an image job reads no text: drop --text-field"),
+    (["embed", "{parquet}", "-o", "{tmp}/o.npy", "--image-field", "path"],
+     "has no column 'path' (it has text, id): name the image path column with --image-field"),
+    (["embed", "{photos}", "-o", "{tmp}/o.npy", "--model", "{clip}", "--output-dtype", "int8"],
+     "--output-dtype int8 quantizes texts' embeddings; images are written as float vectors, as "
+     "the server answers them: drop --output-dtype"),
     (["embed", "{txt}", "-o", "{tmp}/o.csv"], "--output must end in .npy, .jsonl or .parquet"),
     (["embed", "{txt}", "-o", "{tmp}/nowhere/o.npy"], "does not exist"),
     (["embed", "{txt}", "-o", "{tmp}/o.npy", "--chunk-size", "32",
@@ -309,7 +460,10 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
     monkeypatch.setattr("embedsvc.bulk.embedders.LocalEmbedder.__init__", NoModel.__init__)
     _, inputs = write_inputs(tmp_path, n=3)
     write_bad_files(tmp_path)
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.png").write_bytes(b"never decoded: the command stops first")
     names = {"tmp": tmp_path, "txt": inputs["txt"], "parquet": inputs["parquet"],
+             "jsonl": inputs["jsonl"], "photos": tmp_path / "photos",
              **config_only_models(tmp_path)}
     argv = [a.format(**names) for a in argv]
     assert exit_code(argv) == 2
@@ -319,11 +473,12 @@ def test_usage_errors_are_one_line_exit_2_and_load_no_model(tmp_path, monkeypatc
 
 
 def config_only_models(tmp_path):
-    """Directories whose config files say sparse and classifier (the command reads the kind
-    from them before any model loads)."""
+    """Directories whose config files say sparse, classifier and image-text (the command
+    reads the kind from them before any model loads)."""
     configs = {"sparse": {"architectures": ["BertForMaskedLM"]},
                "classifier": {"architectures": ["BertForSequenceClassification"],
-                              "id2label": {"0": "a", "1": "b", "2": "c"}}}
+                              "id2label": {"0": "a", "1": "b", "2": "c"}},
+               "clip": {"model_type": "clip", "text_config": {}, "vision_config": {}}}
     for kind, config in configs.items():
         (tmp_path / kind).mkdir()
         (tmp_path / kind / "config.json").write_text(json.dumps(config))

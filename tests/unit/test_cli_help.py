@@ -12,16 +12,16 @@ SERVER = {"--host", "--port", "--threads", "--drain-timeout-s", "--max-body-byte
           "--send-timeout-s",
           "--otlp-endpoint",
           "--max-connections", "--health-port", "--token-ids", "--workers", "--engine",
-          "--keys-file", "--max-images-per-request", "--max-image-bytes", "--max-image-pixels",
-          "--image-url-hosts", "--models", "--models-file"}
+          "--keys-file", "--image-url-hosts", "--models", "--models-file"}
 ENGINE = {"--model", "--device", "--dtype", "--max-batch-tokens", "--max-batch-size",
           "--max-wait-ms", "--max-queue", "--max-inputs-per-request", "--max-input-chars",
           "--auto-truncate", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
-          "--onnx-threads", "--max-queue-tokens", "--kind"}
+          "--onnx-threads", "--max-queue-tokens", "--kind", "--max-images-per-request",
+          "--max-image-bytes", "--max-image-pixels"}
 LOGS = {"--log-level", "--log-format"}
-JOB = {"--output", "--text-field", "--id-field", "--url", "--chunk-size", "--concurrency",
-       "--part-size", "--part-seconds", "--restart", "--ray", "--actors", "--actor-cpus",
-       "--output-dtype"}
+JOB = {"--output", "--text-field", "--id-field", "--image-field", "--url", "--chunk-size",
+       "--concurrency", "--part-size", "--part-seconds", "--restart", "--ray", "--actors",
+       "--actor-cpus", "--output-dtype"}
 EXPORT = {"--model", "--backend", "--quantize", "--quantize-min-recall", "--cache-dir",
           "--onnx-threads"}
 FLAGS = {
@@ -40,8 +40,9 @@ def help_text(command, capsys):
 
 
 def described(text):
-    """The descriptions alone: flag and variable names say "request" in their own right."""
-    return re.sub(r"--[\w-]+|EMBEDSVC_\w+|[A-Z][A-Z_]{2,}", "", text)
+    """The descriptions alone: flag and variable names say "request" in their own right, and
+    a default is no description (MAX_IMAGE_PIXELS's, 40000000, holds a "400")."""
+    return re.sub(r"\[env\s[^\]]*\]|--[\w-]+|EMBEDSVC_\w+|[A-Z][A-Z_]{2,}", "", text)
 
 
 @pytest.mark.parametrize("command", sorted(FLAGS))
