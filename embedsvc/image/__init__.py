@@ -3,9 +3,8 @@ preprocessing without torch (``preprocess``), so that the engine receives float3
 
 Neither module loads weights nor imports ``model/``: the fronts run them, so ``--workers N``
 spreads the decoding. Pillow comes with the ``image`` extra; ``require_pillow`` names it.
-Not wired yet: the routes will call ``decode.decode_image`` on each image item and
-``preprocess.Preprocessor.from_dir(record)`` on the result, and hand the array to the engine
-as the payload of an image Work (issue 46 gives that work its owner class).
+The ``Images`` kind of work (work_kinds.py) calls them through ``EngineClient.images`` on
+each image a request sends, and the engine receives the float32 arrays as ``Pixels``.
 """
 
 from __future__ import annotations
