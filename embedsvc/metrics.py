@@ -87,6 +87,10 @@ class Metrics:
     request_duration = _Declared(lambda r: Histogram(
         "embedsvc_request_duration_seconds", "HTTP request duration by route", ["route"],
         buckets=_LATENCY, registry=r))
+    model_requests = _counter(
+        "embedsvc_model_requests",
+        "HTTP requests that went to one of several models, by route and status (labelled "
+        "with the model)", "route", "status")
     queue_wait = _histogram("embedsvc_queue_wait_seconds",
                             "Per input: time queued before its batch started", _LATENCY)
     tokenization = _histogram("embedsvc_tokenization_seconds",
@@ -180,6 +184,11 @@ class Metrics:
             self._request_children[(route, status)] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def count_model_request(self, route: str, status: int) -> None:
+        """One answered request that went to this model, one of several (the service's
+        ``embedsvc_requests_total`` counts it too)."""
+        self.model_requests.labels(route=route, status=str(status)).inc()
 
     def count_tenant(self, tenant: str, status: int, inputs: int, tokens: int) -> None:
         """One answered request of ``tenant`` (a name of the keys file: a bounded label)."""

@@ -56,6 +56,7 @@ class Call:
     tenant: str | None = None  # whose API key it presented (tenants.py)
     kinds: frozenset[str] | None = None  # the model kinds its route serves (Route.kinds)
     path: str = ""  # its route's path
+    chosen: Service | None = None  # the model's service it went to, with several models
     model: str | None = None  # the model its body names (bodies.parse), with several models
     _client: EngineClient | None = None
 
@@ -88,7 +89,7 @@ class Call:
             if not self.service.others:
                 self._client = self.service.ready(timeout)
             else:  # several models: the one the body names, or the route's kind's first
-                chosen = self.service.choose(self.model, self.kinds, timeout)
+                chosen = self.chosen = self.service.choose(self.model, self.kinds, timeout)
                 self._client = chosen.ready(max(0.0, self.deadline - time.monotonic()))
                 check_kind(self.kinds, self._client.info.kind, self.path, chosen.name)
         return self._client

@@ -132,6 +132,7 @@ class Pipeline:
         methods = self.table.get(pattern)
         label = pattern if methods is not None else OTHER_ROUTE
         tenant: str | None = None
+        call: Call | None = None
         try:
             route, tenant = self._route(environ, path, method, methods)
             body = read_body(environ, self.service.settings.max_body_bytes)
@@ -152,6 +153,8 @@ class Pipeline:
             log.exception("unexpected error on %s %s", method, path)
             reply = self.error(internal_error(), path)
         self.record(method, label, reply.status, started, reply.inputs, reply.tokens, tenant)
+        if call is not None and call.chosen is not None:  # several models: by model too
+            call.chosen.metrics.count_model_request(label, reply.status)
         return respond(start_response, reply, head=method == "HEAD")
 
     def _route(self, environ: dict[str, Any], path: str, method: str,

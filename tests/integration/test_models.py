@@ -114,9 +114,14 @@ def test_the_models_routes_list_every_model(several):
         assert all(maps_runtime(pid) for pid in engines)
         assert not any(maps_runtime(pid) for pid in about["front_pids"])
     assert "models ready: all-MiniLM-L6-v2 (embedding, cpu, " in server.output()
+    ranked = loopback.post(server.url + "/v2/rerank", json={
+        "model": "reranker", "query": "q", "documents": ["a"]}, timeout=30)
+    assert ranked.status_code == 200
     metrics = loopback.get(server.url + "/metrics", timeout=30).text
     for name in (EMBEDDER, "reranker", "sparse"):
         assert f'embedsvc_batcher_alive{{model="{name}"}} 1.0' in metrics
+    assert 'embedsvc_model_requests_total{model="reranker",route="/v2/rerank",status="200"}' \
+        in metrics
 
 
 def maps_runtime(pid: int) -> bool:
