@@ -172,15 +172,13 @@ class LeanScorer(LeanEncoder):
 
     def __init__(self, path: Path, record: dict[str, Any], session: Any, precision: str) -> None:
         super().__init__(path, record, session, precision)
-        limit = int(record["tokenizer"]["truncate_at"])
-        self._truncating_to = {side: tokenizer_from_json(self._text, limit, side)
-                               for side in ("right", "left")}
+        self._truncate_at = int(record["tokenizer"]["truncate_at"])
         self._activation = _ACTIVATIONS[record["pipeline"]["activation"]]
 
     def tokenize_sequences(self, inputs: Sequence[Sequenced], direction: str | None
                            ) -> list[Pair]:
         """As ``CrossEncoderScorer.tokenize_sequences``: see there."""
-        return tokenize_pairs(self, self._truncating_to, inputs, direction)
+        return tokenize_pairs(self, self._truncate_at, inputs, direction)
 
     def activate(self, rows: np.ndarray, raw: bool) -> np.ndarray:
         """As ``CrossEncoderScorer.activate``: the model's activation, then a softmax across

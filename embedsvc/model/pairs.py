@@ -13,11 +13,11 @@ from .tokenizer import template_ids
 from .window import TokenCounts, pair_shares, window_tokens
 
 
-def tokenize_pairs(encoder: Any, truncating_to: dict[str, Any],
+def tokenize_pairs(encoder: Any, truncate_at: int,
                    inputs: Sequence[Sequenced], direction: str | None) -> list[Pair]:
     """``tokenize_sequences`` of any cross-encoder: ``encoder._tokenizer`` (the plain fast
-    tokenizer), ``_margin`` and ``info``, and ``truncating_to`` each direction's truncating
-    copy, whose limit and special tokens say how many tokens of text it keeps.
+    tokenizer), ``_margin`` and ``info``, and ``truncate_at``, the tokens (special ones
+    included) its tokenizer's truncation keeps.
 
     Each distinct text is read as far as its window (``window_tokens``), once; a pair keeps
     of each text what the tokenizer's own ``longest_first`` truncation would (``pair_shares``)
@@ -31,7 +31,7 @@ def tokenize_pairs(encoder: Any, truncating_to: dict[str, Any],
     limit = encoder.info.max_input_tokens
     tokens = dict(zip(texts, window_tokens(plain, texts, limit, side, margin), strict=True))
     template = Template(plain)
-    kept = None if direction is None else truncating_to[direction].truncation["max_length"]
+    kept = None if direction is None else truncate_at
     counts = TokenCounts(plain, limit, margin)
     out = []
     for item in inputs:

@@ -20,7 +20,6 @@ import numpy as np
 from ..work import Pair, Sequenced
 from .pairs import tokenize_pairs
 from .st_encoder import SentenceTransformerEncoder, torch_forward
-from .tokenizer import plain_tokenizer
 
 
 class CrossEncoderScorer(SentenceTransformerEncoder):
@@ -43,11 +42,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         self.kind = "reranker" if int(model.num_labels) == 1 else "classifier"
         self._activation = model.activation_fn
         super().__init__(model, name, source)
-        limit = int(model.max_seq_length)
-        self._truncating_to = {
-            side: plain_tokenizer(model.tokenizer, truncate_at=limit, direction=side)
-            for side in ("right", "left")
-        }
+        self._truncate_at = int(model.max_seq_length)
 
     @staticmethod
     def _model_class() -> Any:
@@ -79,7 +74,7 @@ class CrossEncoderScorer(SentenceTransformerEncoder):
         whole texts (``tokenize_pairs``). Untruncated, a cut text still holds more tokens than
         the limit (``Pair.cut``).
         """
-        return tokenize_pairs(self, self._truncating_to, inputs, direction)
+        return tokenize_pairs(self, self._truncate_at, inputs, direction)
 
     def encode(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         rows = torch_forward(self._modules, self.features(batch), "scores")

@@ -36,13 +36,11 @@ class PairText(TokenizerText):
 
     def __init__(self, info: ModelInfo, tokenizer: str) -> None:
         super().__init__(info, tokenizer)
-        limit = info.max_input_tokens
-        self._truncating_to = {side: tokenizer_from_json(tokenizer, limit, side)
-                               for side in ("right", "left")}
+        self._truncate_at = info.max_input_tokens
 
     def tokenize_sequences(self, inputs: Sequence[Sequenced], direction: str | None
                            ) -> list[Pair]:
-        return tokenize_pairs(self, self._truncating_to, inputs, direction)
+        return tokenize_pairs(self, self._truncate_at, inputs, direction)
 
 
 def describe(info: ModelInfo) -> dict[str, Any]:
