@@ -4,6 +4,8 @@ the model kinds it serves. The pipeline (wsgi.py) and ``/openapi.json`` are buil
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from ..errors import OLLAMA
@@ -18,15 +20,26 @@ from .schemas import (
 )
 from .web import Call, Reply, Route
 
-_openapi_body: bytes | None = None
+_openapi_document: dict[str, Any] | None = None
+_openapi_bodies: dict[tuple[Any, ...], bytes] = {}  # by the served models
 
 
 def openapi(call: Call) -> Reply:
-    """GET /openapi.json: this table, as OpenAPI 3.1."""
-    global _openapi_body
-    if _openapi_body is None:
-        _openapi_body = orjson.dumps(openapi_document(ROUTES))
-    return Reply(200, _openapi_body)
+    """GET /openapi.json: this table, as OpenAPI 3.1, and the served models in
+    ``info.x-embedsvc-models``: each one's name, kind and the modalities it takes."""
+    global _openapi_document
+    if _openapi_document is None:
+        _openapi_document = openapi_document(ROUTES)
+    models = tuple((m.name, m.kind, m.modalities) for m in
+                   (service.model for service in call.service.models) if m is not None)
+    body = _openapi_bodies.get(models)
+    if body is None:
+        served = [{"name": name, "kind": kind, "modalities": list(modalities)}
+                  for name, kind, modalities in models]
+        info = {**_openapi_document["info"], "x-embedsvc-models": served}
+        document = {**_openapi_document, "info": info}
+        body = _openapi_bodies[models] = orjson.dumps(document)
+    return Reply(200, body)
 
 
 # image-text models embed texts with their text tower on every embedding route, and images

@@ -168,6 +168,9 @@ def test_the_models_routes_say_which_modalities_it_takes(served):
     about = loopback.get(server.url + "/info", timeout=10).json()
     assert listed["modalities"] == about["modalities"] == ["text", "image"]
     assert listed["kind"] == about["kind"] == "image-text"
+    document = loopback.get(server.url + "/openapi.json", timeout=10).json()
+    assert document["info"]["x-embedsvc-models"] == [
+        {"name": about["model_id"], "kind": "image-text", "modalities": ["text", "image"]}]
     assert "without PyTorch" in server.output() and "unimportable" not in server.output()
 
 
