@@ -32,8 +32,11 @@ _JINA_ROLES = {"retrieval.query": "query", "retrieval.passage": "document",
 def embeddings(call: Call) -> Reply:
     """POST /v1/embeddings and /embeddings: the OpenAI shape."""
     req = parse(TypedEmbeddingsRequest, call)
-    inputs = _inputs(req)
-    if any(type(item) is ImageRef for item in inputs):
+    if req.input is None or req.modality is not None or req.messages is not None:
+        inputs = _inputs(req)
+    else:  # OpenAI's own shapes: no call an input
+        inputs = as_list(req.input)
+    if ImageRef in set(map(type, inputs)):
         return _media(call, req, inputs)
     dimensions = _agreed(req, "dimensions", "output_dimension")
     dtype = _agreed(req, "output_dtype", "embedding_type") or "float"

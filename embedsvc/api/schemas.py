@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from .shapes import MediaShape, Shape, listed_fields
+from .shapes import Shape, listed_fields
 
 
 class Request(BaseModel):
@@ -35,9 +35,9 @@ InputsField = Annotated[Any, PlainValidator(
     Shape(_IDS_OR_TEXTS, text=True, items=(str, int, list), inner=int),
     json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])]
 MediaInputsField = Annotated[Any, PlainValidator(
-    MediaShape(_IDS_OR_TEXTS + ", or a list of texts and images (image-text models: "
-               '{"text": ...}, {"image": ...}, {"type": "image_url", "image_url": '
-               '{"url": ...}})', text=True, items=(str, int, list), inner=int),
+    Shape(_IDS_OR_TEXTS + ", or a list of texts and images (image-text models: "
+          '{"text": ...}, {"image": ...}, {"type": "image_url", "image_url": {"url": ...}})',
+          text=True, items=(str, int, list), inner=int, media=True),
     json_schema_input_type=StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     | list[StrictStr | dict[str, Any]])]
 TextsField = Annotated[Any, PlainValidator(

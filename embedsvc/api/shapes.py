@@ -57,9 +57,12 @@ class Shape:
     def __init__(self, what: str, *, text: bool = False, items: tuple[type, ...] = (),
                  inner: type | None = None, mixed: bool = False,
                  counted: tuple[type, ...] = (str, list, dict), name: str | None = None,
-                 totalled: bool = False) -> None:
+                 totalled: bool = False, media: bool = False) -> None:
         self.what = what
         self.text, self.items, self.inner, self.mixed = text, items, inner, mixed
+        # lists that may also hold content items, texts and images as image-text models'
+        # clients send them (``content_item``): a list with an object is read item by item
+        self.media = media
         self.counted = counted
         self.name = name  # how messages name the field, when not by its own name
         # lists of ids in lists, all together within the context's ``max_ids`` (/decode's),
@@ -80,6 +83,10 @@ class Shape:
             raise self._refused(param, None, value)
         if not value:
             return value
+        if self.media and dict in set(map(type, value)):
+            if max_inputs is not None:
+                rules.check_count(len(value), max_inputs, param=param.partition(".")[0])
+            return [content_item(item, f"{param}[{i}]", self) for i, item in enumerate(value)]
         first = type(value[0])
         if self.items and first not in self.items:
             raise self._refused(param, 0, value[0])
@@ -119,27 +126,11 @@ class Shape:
                               code=f"invalid_{top}")
 
 
-class MediaShape(Shape):
-    """A ``Shape`` whose lists may also hold content items: texts and images as the clients
-    of image-text models send them, each turned into a text or an ``ImageRef``:
-
-    - Jina's ``{"text": ...}`` and ``{"image": ...}``;
-    - OpenAI's and vLLM's content parts, ``{"type": "text", "text": ...}`` and
-      ``{"type": "image_url", "image_url": "..." | {"url": "..."}}``.
-
-    A list without objects is checked as the plain ``Shape``'s (at the same cost)."""
-
-    def check(self, value: Any, param: str, max_inputs: int | None,
-              max_ids: int | None = None) -> Any:
-        if type(value) is not list or dict not in set(map(type, value)):
-            return super().check(value, param, max_inputs, max_ids)
-        if max_inputs is not None:
-            rules.check_count(len(value), max_inputs, param=param.partition(".")[0])
-        return [content_item(item, f"{param}[{i}]", self) for i, item in enumerate(value)]
-
-
 def content_item(item: Any, where: str, shape: Shape | None = None) -> str | ImageRef:
-    """One text or image of a content list (``MediaShape``), or a 400 naming ``where``."""
+    """One text or image of a content list, or a 400 naming ``where``: Jina's
+    ``{"text": ...}`` and ``{"image": ...}``, OpenAI's and vLLM's content parts
+    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": "..." |
+    {"url": "..."}}``."""
     if type(item) is str:
         return item
     if type(item) is dict:
