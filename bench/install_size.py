@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/install_size.py                 # the install without extras
     .venv/bin/python bench/install_size.py --extra torch   # with the torch extra (CPU torch)
+    .venv/bin/python bench/install_size.py --extra image   # with the image extra (Pillow)
 
 Each install goes into a new venv as `python -m venv` makes it (pip inside), from this
 checkout, not editable; then the same without pip (`venv --without-pip`, the base's pip
-installing into it, as deploy/docker/Dockerfile's CPU stage does). For the torch extra the
-CPU build of torch (--torch-spec, where pip finds it or from --torch-index) is installed first,
-as the Makefile does.
+installing into it, as deploy/docker/Dockerfile's CPU stage does). Where the torch extra is
+among --extra's (comma-separated) the CPU build of torch (--torch-spec, where pip finds it or
+from --torch-index) is installed first, as the Makefile does; no other extra installs it.
 Prints the venv's size (du, MiB and MB), the installed distributions (`pip list`, header not
 counted), whether torch imports, and, with --record, the size of an export record directory.
 """
@@ -51,7 +52,8 @@ def report(name: str, venv: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--extra", default="", help="an extra to install, e.g. torch")
+    parser.add_argument("--extra", default="",
+                        help="extras to install, comma-separated, e.g. torch or image")
     parser.add_argument("--torch-spec", default="torch==2.13.0")
     parser.add_argument("--torch-index", default="",
                         help="an index with the CPU build of torch, e.g. "
@@ -60,7 +62,9 @@ def main() -> None:
     args = parser.parse_args()
     target = f"{REPO}[{args.extra}]" if args.extra else str(REPO)
     index = ["--extra-index-url", args.torch_index] if args.torch_index else []
-    torch = [args.torch_spec, *index] if args.extra else []
+    # the CPU build of torch first only where the torch extra is among the extras asked for
+    wants_torch = "torch" in (e.strip() for e in args.extra.split(","))
+    torch = [args.torch_spec, *index] if wants_torch else []
     label = f"pip install embedsvc{f'[{args.extra}]' if args.extra else ''}"
     with tempfile.TemporaryDirectory(prefix="embedsvc-size-") as work:
         for pip_in_venv in (True, False):
