@@ -111,23 +111,50 @@ def build_image_record(source: Path, key: str, path: Path, *, name: str,
     info = {"name": name, "dimension": int(np.load(path / PROBE)["text_embeds"].shape[1]),
             "max_input_tokens": max_tokens, "vocab_size": tok.get_vocab_size(True),
             "parameters": sum(p.numel() for p in model.parameters()),
-            "size_bytes": sum((path / n).stat().st_size for n in (GRAPH, VISION)),
             "prompts": {}, "labels": [], "pooling": None,
             "modalities": ["text", "image"], "image_tokens": size * size + 1,
             "image": image_config}
-    files = (GRAPH, VISION, TOKENIZER, PREPROCESSOR, PROBE)
-    write_record(path, {
+    fields = {
         "fingerprint": key, "kind_setting": kind_setting, "lean": True, "kind": "image-text",
-        "info": info, "weights": "float32",
         "tokenizer": {"pad_id": pad_id, "token_types": False, "prefix": prefix,
                       "suffix": suffix, "truncate_at": max_tokens},
         "towers": {"text_length": fixed, "text_mask": masked, "model_type": config.model_type},
-        "probe": {"inputs": _PROBE, "ids": ids},
-        "files": {n: describe_file(path / n) for n in files}})
-    from .lean import open_record
+        "probe": {"inputs": _PROBE, "ids": ids}}
+    _store(path, fields, info)
 
-    open_record(path, threads=1)  # what the export gives must be what PyTorch gives
-    log.info("exported %s: text and vision towers, %.1f MiB", name, info["size_bytes"] / 2**20)
+
+def _store(path: Path, fields: dict[str, Any], info: dict[str, Any]) -> None:
+    """``record.json`` over the two towers, their large weights stored as float16 where the
+    probe still reproduces PyTorch's outputs (export.py's ``half_weights``, as text records
+    store theirs: half the record), else as exported; RecordError when not even that does."""
+    import onnx
+
+    from .export import half_weights
+    from .lean import open_record
+    from .record import RecordError
+
+    exported = {name: onnx.load(str(path / name)) for name in (GRAPH, VISION)}
+    halves = {name: half_weights(graph) for name, graph in exported.items()}
+    for storage in ("float16", "float32"):
+        if storage == "float16" and not any(count for _, count in halves.values()):
+            continue
+        for name, graph in exported.items():
+            onnx.save(halves[name][0] if storage == "float16" else graph, str(path / name))
+        files = (GRAPH, VISION, TOKENIZER, PREPROCESSOR, PROBE)
+        sized = {**info, "size_bytes": sum((path / n).stat().st_size for n in (GRAPH, VISION))}
+        write_record(path, {**fields, "info": sized, "weights": storage,
+                            "files": {n: describe_file(path / n) for n in files}})
+        try:
+            open_record(path, threads=1)  # what the export gives must be what PyTorch gives
+        except RecordError as exc:
+            if storage == "float32":
+                raise
+            log.info("exported %s: its float16 weights miss PyTorch's probe outputs (%s); "
+                     "storing them as float32", info["name"], exc)
+            continue
+        log.info("exported %s: text and vision towers, weights stored as %s, %.1f MiB",
+                 info["name"], storage, sized["size_bytes"] / 2**20)
+        return
 
 
 def _text_feeds(ids: list[list[int]], pad_id: int, fixed: int | None, masked: bool

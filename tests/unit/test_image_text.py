@@ -54,6 +54,14 @@ def test_a_texts_vector_does_not_depend_on_its_batch_mates(encoder):
     assert np.allclose(enc.encode([short]), enc.encode([short, long])[:1], atol=1e-5)
 
 
+def test_the_towers_weights_are_stored_as_float16(encoder):
+    from embedsvc.model.record import read_record
+
+    _, settings = encoder
+    path, _ = record_path(settings)
+    assert read_record(path)["weights"] == "float16"
+
+
 def test_a_changed_vision_graph_is_refused(encoder, tmp_path):
     _, settings = encoder
     path, _ = record_path(settings)
