@@ -37,7 +37,7 @@ import tomllib
 from .settings import Settings, SettingsError
 
 # The settings a model may set for itself: what its engine loads, places and batches with.
-OWN = ("model", "kind", "device", "dtype", "backend", "quantize", "quantize_min_recall",
+OWN = ("kind", "device", "dtype", "backend", "quantize", "quantize_min_recall",
        "onnx_threads", "max_batch_tokens", "max_batch_size", "max_wait_ms", "max_queue",
        "max_queue_tokens", "auto_truncate")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
@@ -67,7 +67,9 @@ def catalog(settings: Settings) -> list[Entry]:
     if not rows:
         raise SettingsError("MODELS lists no model")
     entries = [_entry(settings, row) for row in rows]
-    names = [n for e in entries for n in (e.name, *e.aliases)]
+    # as requests name them: Ollama's clients add ":latest" to a name without a tag
+    names = [n for e in entries
+             for n in dict.fromkeys(m.removesuffix(":latest") for m in (e.name, *e.aliases))]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise SettingsError(f"MODELS: model names must differ: {', '.join(twice)} names two "
@@ -107,17 +109,21 @@ def _entry(base: Settings, row: dict[str, Any]) -> Entry:
     unknown = set(row) - {"name", "source", "aliases", "settings"}
     if unknown:
         raise SettingsError(f"model {name}: unknown field {sorted(unknown)[0]!r}")
-    own = dict(row.get("settings") or {})
-    if not isinstance(own, dict) or set(own) - set(OWN):
-        wrong = sorted(set(own) - set(OWN)) if isinstance(own, dict) else ["settings"]
+    own = row.get("settings") or {}
+    if not isinstance(own, dict):
+        raise SettingsError(f"model {name}: settings must be a table ([models.settings])")
+    if set(own) - set(OWN):
+        wrong = sorted(set(own) - set(OWN))
         raise SettingsError(f"model {name}: {wrong[0]!r} is not a model's own setting (those "
-                            f"are {', '.join(OWN)})")
+                            f"are {', '.join(OWN)}; its source is 'source')")
     source = row.get("source", "")
     if not isinstance(source, str):
         raise SettingsError(f"model {name}: source must be a string")
     aliases = row.get("aliases") or []
-    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
-        raise SettingsError(f"model {name}: aliases must be a list of strings")
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and _NAME.fullmatch(a)
+                                                for a in aliases):
+        raise SettingsError(f"model {name}: aliases must be a list of names, each 1-128 "
+                            "letters, digits and ._:/-")
     try:
         settings = dataclasses.replace(base, model=source, models="", models_file=None, **own)
     except (TypeError, ValueError) as exc:

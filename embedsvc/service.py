@@ -272,7 +272,7 @@ class Service:
             found = self._named.get(name) or self._named.get(name.removesuffix(":latest"))
             if found is None:
                 served = ", ".join(s.name for s in self.models)
-                raise NotFound(f"the model '{name}' is not served here; this server serves "
+                raise NotFound(f"the model {name[:100]!r} is not served here; this server serves "
                                f"{served} (GET /v1/models)", param="model",
                                code="model_not_found")
             return found

@@ -115,8 +115,10 @@ class Images(Embed):
     def prepare(self, client: Any, work: Work) -> tuple[int, Tokenize]:
         info = client.info
         if "image" not in info.modalities:
-            raise InvalidRequest(f"this server's {info.kind} model embeds text only; send the "
-                                 "inputs as texts", param=work.param, code="not_supported")
+            raise InvalidRequest(f"the {info.kind} model {info.name!r} embeds text only: send "
+                                 "texts, or name an image-text model in 'model' where the "
+                                 "server serves several", param=work.param,
+                                 code="not_supported")
         rules.check_dimensions(work.dimensions, info.dimension)
         rules.check_count(len(work.inputs), client.settings.max_inputs_per_request,
                           param=work.param)

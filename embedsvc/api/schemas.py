@@ -68,7 +68,9 @@ class EmbeddingsRequest(Request):
         "the server setting TOKEN_IDS=model, ids of the served model without special tokens."
     )
     model: StrictStr | None = Field(
-        None, description="Any name; it picks the OpenAI tokenizer of token-id input. The "
+        None, description="With several models (MODELS), the one to use, by name or alias "
+        "(404 for any other); with one, any name. It picks the OpenAI tokenizer of token-id "
+        "input. The "
         "response names the served model."
     )
     encoding_format: Literal["float", "base64"] = Field(
@@ -181,7 +183,8 @@ class CohereRerankRequest(Request):
         False, description="Put each document, as {\"text\": ...}, in its result."
     )
     model: StrictStr | None = Field(
-        None, description="Accepted and ignored: the response names the served model."
+        None, description="With one model, any name (the response names the served model); "
+        "with several (MODELS), the one to use, by name or alias: 404 for any other."
     )
 
 
@@ -282,7 +285,8 @@ class CohereEmbedRequest(Request):
         None, description="The texts to embed (or 'images', or 'inputs').",
         json_schema_extra={"main": True})
     model: StrictStr | None = Field(
-        None, description="Accepted and ignored: the response names the served model."
+        None, description="With one model, any name (the response names the served model); "
+        "with several (MODELS), the one to use, by name or alias: 404 for any other."
     )
     input_type: StrictStr | None = Field(
         None, description="search_query, search_document, classification or clustering, "
@@ -315,7 +319,8 @@ class CohereEmbedRequest(Request):
 class OllamaEmbedRequest(Request):
     """POST /api/embed: Ollama's embedding API."""
 
-    model: StrictStr = Field("", description="Any name; the response names the served model.")
+    model: StrictStr = Field("", description="With one model, any name; with several "
+                             "(MODELS), the one to use (404 for any other).")
     input: StrictStr | list[StrictStr] = Field(description="Text or texts.")
     truncate: StrictBool | None = Field(
         None, description="false refuses over-long inputs; null: AUTO_TRUNCATE."
@@ -334,7 +339,8 @@ class OllamaEmbedRequest(Request):
 class OllamaEmbeddingsRequest(Request):
     """POST /api/embeddings: Ollama's legacy embedding API (one prompt, raw vector)."""
 
-    model: StrictStr = Field("", description="Any name.")
+    model: StrictStr = Field("", description="With one model, any name; with several "
+                             "(MODELS), the one to use (404 for any other).")
     prompt: StrictStr = Field(description="The text to embed.")
     options: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
     keep_alive: StrictStr | float | None = Field(None, description="Accepted and ignored.")

@@ -133,7 +133,7 @@ def content_item(item: Any, where: str, shape: Shape | None = None) -> str | Ima
     {"url": "..."}}``."""
     if type(item) is str:
         return item
-    if type(item) is dict:
+    if type(item) is dict and not ("text" in item and ("image" in item or "image_url" in item)):
         kind = item.get("type")
         if type(item.get("text")) is str and kind in (None, "text"):
             return item["text"]

@@ -37,8 +37,12 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 MiB = 1024 * 1024
-DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*);base64,",
-                      re.ASCII)
+DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?"
+                      r"(?P<params>(;[\w.+-]+=(?:[\w.+-]+|\"[\w.+-]*\"))*);base64,",
+                      re.ASCII | re.IGNORECASE)
+# what base64 text may hold besides its alphabet: the line breaks GNU base64 writes every 76
+# characters, and spaces
+_BASE64_SPACE = re.compile(rb"[ \t\r\n]+")
 
 
 class InvalidImage(InvalidRequest):
@@ -87,8 +91,8 @@ def data_uri_bytes(uri: str, policy: ImagePolicy) -> bytes:
     if len(text) * 3 // 4 > policy.max_bytes + 2:
         raise too_large(len(text) * 3 // 4, policy)
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        return base64.b64decode(_BASE64_SPACE.sub(b"", text.encode("ascii")), validate=True)
+    except (binascii.Error, ValueError) as exc:  # UnicodeEncodeError too: not ASCII
         raise InvalidImage(f"the data URI is not valid base64: {exc}", code="bad_base64") from exc
 
 

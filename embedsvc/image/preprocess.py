@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 TOLERANCE = 1e-5  # max abs difference to transformers' processor, as the tests check it
+# An image whose resize would be larger than this many pixels (4096 x 4096, 48 MiB as RGB)
+# resizes only the part the centre crop keeps (``Preprocessor.kept_box``): the long strips of
+# a few bytes that would otherwise take gigabytes. Every other image resizes whole, exactly as
+# transformers' processor does (a 3 x 500 strip to a shortest edge of 224 is 8.4 megapixels).
+_RESIZE_MOST = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,13 @@ class Preprocessor:
         image = to_rgb(image) if self.convert_rgb else image
         target = self.target_size(image.size)
         if target is not None:
-            image = image.resize((target[1], target[0]), resample=self.resample)
+            box = self.kept_box(image.size, target)
+            if box is None:
+                image = image.resize((target[1], target[0]), resample=self.resample)
+            else:  # only the part the centre crop keeps, straight to the crop's size
+                assert self.crop is not None
+                image = image.resize((self.crop[1], self.crop[0]), resample=self.resample,
+                                     box=box)
         pixels = np.asarray(image)
         pixels = pixels[..., None] if pixels.ndim == 2 else pixels
         chw = np.moveaxis(pixels, -1, 0)
@@ -86,6 +97,28 @@ class Preprocessor:
             out -= np.asarray(self.mean, np.float32)[:, None, None]
             out /= np.asarray(self.std, np.float32)[:, None, None]
         return out
+
+    def kept_box(self, size: tuple[int, int], target: tuple[int, int]
+                 ) -> tuple[float, float, float, float] | None:
+        """For an image whose resize to ``target`` (height, width) would be larger than
+        ``_RESIZE_MOST`` pixels (a 1,000,000 x 1 strip resized to a shortest edge of 224 is
+        224 gigapixels; an image of 40 megapixels passes the decoder's bound), the region of
+        the source image, in Pillow's (left, upper, right, lower), that the crop keeps; None
+        for the others, which resize whole, as transformers' processor does. 400 for such
+        an image where the model crops nothing."""
+        height, width = target
+        crop = self.crop
+        if height * width <= _RESIZE_MOST:
+            return None
+        if crop is None or crop[0] > height or crop[1] > width:
+            from .decode import InvalidImage
+
+            raise InvalidImage(f"the image ({size[0]} x {size[1]}) would resize to {width} x "
+                               f"{height} pixels for this model; send one of a less extreme "
+                               "shape", code="image_shape")
+        top, left = (height - crop[0]) // 2, (width - crop[1]) // 2
+        sx, sy = size[0] / width, size[1] / height
+        return (left * sx, top * sy, (left + crop[1]) * sx, (top + crop[0]) * sy)
 
     def output_shape(self) -> tuple[int, int, int]:
         """(channels, height, width) of every image's array: what the vision tower takes."""

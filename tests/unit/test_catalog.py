@@ -59,3 +59,30 @@ def test_models_whose_weights_do_not_fit_stop_the_start_in_one_line(tmp_path):
                                              r"more than the 4 MiB") as caught:
         check_memory(models, available=4 << 20)
     assert caught.value.exit_code == 1 and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("models,found", [
+    ("a=/m/a,a:latest=/m/b", "a names two models"),
+])
+def test_names_that_ollamas_clients_cannot_tell_apart_are_refused(models, found):
+    with pytest.raises(SettingsError, match=found):
+        catalog(Settings(models=models))
+
+
+@pytest.mark.parametrize("table,found", [
+    ('settings = "abc"', "settings must be a table"),
+    ('[models.settings]\nmodel = "/other"', "'model' is not a model's own setting"),
+    ('aliases = ["b c"]', "aliases must be a list of names"),
+])
+def test_a_models_file_says_what_is_wrong_in_one_line(tmp_path, table, found):
+    path = tmp_path / "models.toml"
+    path.write_text(f'[[models]]\nname = "m"\nsource = "/m"\n{table}\n')
+    with pytest.raises(SettingsError, match=found):
+        catalog(Settings(models_file=str(path)))
+
+
+def test_an_alias_equal_to_its_own_name_is_no_second_model(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nname = "a"\nsource = "/m"\naliases = ["a", "a:latest"]\n')
+    (entry,) = catalog(Settings(models_file=str(path)))
+    assert entry.aliases == ("a", "a:latest")

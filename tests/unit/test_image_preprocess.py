@@ -91,3 +91,35 @@ def test_the_config_decides_the_steps(tmp_path):
     image = generated("RGB", (7, 5), 0)
     got = Preprocessor.from_dir(tmp_path)([image])[0]
     np.testing.assert_array_equal(got, np.moveaxis(np.asarray(image), -1, 0).astype(np.float32))
+
+
+def test_a_long_strip_resizes_only_what_the_crop_keeps(monkeypatch):
+    """A 1,000,000 x 1 PNG of a few KB resized whole to a shortest edge of 224 would be 224
+    gigapixels; only the crop's region is resized, close to what resizing it whole gives."""
+    import numpy as np
+    from PIL import Image
+
+    from embedsvc.image import preprocess
+
+    clip = preprocess.Preprocessor()
+    assert clip.kept_box((640, 480), clip.target_size((640, 480))) is None  # photos: whole
+    assert clip.kept_box((10**6, 1), clip.target_size((10**6, 1))) is not None
+    strip = Image.fromarray(np.random.default_rng(3).integers(0, 256, (90, 60000, 3),
+                                                              dtype=np.uint8))
+    assert clip.kept_box(strip.size, clip.target_size(strip.size)) is not None
+    boxed = clip.one(strip)
+    monkeypatch.setattr(preprocess, "_RESIZE_MOST", 10**12)
+    whole = clip.one(strip)
+    assert boxed.shape == whole.shape == (3, 224, 224)
+    assert np.abs(boxed - whole).mean() < 0.02 and np.abs(boxed - whole).max() < 0.5
+
+
+def test_a_long_strip_is_refused_where_nothing_is_cropped():
+    import pytest
+
+    from embedsvc.image.decode import InvalidImage
+    from embedsvc.image.preprocess import Preprocessor
+
+    uncropped = Preprocessor(crop=None)
+    with pytest.raises(InvalidImage, match="less extreme shape"):
+        uncropped.kept_box((10**6, 1), uncropped.target_size((10**6, 1)))

@@ -117,7 +117,8 @@ def test_content_items_of_every_client(item, want):
     assert content_item(item, "input[0]") == want
 
 
-@pytest.mark.parametrize("item", [{"image": 3}, {"type": "audio", "audio": "x"}, {}, 1.5])
+@pytest.mark.parametrize("item", [{"image": 3}, {"type": "audio", "audio": "x"}, {}, 1.5,
+                                  {"image": "data:x", "text": "a"}])
 def test_other_content_items_are_refused(item):
     from embedsvc.api.shapes import content_item
 
