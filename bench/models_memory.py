@@ -41,6 +41,10 @@ import httpx
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+
+from bench.engine_kill import tree  # noqa: E402 - the path above makes the repository importable
+
 OUT = BENCH / "out" / "models-memory"
 BIN = Path(sys.executable).parent
 BASE_PORT = 18640
@@ -88,22 +92,6 @@ class Memory:
         self.rss_kib += other.rss_kib
         self.pss_kib += other.pss_kib
         self.uss_kib += other.uss_kib
-
-
-def tree(root: int) -> list[int]:
-    """``root`` and its descendants, from /proc's parent pids (an engine started in a session
-    of its own is still its supervisor's child)."""
-    parents = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-            parents[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found = [root]
-    for pid in found:
-        found += [child for child, parent in parents.items() if parent == pid]
-    return found
 
 
 def role(pid: int, top: int, workers: bool) -> str:

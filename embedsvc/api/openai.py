@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import InvalidRequest, NotFound, Unavailable
-from ..work import EMBED, IMAGE, ImageRef, ModelInfo
+from ..work import EMBED, IMAGE, Embedded, ImageRef, ModelInfo
 from . import typed
 from .bodies import as_list, parse
 from .openai_tokens import decode_ids
@@ -53,7 +53,11 @@ def embeddings(call: Call) -> Reply:
     codes = () if dtype == "float" else (dtype,)
     out = call.run(call.work(EMBED, inputs, normalize=normalize, dimensions=dimensions,
                              truncate=req.truncation, decode=decode, codes=codes))
-    rows = out.codes[dtype] if codes else out.vectors
+    return _answer(call, out, out.codes[dtype] if codes else out.vectors, encoding, len(inputs))
+
+
+def _answer(call: Call, out: Embedded, rows: Any, encoding: str, count: int) -> Reply:
+    """OpenAI's list of embeddings: ``rows`` as floats or base64, and the usage."""
     encoded: list[Any] = typed.base64_rows(rows) if encoding == "base64" else list(rows)
     body = {
         "object": "list",
@@ -62,7 +66,7 @@ def embeddings(call: Call) -> Reply:
         "model": call.info.name,
         "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
     }
-    return embedded_reply(body, out, len(inputs))
+    return embedded_reply(body, out, count)
 
 
 def _inputs(req: TypedEmbeddingsRequest) -> list[Any]:
@@ -103,16 +107,8 @@ def _media(call: Call, req: TypedEmbeddingsRequest, inputs: list[Any]) -> Reply:
     out = call.run(call.work(IMAGE, inputs, normalize=req.normalized is not False,
                              dimensions=_agreed(req, "dimensions", "output_dimension"),
                              truncate=req.truncation))
-    base64 = dtype == "base64" or req.encoding_format == "base64"
-    encoded: list[Any] = typed.base64_rows(out.vectors) if base64 else list(out.vectors)
-    body = {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e}
-                 for i, e in enumerate(encoded)],
-        "model": call.info.name,
-        "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens},
-    }
-    return embedded_reply(body, out, len(inputs))
+    encoding = "base64" if dtype == "base64" else req.encoding_format
+    return _answer(call, out, out.vectors, encoding, len(inputs))
 
 
 def models(call: Call) -> Reply:
