@@ -32,8 +32,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import tomllib
-
 from .settings import Settings, SettingsError
 
 # The settings a model may set for itself: what its engine loads, places and batches with.
@@ -90,6 +88,8 @@ def _parse_item(item: str) -> dict[str, Any]:
 
 
 def _read_file(path: str) -> list[dict[str, Any]]:
+    import tomllib  # only where a file lists the models: not on every start
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
