@@ -211,3 +211,24 @@ def timed(server: Server, route: str, body: dict) -> tuple[int, float]:
 
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
+
+
+@pytest.mark.parametrize("several", ["workers 2"], indirect=True)
+def test_the_clients_of_a_retrieval_pipeline_name_their_models(several):
+    """The OpenAI and Cohere clients, as docs/deployment.md's recipe calls them."""
+    cohere = pytest.importorskip("cohere")
+    openai = pytest.importorskip("openai")
+    _, server, one = several
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    got = client.embeddings.create(model=EMBEDDER, input=["a text"]).data[0].embedding
+    want = loopback.post(one["embedding"].url + "/v1/embeddings", json={"input": ["a text"]},
+                         timeout=30).json()["data"][0]["embedding"]
+    same(got, want, "openai client")
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input=["a text"])
+    v2 = cohere.ClientV2(api_key="unused", base_url=server.url)
+    ranked = v2.rerank(model="reranker", query="q", documents=["a", "b"])
+    want = loopback.post(one["reranker"].url + "/v2/rerank",
+                         json={"query": "q", "documents": ["a", "b"]}, timeout=30).json()
+    same([r.relevance_score for r in ranked.results],
+         [r["relevance_score"] for r in want["results"]], "cohere client")
