@@ -235,7 +235,8 @@ class LeanImageText(LeanEncoder):
         if len(images) == len(batch):
             return self.embed_pixels(pixels)
         rows = np.empty((len(batch), self.info.dimension), np.float32)
-        texts = [i for i in range(len(batch)) if i not in set(images)]
+        taken = set(images)
+        texts = [i for i in range(len(batch)) if i not in taken]
         rows[texts] = self._texts([batch[i] for i in texts])
         rows[images] = self.embed_pixels(pixels)
         return rows

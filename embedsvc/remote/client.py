@@ -26,7 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ApiError, ClientDisconnected, QuotaExceeded, Unavailable, shutting_down
-from ..work import Embedded, Pending, ShutdownReport, Work
+from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
 from ..work_kinds import WORK_KINDS
 from . import wire
 
@@ -316,12 +316,15 @@ class RemotePort:
         request_id = next(self._ids)
         generation = self.link.generation
         assert work.deadline is not None
-        ids, lengths, seconds = wire.pack_ids(work.ids)
+        rows: list[Any] = work.ids
+        images: dict[str, Any] = {}
+        if work.kind == IMAGE:  # the pixels beside the ids
+            rows, images = wire.pack_pixels(rows)
+        ids, lengths, seconds = wire.pack_ids(rows)
         frame = wire.Submit(request_id, work.kind, ids, lengths, seconds, raw=work.raw,
                             timeout=work.deadline - time.monotonic(),
                             flow=None if work.flow is None else repr(work.flow),
-                            tenant=work.tenant, front=os.getpid(),
-                            **wire.pack_pixels(work.ids))
+                            tenant=work.tenant, front=os.getpid(), **images)
         self.link.send(sock, wire.encode(frame))
         with self._cond:
             self._in_flight += 1

@@ -169,24 +169,24 @@ def max_frame_bytes(inputs: int, tokens: int, image_bytes: int = 0) -> int:
 
 
 def pack_ids(ids: Sequence[Sequence[int]]) -> tuple[bytes, bytes, bytes]:
-    """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments
-    (an image's ids are empty: ``pack_pixels`` sends it)."""
+    """Wrapped ids as flat int32 bytes, each input's length, and pairs' second segments."""
     seconds = b""
     if ids and isinstance(ids[0], Pair):
         seconds = _int32_bytes([p.second for p in ids])  # type: ignore[attr-defined]
-    rows = [() if isinstance(row, Pixels) else row for row in ids]
-    flat = _int32_bytes([i for row in rows for i in row])
-    return flat, _int32_bytes([len(row) for row in rows]), seconds
+    flat = _int32_bytes([i for row in ids for i in row])
+    return flat, _int32_bytes([len(row) for row in ids]), seconds
 
 
-def pack_pixels(ids: Sequence[Any]) -> dict[str, Any]:
-    """The ``Submit`` fields of the images among ``ids``; none when there are none."""
+def pack_pixels(ids: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An image work's inputs as ``pack_ids`` takes them (each image's ids empty), and the
+    ``Submit`` fields of its images (none when there are none)."""
     at = [i for i, row in enumerate(ids) if isinstance(row, Pixels)]
     if not at:
-        return {}
+        return list(ids), {}
     stacked = np.stack([ids[i].array for i in at]).astype("<f4", copy=False)
-    return {"images": _int32_bytes(at), "pixels": stacked.tobytes(),
-            "image_shape": tuple(int(n) for n in stacked.shape[1:])}
+    rows = [() if isinstance(row, Pixels) else row for row in ids]
+    return rows, {"images": _int32_bytes(at), "pixels": stacked.tobytes(),
+                  "image_shape": tuple(int(n) for n in stacked.shape[1:])}
 
 
 def unpack_pixels(frame: Submit, ids: list[Any], shape: tuple[int, ...], cost: int) -> None:

@@ -79,9 +79,9 @@ def test_a_changed_vision_graph_is_refused(encoder, tmp_path):
 def test_images_cross_the_socket_at_their_positions():
     ids = [[101, 7, 102], *pixels(2, seed=3)]
     ids.insert(1, [101, 8, 102])
-    flat, lengths, seconds = wire.pack_ids(ids)
+    rows, images = wire.pack_pixels(ids)
     frame = wire.decode_to_engine(wire.encode(wire.Submit(
-        1, "image", flat, lengths, seconds, **wire.pack_pixels(ids))))
+        1, "image", *wire.pack_ids(rows), **images)))
     got = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
     assert got == [[101, 7, 102], [101, 8, 102], [], []]
     wire.unpack_pixels(frame, got, (3, IMAGE_SIZE, IMAGE_SIZE), 26)
@@ -92,7 +92,7 @@ def test_images_cross_the_socket_at_their_positions():
 @pytest.mark.parametrize("change", ["shape", "position", "bytes"])
 def test_images_that_do_not_add_up_are_refused(change):
     ids = [[101, 7, 102], *pixels(1)]
-    fields = wire.pack_pixels(ids)
+    rows, fields = wire.pack_pixels(ids)
     shape = (3, IMAGE_SIZE, IMAGE_SIZE)
     if change == "shape":
         shape = (3, IMAGE_SIZE, IMAGE_SIZE + 1)
@@ -100,7 +100,7 @@ def test_images_that_do_not_add_up_are_refused(change):
         fields["images"] = (0).to_bytes(4, "little")  # a text's place
     else:
         fields["pixels"] = fields["pixels"][:-4]
-    frame = wire.Submit(1, "image", *wire.pack_ids(ids), **fields)
+    frame = wire.Submit(1, "image", *wire.pack_ids(rows), **fields)
     with pytest.raises(ValueError):
         wire.unpack_pixels(frame, wire.unpack_ids(frame.ids, frame.lengths), shape, 26)
 
