@@ -91,6 +91,10 @@ class Metrics:
         "embedsvc_model_requests",
         "HTTP requests that went to one of several models, by route and status (labelled "
         "with the model)", "route", "status")
+    model_request_duration = _Declared(lambda r: Histogram(
+        "embedsvc_model_request_duration_seconds",
+        "HTTP request duration by route, of the requests that went to one of several models "
+        "(labelled with the model)", ["route"], buckets=_LATENCY, registry=r))
     queue_wait = _histogram("embedsvc_queue_wait_seconds",
                             "Per input: time queued before its batch started", _LATENCY)
     tokenization = _histogram("embedsvc_tokenization_seconds",
@@ -185,10 +189,11 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def count_model_request(self, route: str, status: int) -> None:
+    def count_model_request(self, route: str, status: int, seconds: float) -> None:
         """One answered request that went to this model, one of several (the service's
-        ``embedsvc_requests_total`` counts it too)."""
+        ``embedsvc_requests_total`` and ``embedsvc_request_duration_seconds`` count it too)."""
         self.model_requests.labels(route=route, status=str(status)).inc()
+        self.model_request_duration.labels(route=route).observe(seconds)
 
     def count_tenant(self, tenant: str, status: int, inputs: int, tokens: int) -> None:
         """One answered request of ``tenant`` (a name of the keys file: a bounded label)."""

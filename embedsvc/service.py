@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 from . import __version__
 from .engine_client import EngineClient
 from .errors import NotFound, Unavailable, shutting_down
-from .metrics import Family, Metrics, exposition, families
+from .metrics import Family, Metrics, Sample, exposition, families
 from .settings import Settings
 from .tenants import Keyring, Quotas
 from .work import ModelInfo, ShutdownReport
@@ -169,7 +169,8 @@ class Service:
         """/metrics: this process's metrics; with an engine process, the whole service's
         (the engine's, every front's) merged, each counted once. With several models, each
         model's families carry its name as the label ``model``; the HTTP side's (requests,
-        tenants, connections, ``process_*``) are the first model's service's, unlabelled."""
+        tenants, connections, the fronts' ``process_*``) are the first model's service's,
+        unlabelled; each engine process's ``process_*`` carry its model's name beside its pid."""
         if not self.others:
             if self._link is None or self._link.state == "loading":
                 return generate_latest(self.metrics.registry)
@@ -177,14 +178,27 @@ class Service:
         merged: dict[str, Family] = {}
         for service in self.models:
             for name, kind, doc, samples in service._families():
-                if name.startswith(_HTTP_FAMILIES):
-                    if service is self:
-                        merged[name] = (name, kind, doc, samples)
-                    continue
-                labelled = [(n, {**labels, "model": service.name}, v)
-                            for n, labels, v in samples]
-                merged.setdefault(name, (name, kind, doc, []))[3].extend(labelled)
+                if name.startswith("process_"):
+                    samples = service._own_process(samples, fronts=service is self)
+                elif name.startswith(_HTTP_FAMILIES):
+                    if service is not self:
+                        continue
+                else:
+                    samples = [(n, {**labels, "model": service.name}, v)
+                               for n, labels, v in samples]
+                merged.setdefault(name, (name, kind, doc, []))[3].extend(samples)
         return exposition(list(merged.values()))
+
+    def _own_process(self, samples: list[Sample], fronts: bool) -> list[Sample]:
+        """Of a ``process_*`` family as this model's service reads it: its engine process's
+        samples, labelled with the model, and with ``fronts`` the others' too (every model's
+        service reads the same fronts; in one process, each reads this process)."""
+        if self._link is None:
+            return samples if fronts else []
+        engine = str(self.engine_pid)
+        return [(n, {**labels, "model": self.name}, v) if labels.get("pid") == engine
+                else (n, labels, v) for n, labels, v in samples
+                if fronts or labels.get("pid") == engine]
 
     def _families(self) -> list[Family]:
         """This model's metrics as families: this process's, or the engine's merged."""

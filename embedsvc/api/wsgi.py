@@ -152,9 +152,10 @@ class Pipeline:
         except Exception:
             log.exception("unexpected error on %s %s", method, path)
             reply = self.error(internal_error(), path)
-        self.record(method, label, reply.status, started, reply.inputs, reply.tokens, tenant)
+        seconds = self.record(method, label, reply.status, started, reply.inputs, reply.tokens,
+                              tenant)
         if call is not None and call.chosen is not None:  # several models: by model too
-            call.chosen.metrics.count_model_request(label, reply.status)
+            call.chosen.metrics.count_model_request(label, reply.status, seconds)
         return respond(start_response, reply, head=method == "HEAD")
 
     def _route(self, environ: dict[str, Any], path: str, method: str,
@@ -202,9 +203,9 @@ class Pipeline:
                         content_type=reply.content_type)
 
     def record(self, method: str, route: str, status: int, started: float,
-               inputs: int = 0, tokens: int = 0, tenant: str | None = None) -> None:
+               inputs: int = 0, tokens: int = 0, tenant: str | None = None) -> float:
         """Count one answered request and write its access-log line (the tenant's name,
-        never its key)."""
+        never its key); the seconds it took."""
         seconds = time.monotonic() - started
         metrics = self.service.metrics
         metrics.count_request(route, status, seconds)
@@ -214,6 +215,7 @@ class Pipeline:
             access_log.info("%s %s %d inputs=%d tokens=%d ms=%.1f%s", method, route, status,
                             inputs, tokens, seconds * 1000,
                             "" if tenant is None else f" tenant={tenant}")
+        return seconds
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:

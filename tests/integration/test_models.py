@@ -8,6 +8,7 @@ model's engine killed under load leaves the others answering."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import threading
@@ -125,8 +126,30 @@ def test_the_models_routes_list_every_model(several):
             break
         time.sleep(0.2)
     assert counted in metrics
+    assert 'embedsvc_model_request_duration_seconds_count{model="reranker",route="/v2/rerank"}' \
+        in metrics
     for name in (EMBEDDER, "reranker", "sparse"):
         assert f'embedsvc_batcher_alive{{model="{name}"}} 1.0' in metrics
+    memory = dict(samples(metrics, "process_resident_memory_bytes"))
+    if launch == "one process":  # one process, counted once, labelled with no model
+        assert list(memory) == [frozenset()]
+    else:  # each engine's with its model; each of the 2 fronts' once, with its pid alone
+        engines = {frozenset({("model", m["name"]), ("pid", str(m["engine_pid"]))})
+                   for m in about["models"]}
+        fronts = set(memory) - engines
+        assert engines <= set(memory) and len(fronts) == 2, memory
+        assert all(dict(labels).keys() == {"pid"} for labels in fronts), fronts
+    assert all(value > 0 for value in memory.values())
+
+
+def samples(metrics: str, name: str) -> list[tuple[frozenset[tuple[str, str]], float]]:
+    """The (labels, value) of a family's samples in a text exposition."""
+    found = []
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name)] in "{ ":
+            labels, _, value = line[len(name):].rpartition(" ")
+            found.append((frozenset(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return found
 
 
 def maps_runtime(pid: int) -> bool:
