@@ -401,16 +401,20 @@ class Quotas:
             refusal.empty_s = -usage.tokens / rate + 1e-3
         raise refusal
 
+    # settle, refund and give_back look up the usage ``take`` made before taking the lock
+    # (usage is never removed): a tenant never charged (no limits) takes no lock, and no
+    # tenant (no keys) costs no call, as admission calls give_back for every answer
+
     def settle(self, name: str | None, estimate: int, tokens: int) -> None:
         """The request's exact tokens, once tokenized, in place of its estimate."""
-        usage = self._charged(name)
+        usage = self._usage.get(name) if name is not None else None
         if usage is not None:
             with self._lock:
                 usage.tokens -= tokens - estimate
 
     def refund(self, name: str | None, inputs: int, tokens: int) -> None:
         """A request charged by ``take`` and then refused or withdrawn: as if never sent."""
-        usage = self._charged(name)
+        usage = self._usage.get(name) if name is not None else None
         if usage is not None:
             with self._lock:
                 usage.requests += 1
@@ -419,15 +423,10 @@ class Quotas:
 
     def give_back(self, name: str | None, inputs: int) -> None:
         """Inputs answered, dropped or never queued: no longer in flight."""
-        usage = self._charged(name)
+        usage = self._usage.get(name) if name is not None else None
         if usage is not None:
             with self._lock:
                 usage.in_flight = max(0, usage.in_flight - inputs)
-
-    def _charged(self, name: str | None) -> Usage | None:
-        """The usage ``take`` made for ``name``; looked up without the lock, since usage is
-        never removed, so that a tenant never charged (no limits) takes no lock."""
-        return self._usage.get(name) if name is not None else None
 
     def _refilled(self, tenant: Tenant, now: float) -> Usage:
         usage = self._usage.add(tenant.name)
