@@ -142,3 +142,13 @@ def test_the_file_is_never_followed_through_a_symlink(tmp_path):
     with pytest.raises(OSError):
         UsageTable.open(tmp_path / "quotas", 0, 2)
     assert target.read_bytes() == b""
+
+
+def test_a_tenant_without_limits_takes_no_slot_and_no_lock(tmp_path):
+    ring = Keyring.of([*RING, Tenant("free", digest("k5"))])
+    table = UsageTable.open(tmp_path / "quotas", 0, 2)
+    q = Quotas(ring, table)
+    q.take("free", inputs=10**6, tokens=10**9)
+    q.settle("free", 10**9, 10**9 + 1)
+    q.give_back("free", 10**6)
+    assert table.get("free") is None and table._found == {}
