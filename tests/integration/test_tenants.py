@@ -233,10 +233,12 @@ def test_a_wrong_key_gets_401_on_every_route_that_needs_one(tmp_path):
                 assert "API key" in message
 
 
-# Two models (both the fake encoder under `embedsvc serve`, the bundled model under
-# gunicorn), one engine process each: one tenant's quotas hold across both
+# Two models (the fake encoder under `embedsvc serve`, the bundled model under gunicorn), in
+# one process or one engine process each: one tenant's quotas hold across both
 TWO_MODELS = "a=,b="
 ACROSS = {
+    "one process": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "16", "--models",
+                    TWO_MODELS],
     "workers 2": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "16", "--workers", "2",
                   "--models", TWO_MODELS],
     "gunicorn -w 2": [str(BIN / "gunicorn"), "-w", "2", "--threads", "8", "-b",
