@@ -30,7 +30,9 @@ so a burst of up to a second's or a minute's worth passes) or inputs in flight i
 with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one
 process, on arrival in the engine process; there, a refusal of a rate quota says how long
 the quota stays spent (``QuotaExceeded.empty_s``), and the front that sent it refuses the
-tenant's requests until then before tokenizing them (remote/client.py).
+tenant's requests until then before tokenizing them (remote/client.py). Its usage lives in
+this process, or, where several models' engine processes serve one service, in a table they
+all map (tenant_usage.py), so that a tenant's limits hold across models.
 
 >>> ring = Keyring.of([Tenant("search", digest("k1"), Limits(requests_per_second=1))])
 >>> ring.authenticate("Bearer k1").name
@@ -55,9 +57,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import QuotaExceeded, Unauthorized
 
@@ -298,29 +301,69 @@ class Keyring:
         return found.st_mtime_ns, found.st_size
 
 
+class Usage(Protocol):
+    """One tenant's usage: ``_Usage`` here, or its slot in a shared table (tenant_usage.py)."""
+
+    requests: float  # tokens of the requests-a-second bucket
+    tokens: float  # of the tokens-a-minute bucket
+    updated: float
+    in_flight: int
+    primed: bool
+
+
+class UsageTable(Protocol):
+    """Where ``Quotas`` keeps the tenants' usage: ``get`` and ``add`` under ``lock``."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    def get(self, name: str, /) -> Usage | None: ...
+
+    def add(self, name: str, /) -> Usage: ...
+
+
 @dataclass
 class _Usage:
-    requests: float = 0.0  # tokens of the requests-a-second bucket
-    tokens: float = 0.0  # of the tokens-a-minute bucket
+    requests: float = 0.0
+    tokens: float = 0.0
     updated: float = 0.0
     in_flight: int = 0
     primed: bool = False
 
 
+class _Local(dict[str, _Usage]):
+    """The tenants' usage in this process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def add(self, name: str, /) -> _Usage:
+        usage = self.get(name)
+        if usage is None:
+            usage = self[name] = _Usage()
+        return usage
+
+
+_NO_LIMITS = Limits()
+
+
 class Quotas:
     """Each tenant's usage against its limits; thread-safe. ``take`` before admission,
-    ``settle`` with the exact tokens, ``give_back`` as its inputs are answered."""
+    ``settle`` with the exact tokens, ``give_back`` as its inputs are answered. ``table``:
+    where the usage lives, when not in this process alone (tenant_usage.py)."""
 
-    def __init__(self, keyring: Keyring) -> None:
+    def __init__(self, keyring: Keyring, table: UsageTable | None = None) -> None:
         self.keyring = keyring
-        self._usage: dict[str, _Usage] = {}
-        self._lock = threading.Lock()
+        self._usage: UsageTable = _Local() if table is None else table
+        self._lock = self._usage.lock
 
     def take(self, name: str | None, *, inputs: int, tokens: int,
              now: float | None = None) -> None:
-        """Charge one request of ``inputs`` and about ``tokens``; 429 if over a limit."""
+        """Charge one request of ``inputs`` and about ``tokens``; 429 if over a limit. A
+        tenant without limits is not counted: nothing to hold it to, and no lock taken."""
         tenant = self.keyring.tenant(name)
-        if tenant is None:
+        if tenant is None or tenant.limits == _NO_LIMITS:
             return
         limits = tenant.limits
         now = time.monotonic() if now is None else now
@@ -341,7 +384,7 @@ class Quotas:
             usage.in_flight += inputs
 
     @staticmethod
-    def _refuse_unless_tokens_fit(tenant: Tenant, usage: _Usage, tokens: int) -> None:
+    def _refuse_unless_tokens_fit(tenant: Tenant, usage: Usage, tokens: int) -> None:
         """429 unless the bucket holds the request's tokens: the quota is never overdrawn by
         letting a request in, only by an estimate that fell short of the exact count. A
         request larger than the whole bucket goes in when the bucket is full, or never."""
@@ -358,44 +401,43 @@ class Quotas:
             refusal.empty_s = -usage.tokens / rate + 1e-3
         raise refusal
 
+    # settle, refund and give_back look up the usage ``take`` made before taking the lock
+    # (usage is never removed): a tenant never charged (no limits) takes no lock, and no
+    # tenant (no keys) costs no call, as admission calls give_back for every answer
+
     def settle(self, name: str | None, estimate: int, tokens: int) -> None:
         """The request's exact tokens, once tokenized, in place of its estimate."""
-        if name is None:
-            return
-        with self._lock:
-            usage = self._usage.get(name)
-            if usage is not None:
+        usage = self._usage.get(name) if name is not None else None
+        if usage is not None:
+            with self._lock:
                 usage.tokens -= tokens - estimate
 
     def refund(self, name: str | None, inputs: int, tokens: int) -> None:
         """A request charged by ``take`` and then refused or withdrawn: as if never sent."""
-        if name is None:
-            return
-        with self._lock:
-            usage = self._usage.get(name)
-            if usage is not None:
+        usage = self._usage.get(name) if name is not None else None
+        if usage is not None:
+            with self._lock:
                 usage.requests += 1
                 usage.tokens += tokens
                 usage.in_flight = max(0, usage.in_flight - inputs)
 
     def give_back(self, name: str | None, inputs: int) -> None:
         """Inputs answered, dropped or never queued: no longer in flight."""
-        if name is None:
-            return
-        with self._lock:
-            usage = self._usage.get(name)
-            if usage is not None:
+        usage = self._usage.get(name) if name is not None else None
+        if usage is not None:
+            with self._lock:
                 usage.in_flight = max(0, usage.in_flight - inputs)
 
-    def _refilled(self, tenant: Tenant, now: float) -> _Usage:
-        usage = self._usage.setdefault(tenant.name, _Usage())
+    def _refilled(self, tenant: Tenant, now: float) -> Usage:
+        usage = self._usage.add(tenant.name)
         limits = tenant.limits
         if not usage.primed:  # full buckets at first sight
             usage.requests = _burst(limits.requests_per_second)
             usage.tokens = limits.tokens_per_minute or 0.0
             usage.updated, usage.primed = now, True
         elapsed = max(0.0, now - usage.updated)
-        usage.updated = now
+        # another thread or process may have refilled it at a later ``now`` than this one
+        usage.updated = max(now, usage.updated)
         if limits.requests_per_second is not None:
             usage.requests = min(_burst(limits.requests_per_second),
                                  usage.requests + elapsed * limits.requests_per_second)

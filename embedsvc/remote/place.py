@@ -25,6 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENGINE_SOCKET = "engine.sock"
+USAGE_FILE = "quotas"
 # the bytes of a Unix socket's path: sun_path holds 108 on Linux, 104 on macOS and the BSDs,
 # the terminating NUL included; a longer path fails to bind ("File name too long")
 SOCKET_PATH_MAX = 103
@@ -109,6 +110,12 @@ def model_dir(directory: Path, index: int) -> Path:
     with contextlib.suppress(FileExistsError):
         own.mkdir(mode=0o700)
     return own
+
+
+def usage_file(directory: Path, index: int) -> Path:
+    """The file of the tenants' usage that every model's engine maps (tenant_usage.py), from
+    the ``index``-th model's directory: in the run's own, beside the first model's socket."""
+    return (directory if index == 0 else directory.parent) / USAGE_FILE
 
 
 def engine_address(directory: Path) -> str:

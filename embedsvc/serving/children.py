@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from ..catalog import catalog
-from ..remote.place import engine_address, model_dir
+from ..remote.place import engine_address, model_dir, usage_file
 from ..service import Service, serve_models
 from ..settings import Settings
+from ..tenant_usage import UsageTable
+from ..tenants import Quotas
 from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
 from .process import serving_process
 
@@ -48,10 +50,12 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     if orphaned:
         log.info("engine not started: process %d, which it would serve, is gone", orphaned[0])
         return 0
-    entry = catalog(settings)[index]
-    settings = entry.settings
+    entries = catalog(settings)
+    settings = entries[index].settings
     service = Service(settings)
-    service.name = entry.name
+    service.name = entries[index].name
+    if len(entries) > 1 and settings.keys_file:
+        _share_quotas(service, usage_file(directory, index), index, len(entries))
     try:
         service.start(background=False)
     except RuntimeError as exc:
@@ -86,6 +90,18 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
         shutil.rmtree(directory, ignore_errors=True)
     log.info("engine stopped")
     return 0
+
+
+def _share_quotas(service: Service, path: Path, index: int, models: int) -> None:
+    """One count of each tenant's use for every model's engine of the service; where the
+    table cannot be made, this model's own count, said in one line."""
+    try:
+        table = UsageTable.open(path, column=index, columns=models)
+    except OSError as exc:
+        log.warning("tenants' quotas count this model's requests alone: %s cannot be mapped "
+                    "(%s)", path, exc)
+        return
+    service.quotas = Quotas(service.keyring, table)
 
 
 def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None,

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from embedsvc.api.routes import ROUTES
 
 from .. import loopback
-from .servers import FAKE_EMBEDSVC, Server, running
+from .servers import BIN, FAKE_EMBEDSVC, Server, running
 
 KEYS = {"search": "sk-search-7f3a", "flood": "sk-flood-19bc", "limited": "sk-limited-c04e"}
 FILE = f"""
@@ -230,3 +231,69 @@ def test_a_wrong_key_gets_401_on_every_route_that_needs_one(tmp_path):
                 message = body["error"] if isinstance(body["error"], str) \
                     else body["error"]["message"]
                 assert "API key" in message
+
+
+# Two models (the fake encoder under `embedsvc serve`, the bundled model under gunicorn), in
+# one process or one engine process each: one tenant's quotas hold across both
+TWO_MODELS = "a=,b="
+ACROSS = {
+    "one process": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "16", "--models",
+                    TWO_MODELS],
+    "workers 2": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--threads", "16", "--workers", "2",
+                  "--models", TWO_MODELS],
+    "gunicorn -w 2": [str(BIN / "gunicorn"), "-w", "2", "--threads", "8", "-b",
+                      "127.0.0.1:0", "embedsvc:app"],
+}
+RARE = """
+[[keys]]
+tenant = "rare"
+key = "sk-rare-52d0"
+requests_per_second = 0.1
+
+[[keys]]
+tenant = "tpm"
+key = "sk-tpm-0b77"
+tokens_per_minute = 100
+"""
+
+
+def embed(server: Server, model: str, key: str, text: str) -> httpx.Response:
+    """An OpenAI request to model a, an Ollama request to model b: each family's shape."""
+    route = "/v1/embeddings" if model == "a" else "/api/embed"
+    return loopback.post(server.url + route, json={"model": model, "input": text},
+                         headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def refusal(resp: httpx.Response) -> str:
+    """The 429's message, after checking its family's shape."""
+    assert resp.status_code == 429, resp.text[:300]
+    assert int(resp.headers["Retry-After"]) >= 1
+    error = resp.json()["error"]
+    if isinstance(error, str):  # Ollama's
+        return error
+    assert error["code"] == "quota_exceeded" and error["type"] == "rate_limit_error"
+    return error["message"]
+
+
+@pytest.mark.parametrize("launch", list(ACROSS))
+def test_a_tenants_quotas_count_its_requests_to_every_model_once(tmp_path, launch):
+    """A tenant of one request every 10 s gets one answer across both models' routes, and
+    one of 100 tokens a minute that spent them on one model is refused on the other: each
+    model's engine counts in one table, not a quota of its own each."""
+    keys = tmp_path / "keys.toml"
+    write(keys, FILE + RARE)
+    env = {"EMBEDSVC_MODELS": TWO_MODELS, "EMBEDSVC_KEYS_FILE": str(keys)}
+    with running(ACROSS[launch], tmp_path / "server.log", env=env) as server:
+        deadline = time.monotonic() + 120  # until each front has met both engines
+        while time.monotonic() < deadline and not all(
+                embed(server, model, KEYS["search"], "warm").status_code == 200
+                for model in "abababab"):
+            time.sleep(0.2)
+        answered = embed(server, "a", "sk-rare-52d0", "a text")
+        assert answered.status_code == 200, answered.text
+        for model in "bab":
+            assert "0.1 requests a second" in refusal(embed(server, model, "sk-rare-52d0",
+                                                            "a text"))
+        assert embed(server, "a", "sk-tpm-0b77", "word " * 200).status_code == 200
+        for model in "ba":
+            assert "100 tokens a minute" in refusal(embed(server, model, "sk-tpm-0b77", "hi"))

@@ -27,6 +27,7 @@ LAYERS = {
     "settings": (0, "foundation"), "errors": (0, "foundation"),
     "metrics": (0, "foundation"), "logs": (0, "foundation"), "work": (0, "foundation"),
     "tenants": (0, "foundation"), "admission": (0, "foundation"), "catalog": (0, "foundation"),
+    "tenant_usage": (0, "foundation"),
     "model": (1, "model"), "batching": (1, "batching"), "rules": (1, "rules"),
     "image": (1, "image"),
     "work_kinds": (2, "work_kinds"),
