@@ -7,14 +7,19 @@ model's engine killed under load leaves the others answering."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import statistics
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .. import loopback
@@ -232,3 +237,39 @@ def test_the_clients_of_a_retrieval_pipeline_name_their_models(several):
                          json={"query": "q", "documents": ["a", "b"]}, timeout=30).json()
     same([r.relevance_score for r in ranked.results],
          [r["relevance_score"] for r in want["results"]], "cohere client")
+
+
+def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path):
+    """Before, only `embedsvc serve` weighed the models: under gunicorn their engines
+    started, each to fail or be killed as it loaded. Now the first worker weighs them, before
+    any engine starts, and gunicorn stops as for a model that cannot load. The weights are
+    sparse files larger than any machine's memory."""
+    sources = {}
+    for name in ("big", "bigger"):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "pytorch_model.bin", "wb") as f:
+            f.truncate(1 << 42)
+        sources[name] = str(tmp_path / name)
+    models = ",".join(f"{name}={source}" for name, source in sources.items())
+    runtime = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # room for a socket's path
+    runtime.chmod(0o700)
+    env = {"EMBEDSVC_MODELS": models, "EMBEDSVC_DEVICE": "cpu", "XDG_RUNTIME_DIR": str(runtime)}
+    log = tmp_path / "gunicorn.log"
+    try:
+        with running(LAUNCHES["gunicorn -w 2"](models), log, env=env, healthy=False) as server:
+            with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
+                loopback.get(server.url + "/health", timeout=30)
+            assert server.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(30)
+            code = server.proc.poll()
+        output = log.read_text()
+        assert code == 3, output[-3000:]
+        said = [line for line in output.splitlines() if "the models' weights take" in line]
+        assert len(said) == 1, output[-3000:]
+        assert ("8388608 MiB (big 4194304 MiB float32, bigger 4194304 MiB float32), more "
+                "than the ") in said[0]
+        assert "Traceback" not in output and "started the engine process" not in output
+        assert not list(runtime.glob(f"embedsvc-{os.getuid()}/engine-*")), output[-3000:]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
