@@ -7,19 +7,16 @@ model's engine killed under load leaves the others answering."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from .. import loopback
@@ -257,12 +254,7 @@ def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path):
     log = tmp_path / "gunicorn.log"
     try:
         with running(LAUNCHES["gunicorn -w 2"](models), log, env=env, healthy=False) as server:
-            with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
-                loopback.get(server.url + "/health", timeout=30)
-            assert server.proc is not None
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.proc.wait(30)
-            code = server.proc.poll()
+            code = server.exit_after_first_request()
         output = log.read_text()
         assert code == 3, output[-3000:]
         said = [line for line in output.splitlines() if "the models' weights take" in line]
