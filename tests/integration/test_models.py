@@ -236,11 +236,12 @@ def test_the_clients_of_a_retrieval_pipeline_name_their_models(several):
          [r["relevance_score"] for r in want["results"]], "cohere client")
 
 
-def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path):
-    """Before, only `embedsvc serve` weighed the models: under gunicorn their engines
-    started, each to fail or be killed as it loaded. Now the first worker weighs them, before
-    any engine starts, and gunicorn stops as for a model that cannot load. The weights are
-    sparse files larger than any machine's memory."""
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path, workers):
+    """Before, only `embedsvc serve` weighed the models: under gunicorn the models loaded
+    (-w 1, in the worker; -w 2, in their engines), each to fail or be killed as it loaded.
+    Now the first worker weighs them before any loads, and gunicorn stops as for a model that
+    cannot load. The weights are sparse files larger than any machine's memory."""
     sources = {}
     for name in ("big", "bigger"):
         (tmp_path / name).mkdir()
@@ -253,7 +254,8 @@ def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path):
     env = {"EMBEDSVC_MODELS": models, "EMBEDSVC_DEVICE": "cpu", "XDG_RUNTIME_DIR": str(runtime)}
     log = tmp_path / "gunicorn.log"
     try:
-        with running(LAUNCHES["gunicorn -w 2"](models), log, env=env, healthy=False) as server:
+        cmd = ["gunicorn", "-w", workers, "-b", "127.0.0.1:0", "embedsvc:app"]
+        with running(cmd, log, env=env, healthy=False) as server:
             code = server.exit_after_first_request()
         output = log.read_text()
         assert code == 3, output[-3000:]
