@@ -158,6 +158,23 @@ def test_a_hub_model_in_the_hub_cache_is_weighed(tmp_path, monkeypatch):
     assert need("gone", on("cpu", "org/not-cached"), "no GPU").size == 0
 
 
+def test_a_model_served_from_its_export_record_weighs_what_the_record_states(tmp_path):
+    """The PyTorch-free path loads the record's graph, not the directory's weights (here a
+    directory with none: before, it weighed 0 bytes)."""
+    from embedsvc.model.lean import record_path
+
+    source = tmp_path / "m"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    settings = Settings(model=str(source), device="cpu", cache_dir=str(tmp_path / "cache"))
+    found = record_path(settings)
+    assert found is not None
+    found[0].mkdir(parents=True)
+    (found[0] / "record.json").write_text(json.dumps({"lean": True,
+                                                      "info": {"size_bytes": 7 * MIB}}))
+    assert need("m", settings, "no GPU") == Need("m", memory.HOST, "float32", 7 * MIB)
+
+
 def test_the_bundled_model_is_weighed():
     """Before, the bundled model (MODEL empty) weighed 0 bytes: all-MiniLM-L6-v2 has 22.7M
     parameters, 87 MiB in float32, in its export record or its weights."""
