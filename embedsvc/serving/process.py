@@ -325,7 +325,7 @@ def weigh_in_worker(settings: Settings, owner: int | None) -> None:
     """Several models under gunicorn, before any engine starts: weighed once a master where
     the workers share the engines; where each worker holds its own (ENGINE=inline), by
     each worker. Models that do not fit stop gunicorn in one line."""
-    from .shared_engine import check_memory_once
+    from .shared_engine import check_memory_once, flush_logs
 
     if owner is not None:
         if settings.models or settings.models_file:
@@ -335,8 +335,7 @@ def weigh_in_worker(settings: Settings, owner: int | None) -> None:
         weigh_models(settings)
     except PreflightError as exc:
         log.error("%s; then start gunicorn again", exc)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        flush_logs()
         os._exit(WORKER_BOOT_ERROR)
 
 

@@ -172,7 +172,7 @@ def _give_up(root: Path, master_pid: int, line: str) -> None:
         return
     log.error("%s", line)
     shutil.rmtree(root, ignore_errors=True)
-    _flush_logs()
+    flush_logs()
     os._exit(WORKER_BOOT_ERROR)
 
 
@@ -183,7 +183,7 @@ def _stand_down(master_pid: int) -> None:
     if master_pid == os.getpid():
         return
     log.info("worker %d stops with its master: the service could not start", os.getpid())
-    _flush_logs()
+    flush_logs()
     os._exit(0)
 
 
@@ -199,7 +199,7 @@ def _locked(directory: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _flush_logs() -> None:
+def flush_logs() -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):  # exiting anyway
             handler.flush()
