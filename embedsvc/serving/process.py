@@ -4,6 +4,9 @@
 In each process that serves, the first request of any kind builds that process's engine:
 the model itself, or, under ``gunicorn -w N`` (N > 1) and ENGINE=process, a front of the
 one engine process that the workers share (serving/shared_engine.py starts it).
+Several models (MODELS) are weighed against their devices' memory before any loads
+(serving/memory.py): outside gunicorn as the app loads, under gunicorn by the first worker
+to build its app, once a master.
 
 Around ``fork()``:
 - a child never uses its parent's engine, batcher, queue or locks: it builds its own;
