@@ -46,53 +46,22 @@ def check_serving(settings: Settings) -> None:
         check_kind(own)
         check_device(own.device)
     if len(entries) > 1:
-        check_memory([(entry.name, entry.settings.model) for entry in entries])
+        check_memory([(entry.name, entry.settings) for entry in entries])
     check_tracing(settings.otlp_endpoint)
     check_listen(settings.host, settings.port)
     check_keys(settings.keys_file, settings.api_key)
 
 
-# The files that hold a model's weights, whose sizes estimate its memory before it loads
-_WEIGHTS = ("*.safetensors", "*.bin", "*.onnx", "*.pt")
+def check_memory(entries: list[tuple[str, Settings]]) -> None:
+    """Several models: their weights against the memory of the devices they are set for
+    (memory.py), refused in one line when they do not fit."""
+    from .memory import MemoryRefused
+    from .memory import check_memory as weigh
 
-
-def check_memory(models: list[tuple[str, str]], available: int | None = None) -> None:
-    """Several models: their weights' bytes on disk (each model's own files, where they are
-    on this machine) against the memory this machine has available, refused in one line
-    when they do not fit; what each needs is in its engine's "model ready" line."""
-    sizes = {name: _weights_bytes(source) for name, source in models}
-    total = sum(sizes.values())
-    available = _available_bytes() if available is None else available
-    if available is not None and total > available:
-        each = ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in sizes.items())
-        raise PreflightError(f"the models' weights take {total / 2**20:.0f} MiB ({each}), "
-                             f"more than the {available / 2**20:.0f} MiB this machine has "
-                             "available: serve fewer models here, or give it more memory",
-                             FAILURE)
-
-
-def _weights_bytes(source: str) -> int:
-    """The bytes of a local model directory's weight files; 0 for a model not on disk (the
-    bundled one without the torch extra, a hub id not cached): it is not counted."""
-    from pathlib import Path
-
-    path = Path(source) if source else None
-    if path is None or not path.is_dir():
-        return 0
-    return sum(f.stat().st_size for pattern in _WEIGHTS for f in path.rglob(pattern)
-               if f.is_file())
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux); None elsewhere."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+        weigh(entries)
+    except MemoryRefused as exc:
+        raise PreflightError(str(exc), FAILURE) from None
 
 
 def check_keys(path: str | None, api_key: str | None = None) -> None:

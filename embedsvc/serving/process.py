@@ -4,6 +4,9 @@
 In each process that serves, the first request of any kind builds that process's engine:
 the model itself, or, under ``gunicorn -w N`` (N > 1) and ENGINE=process, a front of the
 one engine process that the workers share (serving/shared_engine.py starts it).
+Several models (MODELS) are weighed against their devices' memory before any loads
+(serving/memory.py): outside gunicorn as the app loads, under gunicorn by the first worker
+to build its app, once a master.
 
 Around ``fork()``:
 - a child never uses its parent's engine, batcher, queue or locks: it builds its own;
@@ -35,7 +38,7 @@ from ..errors import Unavailable
 from ..logs import configure_logging, quiet_model_libraries
 from ..service import Service, load_encoder, serve_models
 from ..settings import Settings
-from .preflight import check_tracing
+from .preflight import FAILURE, PreflightError, check_tracing
 
 if TYPE_CHECKING:  # the web stack is imported where the app is built, not with this module
     from flask import Flask
@@ -210,6 +213,8 @@ class LazyApp:
         settings = Settings.from_env(self._env)
         check_fork(settings)
         check_tracing(settings.otlp_endpoint)  # when the app loads, not at its first request
+        if not _under_gunicorn():  # waitress-serve: before it listens (gunicorn: _build)
+            weigh_models(settings)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
         if preloading_in_gunicorn_master():
             self._preload(settings)
@@ -250,7 +255,10 @@ class LazyApp:
         settings = Settings.from_env(self._env)
         serving_process(settings)
         check_fork(settings)
-        owner = engine_owner(settings, gunicorn_workers())
+        workers = gunicorn_workers()
+        owner = engine_owner(settings, workers)
+        if workers is not None:
+            weigh_in_worker(settings, owner)
         if owner is not None:  # each model in one engine process that every worker feeds
             from ..remote.place import engine_address
 
@@ -304,6 +312,43 @@ class LazyApp:
             sys.stderr.write(f"{exc}\n")
             sys.stderr.flush()
             os._exit(WORKER_BOOT_ERROR)
+
+
+def weigh_models(settings: Settings) -> None:
+    """Several models: PreflightError, in one line, when they do not fit their devices."""
+    from .memory import check_apart
+
+    if settings.models or settings.models_file:
+        refusal = check_apart(settings)
+        if refusal is not None:
+            raise PreflightError(refusal, FAILURE)
+
+
+def weigh_in_worker(settings: Settings, owner: int | None) -> None:
+    """Several models under gunicorn, before any engine starts: weighed once a master where
+    the workers share the engines; where each worker holds its own (ENGINE=inline), by
+    each worker. Models that do not fit stop gunicorn in one line."""
+    from .shared_engine import check_memory_once, flush_logs
+
+    if owner is not None:
+        if settings.models or settings.models_file:
+            check_memory_once(settings, owner)
+        return
+    try:
+        weigh_models(settings)
+    except PreflightError as exc:
+        log.error("%s; then start gunicorn again", exc)
+        flush_logs()
+        os._exit(WORKER_BOOT_ERROR)
+
+
+def _under_gunicorn() -> bool:
+    """Whether gunicorn runs this code (its master or a worker), without importing it."""
+    if "gunicorn.arbiter" not in sys.modules:
+        return False
+    from .shared_engine import gunicorn_workers
+
+    return gunicorn_workers() is not None
 
 
 def _server_software(env: Mapping[str, str]) -> str | None:

@@ -15,6 +15,8 @@ themselves notice their master's death and exit, as gunicorn's workers do.
 An engine that cannot load the model stops gunicorn: the worker that learns it (the one
 that started it, or the next to look) exits with gunicorn's WORKER_BOOT_ERROR after one line
 naming the cause, and the master halts on that exit, as `embedsvc serve --workers` stops.
+Several models that do not fit their devices (serving/memory.py) stop it the same way,
+before any engine starts: the first worker to build its app weighs them, once a master.
 
 The master never loads the model, touches a device or opens an ONNX Runtime session, so no
 worker is ever forked from a process that holds one.
@@ -43,6 +45,7 @@ WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worke
 
 _PID_FILE = "engine.pid"
 _LOCK_FILE = "engine.lock"
+_WEIGHED = "memory.checked"  # the models' memory was weighed for this master
 
 
 def gunicorn_workers() -> int | None:
@@ -96,30 +99,18 @@ class SharedEngine:
         if not alive(self.master_pid):  # its master is gone: this worker is about to go too
             return None
         try:
-            with self._locked():
+            with _locked(self.directory):
                 failed = self.directory / BOOT_FAILURE
                 if failed.exists():
                     why = failed.read_text()
-                    self._give_up(why)
+                    _give_up(self.root, self.master_pid, "the engine process could not "
+                             f"start: {why.strip()}; fix it, then start gunicorn again")
                     return "the engine process could not start: " + why
                 self._start()
                 return None
         except FileNotFoundError:  # another worker gave up: its master is stopping
-            self._stand_down()
+            _stand_down(self.master_pid)
             return "the engine process could not start; the server log says why"
-
-    def _give_up(self, why: str) -> None:
-        """Where gunicorn's master is the owner: one line naming the cause, the directory
-        removed (no engine will use it), and the exit gunicorn halts on. Under the lock, so
-        that one worker does it: a second exit with WORKER_BOOT_ERROR while the master halts
-        makes it raise again (a traceback, exit 1)."""
-        if self.master_pid == os.getpid():  # waitress-serve with ENGINE=process: unhealthy
-            return
-        log.error("the engine process could not start: %s; fix it, then start gunicorn "
-                  "again", why.strip())
-        shutil.rmtree(self.root, ignore_errors=True)
-        _flush_logs()
-        os._exit(WORKER_BOOT_ERROR)
 
     def _start(self) -> None:
         """The engine process, unless one is running; under the lock."""
@@ -138,17 +129,6 @@ class SharedEngine:
         threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
                          daemon=True).start()
 
-    def _stand_down(self) -> None:
-        """Under gunicorn, after another worker gave up: exit now, and not as a failed boot
-        (see ``_give_up``). Waiting for the master's SIGTERM could take until its graceful
-        timeout: a worker warming in post_worker_init does not stop before it is warm."""
-        if self.master_pid == os.getpid():
-            return
-        log.info("worker %d stops with its master: the engine process could not start",
-                 os.getpid())
-        _flush_logs()
-        os._exit(0)
-
     def _reap(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
         came_up(self.directory, proc.pid)  # its mark, for a supervisor: none here
@@ -161,19 +141,65 @@ class SharedEngine:
                                   "log says why)")
         self.ensure()  # gives up now, rather than at a keeper's next look
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.directory / _LOCK_FILE, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not self.directory.is_dir():  # removed while this process waited
-                    raise FileNotFoundError(self.directory)
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+
+def check_memory_once(settings: Settings, master_pid: int) -> None:
+    """Several models under gunicorn: their memory weighed once a master, by the first
+    worker to build its app, before any engine starts (a later worker, or one that
+    replaces another, would count the engines' own memory as taken). Models that do not
+    fit stop gunicorn as an engine that cannot load its model does."""
+    from .memory import check_apart
+
+    root = owner_dir(master_pid)
+    try:
+        with _locked(root):
+            weighed = root / _WEIGHED
+            if weighed.exists():
+                return
+            refusal = check_apart(settings)
+            if refusal is not None:
+                _give_up(root, master_pid, f"{refusal}; then start gunicorn again")
+            weighed.write_text("")
+    except FileNotFoundError:  # another worker gave up: its master is stopping
+        _stand_down(master_pid)
 
 
-def _flush_logs() -> None:
+def _give_up(root: Path, master_pid: int, line: str) -> None:
+    """Where gunicorn's master is the owner: ``line``, the directory removed (no engine
+    will use it), and the exit gunicorn halts on. Under the lock, so that one worker does
+    it: a second exit with WORKER_BOOT_ERROR while the master halts makes it raise again (a
+    traceback, exit 1)."""
+    if master_pid == os.getpid():  # waitress-serve with ENGINE=process: unhealthy
+        return
+    log.error("%s", line)
+    shutil.rmtree(root, ignore_errors=True)
+    flush_logs()
+    os._exit(WORKER_BOOT_ERROR)
+
+
+def _stand_down(master_pid: int) -> None:
+    """Under gunicorn, after another worker gave up: exit now, and not as a failed boot
+    (see ``_give_up``). Waiting for the master's SIGTERM could take until its graceful
+    timeout: a worker warming in post_worker_init does not stop before it is warm."""
+    if master_pid == os.getpid():
+        return
+    log.info("worker %d stops with its master: the service could not start", os.getpid())
+    flush_logs()
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    with open(directory / _LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not directory.is_dir():  # removed while this process waited
+                raise FileNotFoundError(directory)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def flush_logs() -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):  # exiting anyway
             handler.flush()

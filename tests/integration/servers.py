@@ -67,6 +67,16 @@ class Server:
             time.sleep(0.1)
         raise AssertionError(f"no probe port logged:\n{self.output()[-2000:]}")
 
+    def exit_after_first_request(self, timeout: float = 30) -> int | None:
+        """The exit code of a server that stops as its app is built (gunicorn's workers build
+        it on their first request); None if it is still running after ``timeout``."""
+        with contextlib.suppress(httpx.HTTPError):
+            loopback.get(self.url + "/health", timeout=timeout)
+        assert self.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        return self.proc.poll()
+
     def client(self, **kwargs) -> httpx.Client:
         return loopback.Client(base_url=self.url, timeout=60, **kwargs)
 

@@ -9,13 +9,11 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -148,12 +146,7 @@ def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(laun
     try:
         with running(LAUNCHES[launch], log, env=env, healthy=False,
                      cwd=str(Path(__file__).parents[2])) as server:
-            with contextlib.suppress(httpx.HTTPError):  # the first request builds the app
-                loopback.get(server.url + "/health", timeout=30)
-            assert server.proc is not None
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.proc.wait(30)
-            code = server.proc.poll()
+            code = server.exit_after_first_request()
         output = log.read_text()
         assert code == 3, output[-3000:]
         causes = [line for line in output.splitlines()

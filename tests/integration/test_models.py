@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -255,3 +257,36 @@ def test_the_clients_of_a_retrieval_pipeline_name_their_models(several):
                          json={"query": "q", "documents": ["a", "b"]}, timeout=30).json()
     same([r.relevance_score for r in ranked.results],
          [r["relevance_score"] for r in want["results"]], "cohere client")
+
+
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path, workers):
+    """Before, only `embedsvc serve` weighed the models: under gunicorn the models loaded
+    (-w 1, in the worker; -w 2, in their engines), each to fail or be killed as it loaded.
+    Now the first worker weighs them before any loads, and gunicorn stops as for a model that
+    cannot load. The weights are sparse files larger than any machine's memory."""
+    sources = {}
+    for name in ("big", "bigger"):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "pytorch_model.bin", "wb") as f:
+            f.truncate(1 << 42)
+        sources[name] = str(tmp_path / name)
+    models = ",".join(f"{name}={source}" for name, source in sources.items())
+    runtime = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # room for a socket's path
+    runtime.chmod(0o700)
+    env = {"EMBEDSVC_MODELS": models, "EMBEDSVC_DEVICE": "cpu", "XDG_RUNTIME_DIR": str(runtime)}
+    log = tmp_path / "gunicorn.log"
+    try:
+        cmd = ["gunicorn", "-w", workers, "-b", "127.0.0.1:0", "embedsvc:app"]
+        with running(cmd, log, env=env, healthy=False) as server:
+            code = server.exit_after_first_request()
+        output = log.read_text()
+        assert code == 3, output[-3000:]
+        said = [line for line in output.splitlines() if "the models' weights take" in line]
+        assert len(said) == 1, output[-3000:]
+        assert ("8388608 MiB (big 4194304 MiB float32, bigger 4194304 MiB float32), more "
+                "than the ") in said[0]
+        assert "Traceback" not in output and "started the engine process" not in output
+        assert not list(runtime.glob(f"embedsvc-{os.getuid()}/engine-*")), output[-3000:]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

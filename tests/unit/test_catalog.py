@@ -48,16 +48,19 @@ def test_a_models_file_that_cannot_be_served_is_refused(tmp_path, table, found):
 
 
 def test_models_whose_weights_do_not_fit_stop_the_start_in_one_line(tmp_path):
+    """tests/unit/test_memory.py weighs each kind of model and device; here, what
+    `embedsvc serve` makes of a refusal."""
     from embedsvc.serving.preflight import PreflightError, check_memory
 
-    for name, size in (("a", 3 << 20), ("b", 2 << 20)):
+    models = []
+    for name, size in (("a", 3 << 40), ("b", 2 << 40)):  # sparse: no disk used
         (tmp_path / name).mkdir()
-        (tmp_path / name / "model.safetensors").write_bytes(b"\0" * size)
-    models = [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b")), ("c", "org/not-here")]
-    check_memory(models, available=6 << 20)
-    with pytest.raises(PreflightError, match=r"take 5 MiB \(a 3 MiB, b 2 MiB, c 0 MiB\), "
-                                             r"more than the 4 MiB") as caught:
-        check_memory(models, available=4 << 20)
+        with open(tmp_path / name / "pytorch_model.bin", "wb") as f:
+            f.truncate(size)
+        models.append((name, Settings(model=str(tmp_path / name), device="cpu")))
+    refused = r"take 5242880 MiB \(a 3145728 MiB float32, b 2097152 MiB float32\), more than"
+    with pytest.raises(PreflightError, match=refused) as caught:
+        check_memory(models)
     assert caught.value.exit_code == 1 and "\n" not in str(caught.value)
 
 
