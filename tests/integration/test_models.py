@@ -159,8 +159,9 @@ def maps_runtime(pid: int) -> bool:
         return "onnxruntime" in f.read()
 
 
-# Under gunicorn -w 2 the other models' requests all answer 200 too, but 2 runs of 5 had one
-# past twice their p99 of before the kill (up to 480 ms against 29): not asserted there yet.
+# Under gunicorn -w 2 the other models' requests all answer 200 too, but most kills put some
+# past twice their p99, as under --workers 2 with a p99 of the 3 s just before the kill: the
+# replacement's start on the same 2 cores (bench/models_kill.py, RESULTS 12-05 19:39).
 @pytest.mark.parametrize("several", ["workers 2"], indirect=True)
 def test_one_models_engine_killed_under_load_leaves_the_others_answering(several):
     launch, server, _ = several
