@@ -12,9 +12,11 @@ The service: the bundled all-MiniLM-L6-v2, a tiny random reranker and a tiny ran
 encoder (bench/models_memory.py builds and exports them), under ``embedsvc serve --workers 2``
 and ``gunicorn -w 2 --threads 8``. Two client threads per other model (the embedder's
 ``/v1/embeddings`` and the sparse model's ``/embed_sparse``, one light input each) send back
-to back the whole run. Then, alternating, a **kill** window (the reranker's engine SIGKILLed,
-then ``/rerank`` polled every 0.1 s until it answers 200 again after a 503) and a **control**
-window as long, with no kill; each window takes in the 0.5 s after it too. For each window:
+to back the whole run (``--threads``, ``--pause-ms``: fewer, or with a pause between an answer
+and the next request, for a load that leaves the cores idle part of the time). Then,
+alternating, a **kill** window (the reranker's engine SIGKILLed, then ``/rerank`` polled
+every 0.1 s until it answers 200 again after a 503) and a **control** window as long, with
+no kill; each window takes in the 0.5 s after it too. For each window:
 the others' p99 in the 3 s before it (the "unloaded" p99: the same load, no failure), the
 slowest request of the window, and how many went past twice that p99.
 
@@ -74,13 +76,14 @@ def launches(sources: dict[str, str], port: int) -> dict[str, list[str]]:
 
 
 class Load:
-    """Two threads a model, back to back; every answer kept as (model, status, end, seconds)."""
+    """``threads`` a model, each sending its next request ``pause_s`` after its last answer;
+    every answer kept as (model, status, end, seconds)."""
 
-    def __init__(self, url: str) -> None:
-        self.url, self.seen = url, []
+    def __init__(self, url: str, threads: int, pause_s: float) -> None:
+        self.url, self.seen, self.pause_s = url, [], pause_s
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(name,))
-                        for name in OTHERS for _ in range(2)]
+                        for name in OTHERS for _ in range(threads)]
 
     def _run(self, name: str) -> None:
         route, body = OTHERS[name]
@@ -90,6 +93,8 @@ class Load:
                 status = client.post(self.url + route, json=body).status_code
                 ended = time.monotonic()
                 self.seen.append((name, status, ended, ended - started))
+                if self.pause_s:
+                    time.sleep(self.pause_s)
 
     def judge(self, launch: str, what: str, start: float, end: float,
               recovered: float | None) -> Window:
@@ -126,7 +131,7 @@ def reranker_engine(url: str) -> int:
 
 
 def run_launch(launch: str, line: list[str], models: str, cache: str, kills: int,
-               port: int) -> list[Window]:
+               port: int, load_args: tuple[int, float]) -> list[Window]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBEDSVC_DEVICE": "cpu",
            "EMBEDSVC_CACHE_DIR": cache, "EMBEDSVC_MODELS": models}
@@ -136,7 +141,7 @@ def run_launch(launch: str, line: list[str], models: str, cache: str, kills: int
     windows: list[Window] = []
     try:
         wait_healthy(url, proc)
-        load = Load(url)
+        load = Load(url, *load_args)
         for thread in load.threads:
             thread.start()
         time.sleep(BEFORE_S + 1)  # warm, and a first p99
@@ -210,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=10, help="kill windows per launch")
     parser.add_argument("--launch", action="append", help="only these launches")
+    parser.add_argument("--threads", type=int, default=2, help="client threads a model")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="each client's pause between an answer and its next request: "
+                        "a load that leaves the cores idle part of the time")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     sources = build(OUT)
@@ -218,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for launch, line in lines.items():
         if args.launch and launch not in args.launch:
             continue
-        windows += run_launch(launch, line, models, sources["cache"], args.kills, BASE_PORT)
+        windows += run_launch(launch, line, models, sources["cache"], args.kills, BASE_PORT,
+                              (args.threads, args.pause_ms / 1000))
     print()
     print(summary(windows))
     return 0

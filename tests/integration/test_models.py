@@ -159,10 +159,12 @@ def maps_runtime(pid: int) -> bool:
         return "onnxruntime" in f.read()
 
 
-# Under gunicorn -w 2 the other models' requests all answer 200 too, but most kills put some
-# past twice their p99, as under --workers 2 with a p99 of the 3 s just before the kill: the
-# replacement's start on the same 2 cores (bench/models_kill.py, RESULTS 12-05 19:39).
-@pytest.mark.parametrize("several", ["workers 2"], indirect=True)
+# The bound on the others' latency is asserted under --workers 2 only. bench/models_kill.py
+# measures it for both launches (RESULTS 12-05 19:39 and 20:08): it holds in every kill under a
+# load that leaves the 2 cores idle part of the time, and under a load that keeps them busy
+# most kills put some request past twice the p99 of the 3 s before, gunicorn's more often
+# (the replacement's start, 0.4 s of CPU, has no core to spare).
+@pytest.mark.parametrize("several", ["workers 2", "gunicorn -w 2"], indirect=True)
 def test_one_models_engine_killed_under_load_leaves_the_others_answering(several):
     launch, server, _ = several
     about = loopback.get(server.url + "/info", timeout=30).json()
@@ -199,7 +201,9 @@ def test_one_models_engine_killed_under_load_leaves_the_others_answering(several
         assert all(status == 200 for status, _, _ in seen), (name, seen)
         before = p99([s for _, s, at in seen if at < killed - 0.5])  # past the warm-up
         after = [s for _, s, at in seen if at >= killed]
-        assert after and max(after) < 2 * before, (name, before, max(after))
+        assert after
+        if launch == "workers 2":
+            assert max(after) < 2 * before, (name, before, max(after))
 
 
 @pytest.mark.parametrize("several", ["one process", "workers 2"], indirect=True)
