@@ -24,6 +24,9 @@ from .bodies import as_list, parse
 from .schemas import OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaShowRequest
 from .web import Call, Reply, embedded_reply, json_reply
 
+# /api/ps's expires_at: a model stays loaded while the service runs (Ollama's keep_alive -1,
+# which it reports as a date centuries ahead)
+_HELD_UNTIL = "9999-12-31T23:59:59Z"
 _QUANTIZATION = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "Q8_0"}
 
 
@@ -69,9 +72,24 @@ def tags(call: Call) -> Reply:
         infos = [service.ready(max(0.0, call.deadline - time.monotonic())).info
                  for service in call.service.models]
     return json_reply({"models": [{
-        "name": ollama_name(info), "model": ollama_name(info), "modified_at": _listed_at(),
-        "size": info.size_bytes, "digest": _digest(info), "details": _details(info),
-    } for info in infos]})
+        **_listed(info), "modified_at": _listed_at()} for info in infos]})
+
+
+def ps(call: Call) -> Reply:
+    """GET /api/ps: the models loaded now, as ``ollama ps`` shows them: those ready (a model
+    whose engine is being replaced is not), each held until the service stops."""
+    infos = [service.model for service in call.service.models if service.state == "ready"]
+    return json_reply({"models": [{
+        **_listed(info), "expires_at": _HELD_UNTIL,
+        "size_vram": info.size_bytes if info.device.startswith("cuda") else 0,
+        "context_length": info.max_input_tokens,
+    } for info in infos if info is not None]})
+
+
+def _listed(info: ModelInfo) -> dict[str, Any]:
+    """What /api/tags and /api/ps both say of a model."""
+    return {"name": ollama_name(info), "model": ollama_name(info), "size": info.size_bytes,
+            "digest": _digest(info), "details": _details(info)}
 
 
 def show(call: Call) -> Reply:
@@ -104,9 +122,9 @@ def version(call: Call) -> Reply:
 
 def embeds_only(call: Call) -> Reply:
     """Ollama's generation and model-management routes: a 501 in Ollama's shape."""
-    raise EmbedsOnly("this server is embedsvc, which embeds only: it serves one embedding model "
-                     "(see /api/tags) through /api/embed and /api/embeddings; generate, chat "
-                     "and model management are not offered", code="not_supported")
+    raise EmbedsOnly("this server is embedsvc, which embeds only: it serves the models /api/tags "
+                     "lists through /api/embed and /api/embeddings; generate, chat and model "
+                     "management are not offered", code="not_supported")
 
 
 def ollama_name(info: ModelInfo) -> str:

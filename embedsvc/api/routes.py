@@ -66,7 +66,7 @@ _OLLAMA_ROUTES = tuple(
           errors=OLLAMA)
     for path, method in (("/api/generate", "POST"), ("/api/chat", "POST"),
                          ("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
-                         ("/api/copy", "POST"), ("/api/delete", "DELETE"), ("/api/ps", "GET"))
+                         ("/api/copy", "POST"), ("/api/delete", "DELETE"))
 )
 _DOCS_ASSETS = tuple(
     Route(f"/docs/{name}", "GET", docs_page.asset(name), f"The /docs page's {name}",
@@ -105,6 +105,8 @@ ROUTES: tuple[Route, ...] = (
           schemas.OLLAMA_EMBEDDING_RESPONSE, kinds=_EMBEDDING, errors=OLLAMA),
     Route("/api/tags", "GET", ollama.tags, "Ollama's model list: the served model, by the "
           "name:tag its clients check", response=schemas.OLLAMA_TAGS, errors=OLLAMA),
+    Route("/api/ps", "GET", ollama.ps, "Ollama's running models: the served models that are "
+          "ready, each held while the service runs", response=schemas.OLLAMA_PS, errors=OLLAMA),
     Route("/api/show", "POST", ollama.show, "Ollama's model details, by the name /api/tags "
           "lists", schemas.OllamaShowRequest, schemas.OLLAMA_SHOW, errors=OLLAMA),
     Route("/api/version", "GET", ollama.version, "Ollama's version route: embedsvc's version",

@@ -594,6 +594,11 @@ OLLAMA_MODEL: dict[str, Any] = {
 }
 OLLAMA_TAGS: dict[str, Any] = {
     "type": "object", "properties": {"models": {"type": "array", "items": OLLAMA_MODEL}}}
+OLLAMA_PS: dict[str, Any] = {
+    "type": "object", "properties": {"models": {"type": "array", "items": {
+        **OLLAMA_MODEL, "properties": {
+            **OLLAMA_MODEL["properties"], "expires_at": {"type": "string"},
+            "size_vram": {"type": "integer"}, "context_length": {"type": "integer"}}}}}}
 OLLAMA_SHOW: dict[str, Any] = {
     "type": "object",
     "properties": {"details": OBJECT, "model_info": OBJECT, "capabilities": TEXTS,

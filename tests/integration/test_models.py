@@ -102,6 +102,8 @@ def test_the_models_routes_list_every_model(several):
     tags = loopback.get(server.url + "/api/tags", timeout=30).json()["models"]
     assert [m["name"] for m in tags] == [f"{EMBEDDER}:latest", "reranker:latest",
                                          "sparse:latest"]
+    running = loopback.get(server.url + "/api/ps", timeout=30).json()["models"]
+    assert [m["name"] for m in running] == [m["name"] for m in tags]
     shown = loopback.post(server.url + "/api/show", json={"model": "sparse:latest"}, timeout=30)
     assert shown.json()["model_info"]["general.architecture"] == "sparse", shown.text
     health = loopback.get(server.url + "/health", timeout=30).json()

@@ -65,6 +65,10 @@ def test_ollama_client_embed_embeddings_and_list(live):
                 TEXTS[:1], dimensions=64)
     legacy = [client.embeddings(model="all-minilm", prompt=t).embedding for t in TEXTS]
     assert_same(legacy, live, TEXTS, normalize=False)
+    running = client.ps().models  # ollama ps: the model, loaded for as long as the service runs
+    assert [(m.model, m.size, m.size_vram) for m in running] == [
+        ("all-MiniLM-L6-v2:latest", listed[0].size, 0)]
+    assert running[0].expires_at.year == 9999 and running[0].context_length == 256
     shown = client.show("all-MiniLM-L6-v2:latest")
     assert shown.capabilities == ["embedding"] and shown.details.parameter_size == "22.7M"
     with pytest.raises(ollama.ResponseError, match="embeds only") as refused:
