@@ -77,6 +77,9 @@ def _inputs(req: TypedEmbeddingsRequest) -> list[Any]:
                                                is not None else ""),
                              param="input", code="invalid_input")
     if req.messages is not None:
+        if not req.messages:  # named for the field sent, as an empty 'input' is
+            raise InvalidRequest("'messages' must not be empty", param="messages",
+                                 code="empty_input")
         return [_message(m, i) for i, m in enumerate(req.messages)]
     inputs = as_list(req.input)
     if req.modality == "image":

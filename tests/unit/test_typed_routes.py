@@ -185,3 +185,11 @@ def test_docs_page_and_its_files_are_open_and_local(fake, registry, tmp_path):
         # the files themselves: Swagger UI's bundle and style (hundreds of KB), a real PNG
         assert len(asset.data) > 100_000 or asset.data.startswith(b"\x89PNG\r\n\x1a\n")
     assert client.get("/openapi.json").status_code == 401  # the document keeps its key
+
+
+def test_an_empty_messages_list_is_named_as_sent(client, fake):
+    """vLLM's ``messages`` empty: refused as an empty ``input`` is, naming the field sent."""
+    error = assert_error(client.post("/v1/embeddings", json={"messages": []}), 400,
+                         "invalid_request_error", "messages")
+    assert error["code"] == "empty_input" and "'messages' must not be empty" in error["message"]
+    assert_still_serving(client, fake)
