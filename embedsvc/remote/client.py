@@ -25,7 +25,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import ApiError, ClientDisconnected, QuotaExceeded, Unavailable, shutting_down
+from ..errors import (
+    ApiError,
+    ClientDisconnected,
+    DeadlineExceeded,
+    QuotaExceeded,
+    Unavailable,
+    shutting_down,
+)
 from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
 from ..work_kinds import WORK_KINDS
 from . import wire
@@ -40,6 +47,9 @@ _SNAPSHOT_S = 1.0
 # (building its tokenizer from the card held it 1.7 s once) not to mistake its own pause.
 LOST_AFTER_S = 3.0
 _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engine's 499
+# How long past its deadline a request waits for the engine's answer: the engine answers 504
+# at the deadline itself (its sweep looks every 0.1 s); past this, the front answers it
+ANSWER_GRACE_S = 2.0
 _CONNECT_S = 1.0  # how long a send waits for its socket to connect
 _RECHECK_S = 1.0  # the longest a tenant's spent quota is refused here without the engine
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
@@ -328,10 +338,11 @@ class RemotePort:
         self.link.send(sock, wire.encode(frame))
         with self._cond:
             self._in_flight += 1
-        return Pending(lambda: self._wait(sock, request_id, generation, work))
+        give_up = work.deadline + ANSWER_GRACE_S
+        return Pending(lambda: self._wait(sock, request_id, generation, work, give_up))
 
-    def _wait(self, sock: zmq.Socket, request_id: int, generation: int, work: Work
-              ) -> Embedded:
+    def _wait(self, sock: zmq.Socket, request_id: int, generation: int, work: Work,
+              give_up: float) -> Embedded:
         cancelled_at = None
         try:
             while True:
@@ -349,6 +360,10 @@ class RemotePort:
                 if self.link.generation != generation:
                     raise Unavailable(_ENGINE_GONE, code="engine_gone",
                                       headers={"Retry-After": "1"})
+                if time.monotonic() > give_up:
+                    _send(sock, wire.Cancel(request_id))  # the engine may drop it now
+                    raise DeadlineExceeded("the engine process did not answer in time",
+                                           code="timeout")
                 if cancelled_at is None and work.disconnected is not None \
                         and work.disconnected():
                     cancelled_at = time.monotonic()

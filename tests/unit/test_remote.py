@@ -338,3 +338,23 @@ def test_a_sockets_directory_made_by_someone_else_is_never_used(monkeypatch):
         assert list(taken.iterdir()) == []
     finally:
         shutil.rmtree(short)
+
+
+def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monkeypatch):
+    """The front's wait has a deadline of its own: an engine that takes a request and never
+    answers (a bug, a frame lost) costs the request 504 shortly after its deadline, not a
+    thread forever, and the engine is told to drop it."""
+    engine, front, _, server = served
+    from embedsvc.remote import client as client_module
+
+    taken: list[wire.Frame] = []
+    monkeypatch.setattr(server, "_submit", lambda peer, frame: taken.append(frame))
+    monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.3)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="did not answer in time"):
+        front.ready().run(Work(EMBED, ["never answered"], deadline=started + 0.5))
+    assert time.monotonic() - started >= 0.8  # its deadline and the grace, not sooner
+    assert len(taken) == 1 and isinstance(taken[0], wire.Submit)
+    monkeypatch.undo()  # the engine answers again, on the same port
+    out = front.ready().run(Work(EMBED, ["answered"], deadline=time.monotonic() + 5))
+    assert out.vectors.shape == (1, 6)
