@@ -177,7 +177,7 @@ class Service:
             return exposition(self._families())
         merged: dict[str, Family] = {}
         for service in self.models:
-            for name, kind, doc, samples in service._families():
+            for name, kind, doc, samples in service._answered_families():
                 if name.startswith("process_"):
                     samples = service._own_process(samples, fronts=service is self)
                 elif name.startswith(_HTTP_FAMILIES):
@@ -199,6 +199,15 @@ class Service:
         return [(n, {**labels, "model": self.name}, v) if labels.get("pid") == engine
                 else (n, labels, v) for n, labels, v in samples
                 if fronts or labels.get("pid") == engine]
+
+    def _answered_families(self) -> list[Family]:
+        """``_families``, or this process's where the engine does not answer (hung, or gone
+        and not yet seen to be): one model's engine leaves the others' metrics served, its
+        own ``embedsvc_batcher_alive`` 0."""
+        try:
+            return self._families()
+        except Unavailable:
+            return families(self.metrics.registry)
 
     def _families(self) -> list[Family]:
         """This model's metrics as families: this process's, or the engine's merged."""

@@ -142,18 +142,15 @@ class UsageTable:
 
     @classmethod
     def open(cls, path: Path, column: int, columns: int) -> UsageTable:
-        """Map the file (made, mode 0600, by the first engine to come; made anew when it is
-        another shape: left over from a run with other models, whose engines are gone), then
-        clear this engine's column: whatever its predecessor counted was answered or lost."""
+        """Map the file (made, mode 0600, by the first engine to come; replaced when it is
+        another shape, see ``_shaped``), then clear this engine's column: whatever its
+        predecessor counted was answered or lost."""
         if not 0 <= column < columns:
             raise ValueError(f"column {column} is not one of {columns}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        size = (_HEADER + SLOTS * _words(columns)) * 8
+        fd = _shaped(path, size, columns)
         try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-                raise OSError(f"{path} is not a regular file of this user's")
-            size = (_HEADER + SLOTS * _words(columns)) * 8
-            table = cls(fd, _shaped(fd, size, columns), column, columns)
+            table = cls(fd, mmap.mmap(fd, size), column, columns)
         except BaseException:
             os.close(fd)
             raise
@@ -199,18 +196,60 @@ class UsageTable:
                     self._ints[at + _FLIGHT + self.column] = 0
 
 
-def _shaped(fd: int, size: int, columns: int) -> mmap.mmap:
-    """The file at ``fd`` mapped, ``size`` bytes with a header for ``columns``: zeros and
-    the header where it is new or of another shape. Under the file's lock, so that two
-    engines starting together make it once."""
-    fcntl.flock(fd, fcntl.LOCK_EX)
+def _shaped(path: Path, size: int, columns: int) -> int:
+    """The file at ``path`` open, ``size`` bytes with a header for ``columns``. One of another
+    shape is replaced by a new file, never cut in place: it is left over from a run with other
+    models, or mapped by this run's other engines where this one read another models list
+    (MODELS_FILE changed since the launch), and a page cut from under a mapping kills its
+    process (SIGBUS). Under the file's lock, so that two engines starting together make it
+    once; one that waited on a file replaced meanwhile opens the new one."""
+    while True:
+        fd = _own_file(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _current(path, fd):
+                header = [int.from_bytes(os.pread(fd, 24, 0)[i:i + 8], "little")
+                          for i in (0, 8, 16)]
+                if header == [_MAGIC, SLOTS, columns] and os.fstat(fd).st_size == size:
+                    return fd
+                if os.fstat(fd).st_size == 0:  # new: nobody maps it yet
+                    _fill(fd, size, columns)
+                    return fd
+                _replace(path, size, columns)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the lock goes with it; the loop opens the file now at ``path``
+
+
+def _own_file(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file of this user's")
+    return fd
+
+
+def _current(path: Path, fd: int) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not replaced while this one waited)."""
     try:
-        header = [int.from_bytes(os.pread(fd, 24, 0)[i:i + 8], "little") for i in (0, 8, 16)]
-        if header != [_MAGIC, SLOTS, columns] or os.fstat(fd).st_size != size:
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, size)
-            os.pwrite(fd, b"".join(n.to_bytes(8, "little") for n in (_MAGIC, SLOTS, columns)),
-                      0)
-        return mmap.mmap(fd, size)
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _fill(fd: int, size: int, columns: int) -> None:
+    os.ftruncate(fd, size)
+    os.pwrite(fd, b"".join(n.to_bytes(8, "little") for n in (_MAGIC, SLOTS, columns)), 0)
+
+
+def _replace(path: Path, size: int, columns: int) -> None:
+    new = path.with_name(f"{path.name}.{os.getpid()}")
+    fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        _fill(fd, size, columns)
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    os.replace(new, path)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import stat
 import sys
@@ -432,18 +433,18 @@ class Quotas:
         usage = self._usage.add(tenant.name)
         limits = tenant.limits
         if not usage.primed:  # full buckets at first sight
-            usage.requests = _burst(limits.requests_per_second)
-            usage.tokens = limits.tokens_per_minute or 0.0
             usage.updated, usage.primed = now, True
+            usage.requests = usage.tokens = math.inf
         elapsed = max(0.0, now - usage.updated)
         # another thread or process may have refilled it at a later ``now`` than this one
         usage.updated = max(now, usage.updated)
-        if limits.requests_per_second is not None:
-            usage.requests = min(_burst(limits.requests_per_second),
-                                 usage.requests + elapsed * limits.requests_per_second)
-        if limits.tokens_per_minute is not None:
-            usage.tokens = min(limits.tokens_per_minute,
-                               usage.tokens + elapsed * limits.tokens_per_minute / 60)
+        # a bucket without its limit stays full: charged meanwhile, it would otherwise hold a
+        # debt that a reload giving the limit turns into a lockout of the tenant
+        usage.requests = math.inf if limits.requests_per_second is None else min(
+            _burst(limits.requests_per_second),
+            usage.requests + elapsed * limits.requests_per_second)
+        usage.tokens = math.inf if limits.tokens_per_minute is None else min(
+            limits.tokens_per_minute, usage.tokens + elapsed * limits.tokens_per_minute / 60)
         return usage
 
 

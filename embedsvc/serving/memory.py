@@ -201,14 +201,18 @@ def _safetensors_bytes(path: Path, itemsize: int) -> int:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length)) if length <= 100 << 20 else None
+        if not isinstance(header, dict) or not header:
+            return path.stat().st_size
         total = 0
-        for key, tensor in (header or {}).items():
+        for key, tensor in header.items():
             if key == "__metadata__":
                 continue
             start, end = tensor["data_offsets"]
+            if not 0 <= start <= end:  # a size below 0 would hide another model's
+                raise ValueError(f"data_offsets {start}, {end}")
             stored = _FLOATS.get(tensor["dtype"])
             total += (end - start) * itemsize // stored if stored else end - start
-        return total if header else path.stat().st_size
+        return int(total)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return path.stat().st_size
 

@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from .. import loopback
 from .conftest import SERVE, kind_server
-from .servers import BIN, Server, running
+from .servers import BIN, FAKE_EMBEDSVC, Server, running
 from .test_engine_kinds import REQUESTS, same
 
 EMBEDDER = "all-MiniLM-L6-v2"  # the names the one-model services answer with
@@ -297,3 +298,34 @@ def test_models_that_do_not_fit_stop_gunicorn_in_one_line(tmp_path, workers):
         assert not list(runtime.glob(f"embedsvc-{os.getuid()}/engine-*")), output[-3000:]
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+# two models cheaply: the fake encoder under --workers 2, the bundled model under gunicorn
+TWO = {"workers 2": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--workers", "2"],
+       "gunicorn -w 2": LAUNCHES["gunicorn -w 2"]("")}
+
+
+@pytest.mark.parametrize("launch", list(TWO))
+def test_metrics_are_served_while_one_models_engine_does_not_answer(tmp_path, launch):
+    """The second model's engine stopped (SIGSTOP: hung): /metrics still answers valid
+    Prometheus text, the first model's families as before, the hung one's batcher not
+    alive; the first model still answers requests."""
+    with running(TWO[launch], tmp_path / "serve.log", env={"EMBEDSVC_MODELS": "a=,b="}) as server:
+        body = {"model": "a", "input": "a text"}
+        for model in "ab":
+            server.wait_healthy()
+            assert loopback.post(server.url + "/v1/embeddings", json={**body, "model": model},
+                                 timeout=60).status_code == 200
+        about = loopback.get(server.url + "/info", timeout=30).json()
+        hung = next(m["engine_pid"] for m in about["models"] if m["name"] == "b")
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            scrape = loopback.get(server.url + "/metrics", timeout=30)
+            answered = loopback.post(server.url + "/v1/embeddings", json=body, timeout=30)
+        finally:
+            os.kill(hung, signal.SIGCONT)
+    assert scrape.status_code == 200, scrape.text[:300]
+    alive = {s.labels["model"]: s.value for f in text_string_to_metric_families(scrape.text)
+             if f.name == "embedsvc_batcher_alive" for s in f.samples}
+    assert alive == {"a": 1.0, "b": 0.0}
+    assert answered.status_code == 200

@@ -242,3 +242,15 @@ def test_gunicorns_workers_weigh_the_models_once_a_master(tmp_path, monkeypatch)
         assert len(calls) == 1
     finally:
         shutil.rmtree(owner_dir(master), ignore_errors=True)
+
+
+@pytest.mark.parametrize("header", [b"[1]", b"5", b'"x"',
+                                    b'{"w": {"dtype": "F32", "data_offsets": [100, 0]}}'])
+def test_a_safetensors_header_that_does_not_read_weighs_the_files_size(tmp_path, header):
+    """A header that is not a table of tensors, or a tensor that ends before it starts,
+    is weighed as the file's size: never a traceback at start, never a size below 0 that
+    would hide another model's."""
+    path = tmp_path / "m" / "model.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 990)
+    assert memory.weights_bytes(path.parent, "float32") == 8 + len(header) + 990

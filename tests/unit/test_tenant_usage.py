@@ -152,3 +152,37 @@ def test_a_tenant_without_limits_takes_no_slot_and_no_lock(tmp_path):
     q.settle("free", 10**9, 10**9 + 1)
     q.give_back("free", 10**6)
     assert table.get("free") is None and table._found == {}
+
+
+TWO_COLUMNS_BYTES = (8 + tenant_usage.SLOTS * 7) * 8  # the header, then 5 words and 2 a slot
+
+
+def _touch_far_slot(path: str, ready, go, done) -> None:
+    """An engine of a run of three models, charging a tenant whose slot lies past where a
+    table of two columns ends."""
+    table = UsageTable.open(Path(path), 1, 3)
+    name = next(f"t{i}" for i in range(10_000)
+                if table.add(f"t{i}").at * 8 >= TWO_COLUMNS_BYTES)
+    ready.set()
+    go.wait(60)
+    with table.lock:
+        table.add(name).in_flight += 1
+    done.set()
+
+
+def test_a_file_of_another_shape_is_replaced_not_cut_from_under_an_engine(tmp_path):
+    """A successor engine that reads another models list (MODELS_FILE edited since the
+    launch) makes a table of its own shape; the engines that map the old one keep it, where
+    cutting it in place killed them with SIGBUS on their next request."""
+    path = tmp_path / "quotas"
+    spawn = multiprocessing.get_context("spawn")
+    ready, go, done = spawn.Event(), spawn.Event(), spawn.Event()
+    other = spawn.Process(target=_touch_far_slot, args=(str(path), ready, go, done))
+    other.start()
+    assert ready.wait(60)
+    quotas(path, 0, 2).take("flight", inputs=4, tokens=1)  # the successor, of two models
+    go.set()
+    other.join(60)
+    assert other.exitcode == 0 and done.is_set()
+    assert path.stat().st_size == TWO_COLUMNS_BYTES
+    assert [p.name for p in tmp_path.iterdir()] == ["quotas"]

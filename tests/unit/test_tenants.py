@@ -244,3 +244,19 @@ def test_admission_charges_the_tenant_first_and_a_refused_request_costs_it_nothi
     a.settle(ticket, 12)
     a.release(2, 12, "a")
     assert a.quotas._usage["a"].in_flight == 0
+
+
+def test_a_limit_a_reload_gives_starts_with_a_full_bucket():
+    """A tenant charged while it had no token or request limit owes nothing when a reload
+    gives it one: its first request after the reload goes in."""
+    ring = Keyring.of([Tenant("t", digest("k"), Limits(inputs_in_flight=8))])
+    q = Quotas(ring)
+    for i in range(500):
+        q.take("t", inputs=1, tokens=200, now=i * 0.01)
+        q.give_back("t", 1)
+    ring._install([Tenant("t", digest("k"), Limits(requests_per_second=2,
+                                                   tokens_per_minute=6000))])
+    q.take("t", inputs=1, tokens=10, now=10.0)
+    q.take("t", inputs=1, tokens=5990, now=10.0)  # the whole minute's, and a second's two
+    with pytest.raises(QuotaExceeded):
+        q.take("t", inputs=1, tokens=1, now=10.0)
