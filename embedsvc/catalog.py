@@ -28,8 +28,10 @@ Requests choose a model by name or alias (``Service.choose``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .settings import Settings, SettingsError
@@ -85,6 +87,36 @@ def _parse_item(item: str) -> dict[str, Any]:
     if not sep:
         raise SettingsError(f"MODELS: {item.strip()!r} is not NAME=SOURCE")
     return {"name": name.strip(), "source": source.strip()}
+
+
+PINNED = "models.toml"  # a run's own copy of MODELS_FILE, in its private directory
+
+
+def pinned(settings: Settings, directory: Path) -> Settings:
+    """``settings`` reading MODELS_FILE as the run found it: the file copied into the run's
+    private ``directory`` by the first process to come (made whole under a name of its own,
+    then linked in place: a later one finds it, or loses the race and takes the winner's),
+    so that an engine or a worker started later, after the file was edited, serves the list
+    the run started with, and an engine's index names the same model in every process."""
+    if not settings.models_file:
+        return settings
+    target = directory / PINNED
+    if not target.exists():
+        try:
+            data = Path(settings.models_file).read_bytes()
+        except OSError:  # catalog() says why, in one line
+            return settings
+        made = directory / f".{PINNED}.{os.getpid()}"
+        fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(made, target)
+        except FileExistsError:
+            pass
+        finally:
+            made.unlink()
+    return dataclasses.replace(settings, models_file=str(target))
 
 
 def _read_file(path: str) -> list[dict[str, Any]]:

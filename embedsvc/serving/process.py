@@ -257,6 +257,11 @@ class LazyApp:
         check_fork(settings)
         workers = gunicorn_workers()
         owner = engine_owner(settings, workers)
+        if owner is not None:  # every worker and engine of the master reads one list
+            from ..catalog import pinned
+            from ..remote.place import owner_dir
+
+            settings = pinned(settings, owner_dir(owner))
         if workers is not None:
             weigh_in_worker(settings, owner)
         if owner is not None:  # each model in one engine process that every worker feeds

@@ -34,7 +34,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from ..catalog import catalog
+from ..catalog import catalog, pinned
 from ..remote.place import fresh_dir, model_dir
 from ..settings import Settings
 from .children import child_command
@@ -67,8 +67,8 @@ class Supervisor:
     """Starts, watches and stops the engine and the fronts of ``embedsvc serve --workers N``."""
 
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings
         self.directory = fresh_dir()
+        self.settings = settings = pinned(settings, self.directory)  # edits: at a restart
         self.listeners = _listeners(settings.host, settings.port, settings.workers)
         self.probes = (_listen(settings.host, settings.health_port)
                        if settings.health_port is not None else None)

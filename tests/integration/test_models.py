@@ -329,3 +329,36 @@ def test_metrics_are_served_while_one_models_engine_does_not_answer(tmp_path, la
              if f.name == "embedsvc_batcher_alive" for s in f.samples}
     assert alive == {"a": 1.0, "b": 0.0}
     assert answered.status_code == 200
+
+
+EDITED = {  # the fake encoder under embedsvc serve; the bundled model twice under gunicorn
+    "workers 2": [*FAKE_EMBEDSVC, "serve", "--port", "0", "--workers", "2"],
+    "gunicorn -w 2": LAUNCHES["gunicorn -w 2"](""),
+}
+
+
+@pytest.mark.parametrize("launch", list(EDITED))
+def test_an_engine_replaced_after_the_models_file_was_edited_serves_its_model(tmp_path, launch):
+    """MODELS_FILE is read as the run found it: edited while the service runs (a model
+    dropped), a killed engine's replacement still serves the model it replaces, instead of
+    reading a list where its index names another model or none (it crashed over and over)."""
+    listed = tmp_path / "models.toml"
+    listed.write_text('[[models]]\nname = "a"\nsource = ""\n\n'
+                      '[[models]]\nname = "b"\nsource = ""\n')
+    with running(EDITED[launch], tmp_path / "serve.log",
+                 env={"EMBEDSVC_MODELS_FILE": str(listed)}) as server:
+        listed.write_text('[[models]]\nname = "a"\nsource = ""\n')
+        about = loopback.get(server.url + "/info", timeout=30).json()
+        victim = next(m["engine_pid"] for m in about["models"] if m["name"] == "b")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            resp = loopback.post(server.url + "/v1/embeddings",
+                                 json={"model": "b", "input": "x"}, timeout=30)
+            about = loopback.get(server.url + "/info", timeout=30).json()
+            replaced = {m["name"]: m["engine_pid"] for m in about["models"]}["b"] != victim
+            if resp.status_code == 200 and replaced:
+                break
+            time.sleep(0.2)
+        assert resp.status_code == 200 and replaced, (resp.text, server.output()[-2000:])
+        assert "IndexError" not in server.output()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from embedsvc.catalog import catalog
+from embedsvc.catalog import PINNED, catalog, pinned
 from embedsvc.settings import Settings, SettingsError
 
 
@@ -89,3 +89,24 @@ def test_an_alias_equal_to_its_own_name_is_no_second_model(tmp_path):
     path.write_text('[[models]]\nname = "a"\nsource = "/m"\naliases = ["a", "a:latest"]\n')
     (entry,) = catalog(Settings(models_file=str(path)))
     assert entry.aliases == ("a", "a:latest")
+
+
+def test_a_run_reads_its_models_file_as_it_found_it(tmp_path):
+    """MODELS_FILE is copied into the run's private directory by the first process: one
+    started after the file was edited (an engine's replacement, a new worker) serves the
+    list the run started with, so an engine's index names the same model everywhere."""
+    listed = tmp_path / "models.toml"
+    listed.write_text('[[models]]\nname = "a"\nsource = ""\n\n'
+                      '[[models]]\nname = "b"\nsource = ""\n')
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    first = pinned(Settings(models_file=str(listed)), run)
+    assert first.models_file == str(run / PINNED)
+    assert oct((run / PINNED).stat().st_mode & 0o777) == "0o600"
+    listed.write_text('[[models]]\nname = "c"\nsource = ""\n')  # edited while it runs
+    later = pinned(Settings(models_file=str(listed)), run)
+    assert [e.name for e in catalog(later)] == ["a", "b"]
+    assert sorted(p.name for p in run.iterdir()) == [PINNED]  # no copy left behind
+    assert pinned(Settings(models="x="), run).models_file is None  # MODELS: nothing to copy
+    missing = Settings(models_file=str(tmp_path / "gone.toml"))
+    assert pinned(missing, tmp_path / "elsewhere") == missing  # catalog() says why
