@@ -43,10 +43,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
-from bench.models_memory import EMBEDDER, build  # noqa: E402 - the path above
+from bench.engine_kill import wait_ok  # noqa: E402 - the path above
+from bench.models_memory import BIN, EMBEDDER, OUT, build  # noqa: E402
 
-OUT = BENCH / "out" / "models-memory"
-BIN = Path(sys.executable).parent
 BASE_PORT = 18660
 OTHERS = {EMBEDDER: ("/v1/embeddings", {"input": ["a light text"], "model": EMBEDDER}),
           "sparse": ("/embed_sparse", {"inputs": ["a light text"]})}
@@ -174,17 +173,8 @@ def judged(load: Load, launch: str, what: str, start: float, recovered: float | 
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the service did not become healthy")
+    if wait_ok(url, timeout) is None or proc.poll() is not None:
+        raise RuntimeError(f"the service did not become healthy (exit code {proc.poll()})")
 
 
 def line_of(window: Window) -> str:
