@@ -347,8 +347,8 @@ class RemotePort:
         try:
             while True:
                 if sock.poll(int(_TICK_S * 1000)):
-                    frame = wire.decode_to_front(sock.recv())
-                    if getattr(frame, "id", None) == request_id:
+                    frame = _for(request_id, wire.decode_to_front(sock.recv()))
+                    if frame is not None:
                         if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
                                 and work.tenant is not None:
                             now = time.monotonic()
@@ -387,6 +387,13 @@ class RemotePort:
                 self._cond.wait(left)
             left_over = self._in_flight
         return ShutdownReport(0, left_over, left_over == 0)
+
+
+def _for(request_id: int, frame: Any) -> Any:
+    """The answer to ``request_id`` in ``frame`` (an ``Answers`` holds several), or None."""
+    if isinstance(frame, wire.Answers):
+        return next((item for item in frame.items if item.id == request_id), None)
+    return frame if getattr(frame, "id", None) == request_id else None
 
 
 def embedded(frame: Any, kind: str) -> Embedded:

@@ -178,6 +178,9 @@ class EngineServer:
     def _dispatch(self, peer: bytes, frame: Any) -> None:
         if isinstance(frame, wire.Submit):
             self._submit(peer, frame)
+        elif isinstance(frame, wire.Submits):
+            for item in frame.items:
+                self._submit(peer, item)
         elif isinstance(frame, wire.Cancel):
             self._cancel(peer, frame.id)
         elif isinstance(frame, wire.Ping):

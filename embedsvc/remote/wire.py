@@ -1,10 +1,11 @@
 """What travels on the engine's socket: typed frames (msgspec Structs, MessagePack).
 
 A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
-side: the kind, the token ids, the options), ``Cancel`` (its client left), ``Ping`` and
-``Snapshot`` (its metrics); the engine answers ``Answer`` (a kind's arrays) or
-``Failed`` for a submit, ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
-``Snapshot`` that asks for the merged metrics back). Ids,
+side: the kind, the token ids, the options) or ``Submits`` (several in one frame),
+``Cancel`` (its client left), ``Ping`` and ``Snapshot`` (its metrics); the engine answers
+``Answer`` (a kind's arrays) or ``Failed`` for a submit, or ``Answers`` (several of either
+in one frame), ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a ``Snapshot``
+that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
 into exactly these types or refused: nothing on the socket is ever unpickled or executed.
 
@@ -139,8 +140,23 @@ class Exposition(Frame):
     families: list[Any]
 
 
-ToEngine = Hello | Submit | Cancel | Ping | Snapshot | Scrape
-ToFront = Card | Pong | Answer | Failed | Exposition
+class Submits(Frame):
+    """A burst of one front's ``Submit``s in one frame: what its request threads submitted
+    while one send was under way (one wake-up and one decode in the engine for all)."""
+
+    items: list[Submit]
+
+
+class Answers(Frame):
+    """The answers to one front that one turn of the engine's loop has (every request of
+    that front that a batch finished, say), in one frame: one send, one wake-up of the
+    front's reader."""
+
+    items: list[Answer | Failed]
+
+
+ToEngine = Hello | Submit | Submits | Cancel | Ping | Snapshot | Scrape
+ToFront = Card | Pong | Answer | Failed | Answers | Exposition
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

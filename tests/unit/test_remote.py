@@ -184,6 +184,36 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
         context.destroy(linger=0)
 
 
+def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
+    """``Submits`` carries several requests; each answer, in whichever frames the engine
+    sends them, holds its own request's rows."""
+    import zmq
+
+    engine, front, encoder = pair
+    texts = [f"text number {i}" for i in range(7)]
+    tokenizer = front.ready()
+    items = [wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
+             for i, t in enumerate(texts)]
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(front.engine_address)
+    try:
+        sock.send(wire.encode(wire.Submits(items)))
+        got: dict[int, wire.Answer] = {}
+        while len(got) < len(texts):
+            assert sock.poll(5000), f"answers for {sorted(got)} only"
+            frame = wire.decode_to_front(sock.recv())
+            for item in frame.items if isinstance(frame, wire.Answers) else [frame]:
+                assert isinstance(item, wire.Answer), item
+                got[item.id] = item
+        for i, text in enumerate(texts):
+            row = embedded(got[i + 1], EMBED).vectors[0]  # the model's rows, unnormalised
+            np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected(text),
+                                       rtol=1e-6)
+    finally:
+        context.destroy(linger=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_a_front_serves_without_importing_pytorch(tmp_path, device):
     """The front side of every kind of work imports no torch, so fronts never hold a CUDA
