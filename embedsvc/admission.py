@@ -1,13 +1,8 @@
-"""Admission: whose work may queue now, who waits, and who is told to come back.
+"""Admission: who may tokenize and queue work now, who waits, and who is told to come back.
 
-Before a request is tokenized, ``gate`` refuses what admission would refuse now (too many
-inputs, draining, a tenant's quota, work that would reach the model after its deadline, on
-an estimate of its tokens), reserving nothing, so that a refusal costs no tokenizing. Once
-tokenized, the request reserves its inputs and exact tokens here (``admit``; ``request``
-in the engine process, which admits each front's work as it arrives): in one process and
-under ``--workers`` alike, admission is at the exact count, after tokenizing, in the process
-that owns the queue. The batcher takes the reservation over (``settle``) and gives it back
-input by input as it answers them. Three rules:
+A request reserves its inputs (and an estimate of its tokens) here *before* it tokenizes,
+settles the reservation to its exact token count once tokenized, and gives it back input by
+input as the batcher answers them. Three rules:
 
 * **First come, first served.** Requests that do not fit wait in one FIFO; capacity freed
   goes to the oldest waiter, and a later request never overtakes it, so a request of
@@ -94,8 +89,7 @@ QueueBound = Callable[[], int]
 
 
 class Admission:
-    """The FIFO in front of the batcher's queue, and the gate in front of tokenizing;
-    thread-safe."""
+    """The FIFO gate in front of tokenizing and queueing; thread-safe."""
 
     def __init__(self, *, max_inputs: int | None, max_tokens: int, timeout_s: float,
                  floor_inputs: int, metrics: Metrics | None = None,
@@ -163,8 +157,13 @@ class Admission:
         """``admit`` without waiting: the ticket is open, or stands in the FIFO (``waiting``)
         until room frees, when ``notify`` is called with it (or with ``refused`` set, when
         draining). 413, 429 and 503 are raised as by ``admit``."""
-        if inputs > self.limit:
-            raise self._too_large(inputs)
+        limit = self.limit
+        if inputs > limit:
+            raise PayloadTooLarge(
+                f"this request has {inputs} inputs but the server admits at most {limit} at "
+                "once (MAX_QUEUE); split it into smaller requests",
+                param="input", code="too_many_inputs",
+            )
         ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow, tenant, tokens)
         quotas = self.quotas if tenant is not None else None
         if quotas is not None:
@@ -177,39 +176,22 @@ class Admission:
             raise
         return ticket
 
-    def gate(self, inputs: int, tokens: int, deadline: float, flow: Hashable = None,
-             tenant: str | None = None) -> None:
-        """What ``admit`` would refuse now, refused before the request is tokenized, with
-        nothing reserved or charged: 413, 503, a tenant's quota (429), and 429 for work that
-        would reach the model after ``deadline`` on ``tokens`` (an estimate). Admission
-        itself comes after tokenizing, at the exact count, and decides again."""
-        if inputs > self.limit:
-            raise self._too_large(inputs)
-        if self._closed:
-            raise shutting_down()
-        if tenant is not None and self.quotas is not None:
-            self.quotas.check(tenant, inputs=inputs, tokens=tokens)
-        if self.used_inputs or self._waiting:  # else nothing is ahead of it: never late
-            ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow, tenant)
-            self._enter(ticket, flow, None, dry=True)
-
     def _enter(self, ticket: Ticket, flow: Hashable,
-               notify: Callable[[Ticket], None] | None, dry: bool = False) -> None:
+               notify: Callable[[Ticket], None] | None) -> None:
         # the queue's model is read before our lock (it takes the batcher's); its bound
         # first: admitted on it, the ticket is admitted on the model too (the wait predicted
         # grows with the tokens ahead), so the walk is paid only near a refusal
-        if self.queue_most is not None and self._enter_with(
-                ticket, flow, notify, self.queue_most(), final=False, dry=dry):
+        if self.queue_most is not None and self._enter_with(ticket, flow, notify,
+                                                            self.queue_most(), final=False):
             return
         ahead = self.queue(flow) if self.queue is not None else None
-        self._enter_with(ticket, flow, notify, ahead, final=True, dry=dry)
+        self._enter_with(ticket, flow, notify, ahead, final=True)
 
     def _enter_with(self, ticket: Ticket, flow: Hashable,
-                    notify: Callable[[Ticket], None] | None, ahead: int | None, final: bool,
-                    dry: bool = False) -> bool:
+                    notify: Callable[[Ticket], None] | None, ahead: int | None, final: bool
+                    ) -> bool:
         """Open ``ticket`` or put it in line, ``ahead`` tokens queued before it; False,
-        with nothing changed, when it would be late and ``ahead`` was a bound (not final).
-        ``dry``: only the refusals, nothing opened or put in line (``gate``)."""
+        with nothing changed, when it would be late and ``ahead`` was a bound (not final)."""
         with self._cond:
             if ahead is not None:  # and the work admitted, still tokenizing
                 ahead += self._opened_first
@@ -224,8 +206,6 @@ class Admission:
             if not final and self.predicted_wait(ahead) > ticket.deadline - now:
                 return False
             self._refuse_if_late(ticket, now, ahead)
-            if dry:
-                return True
             if opens:
                 self._open(ticket)
             else:  # in line behind others, or no room
@@ -342,13 +322,6 @@ class Admission:
             if ticket.notify is not None:
                 ticket.notify(ticket)
         self._cond.notify_all()  # the threads blocked in admit() look at their tickets
-
-    def _too_large(self, inputs: int) -> PayloadTooLarge:
-        return PayloadTooLarge(
-            f"this request has {inputs} inputs but the server admits at most {self.limit} at "
-            "once (MAX_QUEUE); split it into smaller requests",
-            param="input", code="too_many_inputs",
-        )
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

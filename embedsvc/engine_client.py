@@ -3,10 +3,9 @@ model. "Engine" names the model side only (the engine process, its loop, the bat
 its client.
 
 An ``EngineClient`` takes one ``Work`` (work.py) from a handler, applies the input rules
-(rules.py), turns token ids of another tokenizer into text, passes the port's gate,
-tokenizes in the calling thread (long texts cut to the model's window first), is admitted
-at the exact count, hands the ids to the model side through its ``Port`` and shapes the
-rows it gets back (dimensions, normalisation). The port is
+(rules.py), turns token ids of another tokenizer into text, is admitted, tokenizes in the
+calling thread (long texts cut to the model's window first), hands the ids to the model side
+through its ``Port`` and shapes the rows it gets back (dimensions, normalisation). The port is
 the model in this process (runner.py's ``LocalPort``) or the engine process
 (remote/client.py's ``RemotePort``): the client never touches the model itself, only its
 tokenizer (``TextModel``), so an HTTP process in front of the engine process holds no model
@@ -64,7 +63,7 @@ from .work_kinds import kind_of
 if TYPE_CHECKING:
     from .model.quantize import Calibration
 
-_CHARS_PER_TOKEN = 4  # for the gate's estimate only; admission counts the exact tokens
+_CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
 _TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline and the client
 _CALIBRATION_BATCH = 64  # calibration texts per request through the model
 T = TypeVar("T")
@@ -93,11 +92,8 @@ class Answer(Protocol):
 
 class Port(Protocol):
     """The model side as the front side sees it: this process's runner, or the engine
-    process. ``gate`` refuses, before tokenizing, what admission would refuse now (413,
-    429, 503) and reserves nothing; ``admit`` reserves room for the tokenized work at its
-    exact count, in the process that owns the queue (413, 429, 503, 504; the engine
-    process admits the work as it arrives); ``submit`` hands over the ids under that
-    reservation; ``cancel`` frees one never submitted."""
+    process. ``admit`` reserves room before tokenizing (413, 429, 503, 504); ``submit``
+    hands over the ids under that reservation; ``cancel`` frees one never submitted."""
 
     @property
     def state(self) -> str:
@@ -106,8 +102,6 @@ class Port(Protocol):
 
     @property
     def queue_limit(self) -> int: ...
-
-    def gate(self, work: Work, estimate: int) -> None: ...
 
     def admit(self, work: Work, tokens: int) -> Any: ...
 
@@ -245,26 +239,21 @@ class EngineClient:
 
     def _through(self, work: Work, estimate: int, tokenize: Callable[[], list[list[int]]]
                  ) -> Embedded:
-        """Gate -> tokenize -> admit -> submit -> wait: how every kind's work reaches the
-        model. Admission is at the exact count, after tokenizing, in both modes (in this
-        process, or in the engine process as the work arrives); the gate before refuses for
-        free what admission would refuse now (docs/batching.md)."""
-        self.port.gate(work, estimate)
-        tokenizing = time.monotonic()
-        work.ids = tokenize()
-        tokenized = time.monotonic()
-        self.metrics.tokenization.observe(tokenized - tokenizing)
-        tokens = sum(map(len, work.ids))
-        ticket = self.port.admit(work, tokens)
-        admitted = time.monotonic()  # the wait for admission counts as queue time
+        """Admit -> tokenize -> submit -> wait: how every kind's work reaches the model."""
+        asked = time.monotonic()
+        ticket = self.port.admit(work, estimate)
         try:
+            tokenizing = time.monotonic()  # the wait for admission counts as queue time
+            work.ids = tokenize()
+            tokenize_s = time.monotonic() - tokenizing
+            self.metrics.tokenization.observe(tokenize_s)
             answer = self.port.submit(work, ticket)
         finally:
             self.port.cancel(ticket)  # a no-op once the model side took it over
         out = answer.result()
-        out.tokens = tokens
-        out.tokenize_s = tokenized - tokenizing
-        out.admit_s = admitted - tokenized
+        out.tokens = sum(map(len, work.ids))
+        out.tokenize_s = tokenize_s
+        out.admit_s = tokenizing - asked
         out.queue_s += out.admit_s
         return out
 
@@ -311,7 +300,7 @@ class EngineClient:
                            max_chars=s.max_input_chars)
 
     def estimate(self, inputs: Inputs) -> int:
-        """Tokens ``inputs`` will hold with special tokens, for the gate before tokenizing."""
+        """Tokens ``inputs`` will hold with special tokens, for admission before tokenizing."""
         most = self.info.max_input_tokens
         special = self.text.special_tokens
         if isinstance(inputs[0], str):

@@ -153,15 +153,9 @@ class LocalPort:
     def queue_limit(self) -> int:
         return self.admission.limit
 
-    def gate(self, work: Work, estimate: int) -> None:
-        """Before ``work`` is tokenized: what admission would refuse now (``Admission.gate``),
-        and work this model cannot do."""
-        self.runner.check(work)
-        assert work.deadline is not None
-        self.admission.gate(work.count, estimate, work.deadline, work.flow, work.tenant)
-
     def admit(self, work: Work, tokens: int) -> Ticket:
-        """Reserve room for tokenized ``work`` at its exact count (``Admission.admit``)."""
+        """Reserve room for ``work`` before it is tokenized (``Admission.admit``)."""
+        self.runner.check(work)
         assert work.deadline is not None
         return self.admission.admit(work.count, tokens, work.deadline, work.disconnected,
                                     work.flow, work.tenant)

@@ -27,10 +27,8 @@ variable gives) or that gives one key to two tenants.
 ``Quotas`` holds each tenant's usage where admission is (admission.py): a request
 over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
 so a burst of up to a second's or a minute's worth passes) or inputs in flight is refused
-with 429 and a ``Retry-After`` that the quota itself gives: at admission, which charges the
-exact count after tokenizing (in this process, or in the engine process as the work
-arrives), and already at the gate before tokenizing (``check``) where this process holds the
-usage; with an engine process, a refusal of a rate quota says how long
+with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one
+process, on arrival in the engine process; there, a refusal of a rate quota says how long
 the quota stays spent (``QuotaExceeded.empty_s``), and the front that sent it refuses the
 tenant's requests until then before tokenizing them (remote/client.py). Its usage lives in
 this process, or, where several models' engine processes serve one service, in a table they
@@ -368,37 +366,23 @@ class Quotas:
         tenant = self.keyring.tenant(name)
         if tenant is None or tenant.limits == _NO_LIMITS:
             return
+        limits = tenant.limits
         now = time.monotonic() if now is None else now
         with self._lock:
             usage = self._refilled(tenant, now)
-            self._refuse_if_over(tenant, usage, inputs, tokens)
+            if limits.requests_per_second is not None and usage.requests < 1:
+                wait = (1 - usage.requests) / limits.requests_per_second
+                raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait,
+                            spent=True)
+            if limits.tokens_per_minute is not None:
+                self._refuse_unless_tokens_fit(tenant, usage, tokens)
+            if limits.inputs_in_flight is not None and usage.in_flight \
+                    and usage.in_flight + inputs > limits.inputs_in_flight:
+                raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0,
+                            spent=False)
             usage.requests -= 1
             usage.tokens -= tokens
             usage.in_flight += inputs
-
-    def check(self, name: str | None, *, inputs: int, tokens: int) -> None:
-        """429 where ``take`` would refuse the request now; nothing is charged (the gate
-        before tokenizing: admission charges the exact count after)."""
-        tenant = self.keyring.tenant(name)
-        if tenant is None or tenant.limits == _NO_LIMITS:
-            return
-        with self._lock:
-            self._refuse_if_over(tenant, self._refilled(tenant, time.monotonic()), inputs,
-                                 tokens)
-
-    @classmethod
-    def _refuse_if_over(cls, tenant: Tenant, usage: Usage, inputs: int, tokens: int) -> None:
-        limits = tenant.limits
-        if limits.requests_per_second is not None and usage.requests < 1:
-            wait = (1 - usage.requests) / limits.requests_per_second
-            raise _over(tenant, f"{limits.requests_per_second:g} requests a second", wait,
-                        spent=True)
-        if limits.tokens_per_minute is not None:
-            cls._refuse_unless_tokens_fit(tenant, usage, tokens)
-        if limits.inputs_in_flight is not None and usage.in_flight \
-                and usage.in_flight + inputs > limits.inputs_in_flight:
-            raise _over(tenant, f"{limits.inputs_in_flight} inputs in flight", 1.0,
-                        spent=False)
 
     @staticmethod
     def _refuse_unless_tokens_fit(tenant: Tenant, usage: Usage, tokens: int) -> None:

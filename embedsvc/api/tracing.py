@@ -3,9 +3,9 @@
 With OTLP_ENDPOINT set (or OpenTelemetry's own ``OTEL_EXPORTER_OTLP_ENDPOINT`` variables,
 settings.py), the pipeline hands each request to ``Tracing.handle`` instead of straight to
 its handler. The span continues the caller's W3C ``traceparent`` (and ``tracestate``), or
-starts a trace; its children are the stages the request measured (``Embedded``):
-tokenizing, the wait for admission, the batcher's queue, the device batch, and shaping the
-answer. They are placed after the fact from those durations, ending where the engine returned, so
+starts a trace; its children are the stages the request measured (``Embedded``): the wait
+for admission, tokenizing, the batcher's queue, the device batch, and shaping the answer.
+They are placed after the fact from those durations, ending where the engine returned, so
 they are the same whether the model is in this process or in the engine process (whose
 timings come back in its answer frames). Spans leave through the SDK's batch processor and
 the OTLP/HTTP exporter, on the processor's thread, never the request's.
@@ -42,7 +42,7 @@ from .web import Call, Reply, Route
 MISSING_EXTRA = ("traces are asked for (OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_ENDPOINT or "
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, is set) but the OpenTelemetry packages "
                  "are not installed: pip install 'embedsvc[otel]', or unset it")
-_STAGES = ("embedsvc.tokenize", "embedsvc.admission", "embedsvc.queue", "embedsvc.compute")
+_STAGES = ("embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute")
 _ANSWER_BYTES = 4096  # what is read of a collector's answer (its status is what counts)
 _TRACESTATE_CHARS = 512  # W3C: what every vendor must pass on; longer is dropped here
 _MEMBER = re.compile(  # one tracestate list-member (W3C trace-context, "tracestate" header)
@@ -214,7 +214,7 @@ class Tracing:
         out = call.answer
         assert out is not None
         parent = self._trace.set_span_in_context(span)
-        lengths = (out.tokenize_s, out.admit_s, max(0.0, out.queue_s - out.admit_s),
+        lengths = (out.admit_s, out.tokenize_s, max(0.0, out.queue_s - out.admit_s),
                    out.inference_s)
         start = call.answered_at - sum(lengths)
         for name, seconds in zip(_STAGES, lengths, strict=True):

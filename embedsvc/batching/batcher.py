@@ -383,7 +383,7 @@ class Batcher:
 
     def admit(self, inputs: int, tokens: int, deadline: float,
               disconnected: Callable[[], bool] | None = None, flow: Hashable = None) -> Ticket:
-        """Reserve room for a request (see ``Admission.admit``)."""
+        """Reserve room for a request before it tokenizes (see ``Admission.admit``)."""
         return self.admission.admit(inputs, tokens, deadline, disconnected, flow)
 
     def tokens_ahead(self, flow: Hashable = None) -> int:

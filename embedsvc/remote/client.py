@@ -292,9 +292,9 @@ class RemotePort:
     def queue_limit(self) -> int:
         return self.link.queue_limit
 
-    def gate(self, work: Work, estimate: int) -> None:
-        """Before tokenizing, what this front knows for free the engine would refuse: 503
-        while it is loading, gone or draining, and a tenant whose quota it said is spent."""
+    def admit(self, work: Work, tokens: int) -> None:
+        """The engine admits (on arrival, with the exact tokens); here, only whether it is
+        there to ask: 503 while it is loading, gone or draining."""
         state = self.state
         if state == "draining":
             raise shutting_down({"Retry-After": "1"})
@@ -317,9 +317,6 @@ class RemotePort:
         error = error_of(refusal)
         error.headers["Retry-After"] = str(max(1, math.ceil(until - now)))
         raise error
-
-    def admit(self, work: Work, tokens: int) -> None:
-        """The engine admits the work as it arrives, at its exact count: nothing here."""
 
     def cancel(self, ticket: None) -> None:
         """Nothing is reserved on this side."""

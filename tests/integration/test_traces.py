@@ -26,7 +26,7 @@ from .servers import FAKE_EMBEDSVC, running, stop
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER = "00f067aa0ba902b7"
-STAGES = ["embedsvc.tokenize", "embedsvc.admission", "embedsvc.queue", "embedsvc.compute",
+STAGES = ["embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute",
           "embedsvc.serialize"]
 DELAY_S = 0.05  # the fake device's time per batch
 FAKE = {"FAKE_SERVE_DELAY_S": str(DELAY_S)}

@@ -253,25 +253,3 @@ def test_a_request_that_would_wait_for_room_past_its_deadline_gets_429_at_once()
     assert a.waiting == 0
     ticket = a.request(5, 500, time.monotonic() + 5)  # in time: waits for room
     assert ticket.waiting and not ticket.open
-
-
-def test_the_gate_refuses_what_admit_would_now_and_reserves_nothing():
-    """``gate`` (before tokenizing): 413, 429 for work that would be late, 503 while
-    draining, as ``admit`` would say them now; what it lets through it does not reserve,
-    and it never waits, also where ``admit`` would wait for room."""
-    a = gate(max_inputs=10, max_tokens=10_000, queue=lambda flow: 0)
-    with pytest.raises(PayloadTooLarge, match="MAX_QUEUE"):
-        a.gate(11, 11, later())
-    a.gate(10, 10, later())  # idle: nothing ahead of it
-    a.observe(tokens=1000, inputs=10, seconds=1.0)
-    a.admit(10, 1000, later())  # the room is full: 0.5 s before room for 5 frees
-    with pytest.raises(Overloaded) as info:
-        a.gate(5, 500, time.monotonic() + 0.3)
-    assert info.value.headers["Retry-After"] == "1"
-    started = time.monotonic()
-    a.gate(5, 500, time.monotonic() + 5)  # in time: admit would wait; the gate lets it on
-    assert time.monotonic() - started < 1
-    assert (a.used_inputs, a.used_tokens, a.waiting) == (10, 1000, 0)
-    a.close()
-    with pytest.raises(Unavailable):
-        a.gate(1, 1, later())

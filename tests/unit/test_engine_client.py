@@ -7,12 +7,7 @@ import numpy as np
 import pytest
 
 from embedsvc.engine_client import EngineClient
-from embedsvc.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    Overloaded,
-    Unavailable,
-)
+from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import local_client
@@ -136,39 +131,13 @@ def spy(registry):
     return enc
 
 
-def test_inputs_are_cut_before_tokenizing_and_admitted_after_at_their_exact_count(spy):
-    """Admission is after tokenizing, at the exact count (as the engine process admits the
-    work of its fronts): nothing is reserved while a request tokenizes."""
-    admission = batcher_of(spy.engine).admission
-    admitted = []
-    admit = admission.admit
-    admission.admit = lambda inputs, tokens, *a, **k: (admitted.append((inputs, tokens)),
-                                                       admit(inputs, tokens, *a, **k))[1]
+def test_inputs_are_admitted_before_they_are_tokenized_and_cut_before_it(spy):
     spy.engine.embed(["a b", "c", "d e f"], direction="left")
-    assert spy.calls == [("tokenize", 3, 0, 14, "left")]
-    assert admitted == [(3, 4 + 3 + 5)]  # each input's tokens and its two special ones
+    assert spy.calls == [("tokenize", 3, 3, 14, "left")]
     spy.calls.clear()
     spy.engine.embed(["a b"], truncate=False)  # one past the room tells "too long"
-    assert spy.calls == [("tokenize", 1, 0, 15, "right")]
+    assert spy.calls == [("tokenize", 1, 1, 15, "right")]
     assert batcher_of(spy.engine).admitted == 0
-
-
-def test_what_admission_would_refuse_is_refused_before_tokenizing(spy):
-    """The gate: work that would reach the model after its deadline (429), a draining
-    service (503): refused, and nothing tokenized (413 is test_admission's)."""
-    batcher = batcher_of(spy.engine)
-    admission = batcher.admission
-    admission.observe(tokens=1, inputs=1, seconds=100.0)  # a very slow device
-    held = batcher.admit(1, 10, time.monotonic() + 5, flow="client")  # 1,000 s ahead
-    try:
-        with pytest.raises(Overloaded):
-            spy.engine.embed(["hello"], flow="client")
-    finally:
-        admission.cancel(held)
-    admission.close()
-    with pytest.raises(Unavailable):
-        spy.engine.embed(["hello"])
-    assert spy.calls == [] and admission.used_inputs == 0
 
 
 def test_truncation_keeps_exactly_the_tokens_full_tokenization_would(spy):

@@ -246,29 +246,6 @@ def test_admission_charges_the_tenant_first_and_a_refused_request_costs_it_nothi
     assert a.quotas._usage["a"].in_flight == 0
 
 
-def test_the_gate_refuses_what_take_would_and_charges_nothing():
-    """``check`` (admission's gate, before tokenizing) says what ``take`` would say now,
-    and leaves the buckets and the inputs in flight as they were."""
-    ring = Keyring.of([Tenant("a", digest("k"), Limits(requests_per_second=1)),
-                       Tenant("t", digest("j"), Limits(tokens_per_minute=300,
-                                                       inputs_in_flight=2))])
-    q = Quotas(ring)
-    for _ in range(5):
-        q.check("a", inputs=1, tokens=1)  # the burst of one stays unspent
-    q.take("a", inputs=1, tokens=1)
-    with pytest.raises(QuotaExceeded):
-        q.check("a", inputs=1, tokens=1)
-    q.check("t", inputs=2, tokens=300)
-    usage = q._usage["t"]
-    assert (usage.tokens, usage.in_flight) == (300, 0)
-    q.take("t", inputs=2, tokens=250)
-    with pytest.raises(QuotaExceeded):
-        q.check("t", inputs=1, tokens=100)  # 50 left
-    with pytest.raises(QuotaExceeded):
-        q.check("t", inputs=1, tokens=10)  # 3 in flight > 2
-    q.check(None, inputs=10**6, tokens=10**9)  # no tenant: no quota
-
-
 def test_a_limit_a_reload_gives_starts_with_a_full_bucket():
     """A tenant charged while it had no token or request limit owes nothing when a reload
     gives it one: its first request after the reload goes in."""

@@ -35,7 +35,7 @@ from .conftest import make_app
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER = "b7ad6b7169203331"
 PARENT = {"traceparent": f"00-{TRACE}-{CALLER}-01", "tracestate": "vendor=1"}
-STAGES = ["embedsvc.tokenize", "embedsvc.admission", "embedsvc.queue", "embedsvc.compute",
+STAGES = ["embedsvc.admission", "embedsvc.tokenize", "embedsvc.queue", "embedsvc.compute",
           "embedsvc.serialize"]
 
 
