@@ -84,6 +84,18 @@ class Runner:
                                    flow=work.flow, on_done=on_done, origin=work.front,
                                    tenant=work.tenant)
 
+    def submit_many(self, works: Sequence[tuple[Work, Ticket, Callable[[Job], None]]]
+                    ) -> list[Job]:
+        """``submit`` for a burst (each work, its open ticket, its ``on_done``), queued with
+        one hold of the batcher's lock and one wake-up of its thread."""
+        jobs = []
+        for work, ticket, on_done in works:
+            assert work.deadline is not None
+            jobs.append((Job(work.ids, work.deadline, work.disconnected, flow=work.flow,
+                             on_done=on_done, origin=work.front, tenant=work.tenant), ticket))
+        self.batcher.submit_many(jobs)
+        return [job for job, _ in jobs]
+
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""
         return kind_of(work).finish(self.encoder, work, rows)

@@ -17,14 +17,13 @@ the device frees up, runs it under the device lock and writes each row back to i
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +135,9 @@ class Job:
     """One request's inputs in the batcher; ``result()`` waits for their rows, in order."""
 
     def __init__(self, inputs: list[list[int]], deadline: float,
-                 disconnected: Callable[[], bool] | None = None) -> None:
+                 disconnected: Callable[[], bool] | None = None, *, flow: Hashable = None,
+                 on_done: Callable[[Job], None] | None = None, origin: int | None = None,
+                 tenant: str | None = None) -> None:
         self.inputs = inputs
         self.deadline = deadline
         self.disconnected = disconnected  # True once the client has gone (Batcher.cancel_due)
@@ -146,10 +147,10 @@ class Job:
         self.batch_size = 0  # inputs of the largest batch that held some of its inputs
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
-        self.flow: Hashable = None
-        self.origin: int | None = None  # the front it came from (the engine process)
-        self.tenant: str | None = None  # whose quota counts its inputs in flight
-        self.on_done: Callable[[Job], None] | None = None  # called once, as it finishes
+        self.flow = flow
+        self.origin = origin  # the front it came from (the engine process)
+        self.tenant = tenant  # whose quota counts its inputs in flight
+        self.on_done = on_done  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
         self.error: ApiError | None = None
@@ -279,11 +280,14 @@ class Batcher:
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
         self._died = False  # set by a dying thread before it fails its requests
-        self._gathering = False  # submissions wait for the end of ``gathering`` to wake it
         # when the last batch's compute ended with work still queued (the next batch then
         # starts at once): its cycle, compute and the work between batches, is what a queue
         # drains at, and what admission learns the device's rate from
         self._queued_since: float | None = None
+        # called by the thread that finished jobs once it has finished all it had at hand (a
+        # batch's, a cancel's), after their ``on_done``s: for one wake-up of whoever answers
+        # them, which then finds every one (the engine's loop: one frame a front a batch)
+        self.on_finished: Callable[[], None] | None = None
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -307,52 +311,49 @@ class Batcher:
         ``origin``: the HTTP process it came from, when several feed this batcher;
         ``tenant``: whose quota its inputs count against until answered.
         """
-        n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
-            ticket = self.admission.admit(n, tokens, deadline, disconnected, flow, tenant)
-        job = Job(inputs, deadline, disconnected)
-        job.flow, job.queued, job.on_done, job.origin = flow, tokens, on_done, origin
-        job.tenant = tenant
-        with self._cond:
-            if self._stopping:
-                self.admission.cancel(ticket)
-                raise shutting_down()
-            self.admission.settle(ticket, tokens)
-            now = time.monotonic()
-            tag = self._start_tag(flow, tokens)
-            backlog = self._backlog.setdefault(flow, [0, 0])
-            backlog[0] += tokens
-            backlog[1] += n
-            self._queued_tokens += tokens
-            if flow is None:
-                self._anonymous_end = max(self._anonymous_end, tag + tokens)
-            for i, ids in enumerate(inputs):
-                self._pending.append(_Item(job, i, ids, now, tag))
-                tag += len(ids)
-            self._earliest_deadline = min(self._earliest_deadline, deadline)
-            self._warn_if_deep(now)
-            if not self._gathering:
-                self._cond.notify()
+            ticket = self.admission.admit(len(inputs), sum(map(len, inputs)), deadline,
+                                          disconnected, flow, tenant)
+        job = Job(inputs, deadline, disconnected, flow=flow, on_done=on_done, origin=origin,
+                  tenant=tenant)
+        self.submit_many([(job, ticket)])
         return job
 
-    @contextlib.contextmanager
-    def gathering(self) -> Iterator[None]:
-        """The submissions of the block wake the batcher thread once, at its end.
+    def submit_many(self, jobs: Sequence[tuple[Job, Ticket]]) -> None:
+        """Queue each job under its open admission ticket (``submit``'s jobs, made by the
+        caller) with one hold of the lock and one wake-up of the thread: the engine's loop
+        queues every request one wake-up read at once. Woken at each, the thread took each
+        batch as soon as it could and formed batches of two or three inputs, paying a
+        batch's cost and two thread switches for each. 503 for all when stopping."""
+        with self._cond:
+            if self._stopping:
+                for _, ticket in jobs:
+                    self.admission.cancel(ticket)
+                raise shutting_down()
+            now = time.monotonic()
+            for job, ticket in jobs:
+                self._enqueue(job, ticket, now)
+            self._warn_if_deep(now)
+            self._cond.notify()
 
-        For a caller that has many requests at hand at once (the engine process's loop,
-        reading a burst of frames): woken at each, the thread took each batch as soon as it
-        could and formed batches of two or three inputs, paying a batch's cost and two
-        thread switches for each; one wake-up lets the burst form one batch. Only one thread
-        may gather at a time.
-        """
-        self._gathering = True
-        try:
-            yield
-        finally:
-            self._gathering = False
-            with self._cond:
-                if self._pending:
-                    self._cond.notify()
+    def _enqueue(self, job: Job, ticket: Ticket, now: float) -> None:
+        """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
+        inputs, flow = job.inputs, job.flow
+        tokens = sum(map(len, inputs))
+        job.queued = tokens
+        self.admission.settle(ticket, tokens)
+        tag = self._start_tag(flow, tokens)
+        backlog = self._backlog.setdefault(flow, [0, 0])
+        backlog[0] += tokens
+        backlog[1] += len(inputs)
+        self._queued_tokens += tokens
+        if flow is None:
+            self._anonymous_end = max(self._anonymous_end, tag + tokens)
+        pending = self._pending
+        for i, ids in enumerate(inputs):
+            pending.append(_Item(job, i, ids, now, tag))
+            tag += len(ids)
+        self._earliest_deadline = min(self._earliest_deadline, job.deadline)
 
     def start_tag(self, flow: Hashable | None, tokens: int) -> float:
         """The virtual start of new work of ``tokens`` from ``flow``: start-time fair queueing.
@@ -698,6 +699,8 @@ class Batcher:
             self._release(batch)
             for job in finished:
                 job._finish()
+            if finished and self.on_finished is not None:
+                self.on_finished()
 
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
@@ -724,6 +727,8 @@ class Batcher:
             self._release(mine)
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
+        if self.on_finished is not None:
+            self.on_finished()
         self._cond.notify_all()
 
     def _dequeued(self, item: _Item) -> None:

@@ -214,6 +214,48 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
         context.destroy(linger=0)
 
 
+def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
+    """A burst of one front's requests computed in one batch comes back as one ``Answers``
+    frame (one send, one wake-up of the front's reader), each request with its own rows;
+    they used to come back as one ``Answer`` frame each."""
+    import zmq
+
+    engine, front, encoder = pair
+    batcher = engine.runner.batcher
+    texts = [f"text number {i}" for i in range(7)]
+    tokenizer = front.ready()
+    items = [wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
+             for i, t in enumerate(texts)]
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(front.engine_address)
+    batcher.device_lock.acquire()  # held: the burst waits, queued, for the device
+    held = True
+    try:
+        sock.send(wire.encode(wire.Submits(items)))
+        deadline = time.monotonic() + 5
+        while len(batcher._current) < len(texts):  # one batch, taken, waiting for the device
+            assert time.monotonic() < deadline, "the burst did not form one batch"
+            time.sleep(0.005)
+        batcher.device_lock.release()
+        held = False
+        assert sock.poll(5000), "no answer"
+        frame = wire.decode_to_front(sock.recv())
+        assert isinstance(frame, wire.Answers), type(frame).__name__
+        assert sorted(item.id for item in frame.items) == list(range(1, len(texts) + 1))
+        for item in frame.items:
+            assert isinstance(item, wire.Answer), item
+            row = embedded(item, EMBED).vectors[0]  # the model's rows, unnormalised
+            np.testing.assert_allclose(row / np.linalg.norm(row),
+                                       encoder.expected(texts[item.id - 1]), rtol=1e-6)
+            assert item.batch_size == len(texts)
+        assert not sock.poll(100), "an answer came again in a frame of its own"
+    finally:
+        if held:
+            batcher.device_lock.release()
+        context.destroy(linger=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_a_front_serves_without_importing_pytorch(tmp_path, device):
     """The front side of every kind of work imports no torch, so fronts never hold a CUDA
@@ -378,7 +420,8 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     from embedsvc.remote import client as client_module
 
     taken: list[wire.Frame] = []
-    monkeypatch.setattr(server, "_submit", lambda peer, frame: taken.append(frame))
+    monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
     monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.3)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
