@@ -39,9 +39,16 @@ _COSTS = ("BENCH_SIM_FIXED_MS", "BENCH_SIM_PER_TOKEN_US")  # to the engine proce
 _PROFILE = "BENCH_ENGINE_PROFILE"
 
 
+class FreeDevice(FakeEncoder):
+    """The simulated device at zero cost, which says so (``Runner.device_free``)."""
+
+    free = True
+
+
 def fake_encoder(fixed_ms: float = 0.0, per_token_us: float = 0.0) -> FakeEncoder:
-    return FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
-                       per_token_s=per_token_us / 1e6, record=False)
+    kind = FreeDevice if fixed_ms == 0 and per_token_us == 0 else FakeEncoder
+    return kind(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
+                per_token_s=per_token_us / 1e6, record=False)
 
 
 def build_service(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0

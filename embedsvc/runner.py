@@ -65,6 +65,12 @@ class Runner:
         return self.batcher.alive
 
     @property
+    def device_free(self) -> bool:
+        """Whether the encoder says its device costs nothing (``free = True``: the
+        simulated one of bench/sim_server.py), so that the engine's loop runs it itself."""
+        return bool(getattr(self.encoder, "free", False))
+
+    @property
     def admission(self) -> Admission:
         """The device's admission (the batcher's)."""
         return self.batcher.admission

@@ -288,6 +288,12 @@ class Batcher:
         # batch's, a cancel's), after their ``on_done``s: for one wake-up of whoever answers
         # them, which then finds every one (the engine's loop: one frame a front a batch)
         self.on_finished: Callable[[], None] | None = None
+        # True: the one caller that queues computes the queue itself (``compute_here``), and
+        # the thread only trims; for a device that costs nothing (the simulated one), where
+        # handing each batch to the thread cost more CPU (two thread switches and the
+        # interpreter lock's hand-off) than the batch. Never for a real device.
+        self.here = False
+        self._stopped = threading.Event()  # for the thread while ``here``: time to end
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -334,7 +340,8 @@ class Batcher:
             for job, ticket in jobs:
                 self._enqueue(job, ticket, now)
             self._warn_if_deep(now)
-            self._cond.notify()
+            if not self.here:
+                self._cond.notify()
 
     def _enqueue(self, job: Job, ticket: Ticket, now: float) -> None:
         """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
@@ -498,6 +505,7 @@ class Batcher:
                 self._cancel(job, Unavailable("the server shut down before this request ran",
                                               code="draining"))
             self._stopping = True
+            self._stopped.set()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
@@ -554,12 +562,35 @@ class Batcher:
                 self._current_tokens = 0
                 self._in_flight = 0
 
+    def compute_here(self) -> None:
+        """Compute what is queued in the calling thread, batch after batch, as the thread
+        would (``here``: the caller that queues calls it after queueing)."""
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                self._cancel_late(time.monotonic())
+                if not self._pending:
+                    return
+                batch = self._take()
+            try:
+                self._compute(batch)
+            finally:
+                with self._cond:
+                    self._current = []
+                    self._current_tokens = 0
+                    self._in_flight = 0
+
     def _next_batch(self) -> list[_Item] | None:
         """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""
+        if self.here:  # the caller computes: wait for nothing but the time to trim or end
+            return None if self._stopped.wait(_TRIM_IDLE_S) else []
         with self._cond:
             while True:
                 if self._stopping:
                     return None
+                if self.here:
+                    return []
                 if not self._pending:
                     if not self._cond.wait(_TRIM_IDLE_S):
                         return []

@@ -115,7 +115,9 @@ class EngineServer:
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
-        runner.batcher.on_finished = self._wake
+        runner.batcher.on_finished = self._wake_loop
+        self._loop_thread = 0  # the loop's thread, once it runs
+
 
     @property
     def in_flight(self) -> int:
@@ -127,6 +129,11 @@ class EngineServer:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic() + _TICK_S
+        self._loop_thread = threading.get_ident()
+        batcher = self.runner.batcher
+        # a device that costs nothing is run by the loop itself (Batcher.here)
+        here = self.runner.device_free and batcher.limits.max_wait_s <= 0
+        batcher.here = here
         try:
             while not (stop.is_set() and not self.in_flight):
                 events = dict(poller.poll(int(_TICK_S * 1000)))
@@ -135,8 +142,10 @@ class EngineServer:
                     self._read()
                 if self._wake_r in events:
                     self._woken()
-                self._answer_done()
                 self._start_granted()
+                if here:
+                    batcher.compute_here()
+                self._answer_done()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + _TICK_S
                     self._sweep_dead_fronts()
@@ -144,6 +153,7 @@ class EngineServer:
                 self._flush()
                 self._busy_s += time.perf_counter() - woke
         finally:
+            batcher.here = False
             self.close()
 
     def close(self) -> None:
@@ -373,6 +383,12 @@ class EngineServer:
         """
         _drain_pipe(self._wake_r)
         self._signalled = False
+
+    def _wake_loop(self) -> None:
+        """``Batcher.on_finished``: jobs finished in another thread wake the loop; the loop
+        itself (a device it computes, a deadline it enforced) answers them in this turn."""
+        if threading.get_ident() != self._loop_thread:
+            self._wake()
 
     def _wake(self) -> None:
         if not self._signalled:

@@ -4,6 +4,7 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import subprocess
 import sys
@@ -38,7 +39,12 @@ def pair(served):
 @pytest.fixture
 def served(tmp_path, registry):
     """(the engine's service, a front's service, the fake encoder, the engine's loop)."""
-    encoder = FakeEncoder(dimension=6, max_input_tokens=16)
+    with serving(tmp_path, registry, FakeEncoder(dimension=6, max_input_tokens=16)) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def serving(tmp_path, registry, encoder):
     engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
     engine.start(background=False)
     runner = engine.runner
@@ -254,6 +260,37 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
         if held:
             batcher.device_lock.release()
         context.destroy(linger=0)
+
+
+class _FreeDevice(FakeEncoder):
+    """A device that says it costs nothing, and records the threads that computed on it."""
+
+    free = True
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.threads: set[str] = set()
+
+    def encode(self, batch):
+        self.threads.add(threading.current_thread().name)
+        return super().encode(batch)
+
+
+def test_a_device_that_costs_nothing_is_run_by_the_engines_loop(tmp_path, registry):
+    """``free`` (the simulated device): the loop computes each burst's batches itself, with
+    the same answers, the same deadlines and the same one frame a front; the batcher's
+    thread computes nothing (no hand-off of the interpreter lock to it and back)."""
+    encoder = _FreeDevice(dimension=6, max_input_tokens=16)
+    with serving(tmp_path, registry, encoder) as (engine, front, _, server):
+        texts = ["hello world", "a second text", "x " * 40]
+        out = front.ready().run(Work(EMBED, texts, deadline=time.monotonic() + 5))
+        want = np.stack([encoder.expected(t) for t in texts[:2]])
+        np.testing.assert_allclose(out.vectors[:2], want, rtol=1e-6)
+        tokens = front.ready().run(Work(TOKENS, ["a b c"], deadline=time.monotonic() + 5))
+        assert [t.shape for t in tokens.token_vectors] == [(5, 6)]
+        assert encoder.threads == {"test-engine-loop"}
+        assert engine.runner.batcher.here
+    assert not engine.runner.batcher.here  # the loop ended: the thread computes again
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
