@@ -147,6 +147,8 @@ class Job:
         self.batch_size = 0  # inputs of the largest batch that held some of its inputs
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
+        self.left = 0  # its inputs still queued
+        self.seq = 0  # its place in the order of submission (Batcher._enqueue)
         self.flow = flow
         self.origin = origin  # the front it came from (the engine process)
         self.tenant = tenant  # whose quota counts its inputs in flight
@@ -204,6 +206,10 @@ class _Item:
     queued: float
     tag: float  # its virtual start, in tokens (Batcher.start_tag)
     answered: bool = False  # its admission was given back
+
+
+def _submission(job: Job) -> int:
+    return job.seq
 
 
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0,
@@ -265,6 +271,10 @@ class Batcher:
         self._anonymous_end = 0.0  # the end of the tags of work queued without a flow
         self._queued_tokens = 0  # of every backlog
         self._served: set[int] = set()  # the jobs of the last batch (ids)
+        # started jobs with inputs still queued (a few at most: requests larger than a
+        # batch), so that the oldest is found without a walk of the queue at every batch
+        self._partly: dict[Job, None] = {}
+        self._seq = itertools.count()
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
             timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics,
@@ -347,7 +357,7 @@ class Batcher:
         """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
         inputs, flow = job.inputs, job.flow
         tokens = sum(map(len, inputs))
-        job.queued = tokens
+        job.queued, job.left, job.seq = tokens, len(inputs), next(self._seq)
         self.admission.settle(ticket, tokens)
         tag = self._start_tag(flow, tokens)
         backlog = self._backlog.setdefault(flow, [0, 0])
@@ -629,10 +639,7 @@ class Batcher:
 
     def _oldest_started(self) -> Job | None:
         """The earliest submitted request with inputs both computed and still queued."""
-        for it in self._pending:  # in submission order
-            if it.job.started:
-                return it.job
-        return None
+        return min(self._partly, key=_submission, default=None)
 
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
@@ -649,6 +656,8 @@ class Batcher:
         for it in batch:
             it.job.started = True
             self._dequeued(it)
+            if it.job.left:
+                self._partly[it.job] = None
         self._served = {id(it.job) for it in batch}
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
@@ -766,6 +775,9 @@ class Batcher:
         """``item`` left the queue (for the device, or dropped): the backlogs shrink."""
         job, tokens = item.job, len(item.ids)
         job.queued -= tokens
+        job.left -= 1
+        if not job.left:
+            self._partly.pop(job, None)
         self._queued_tokens -= tokens
         backlog = self._backlog[job.flow]
         backlog[0] -= tokens
