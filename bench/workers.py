@@ -11,6 +11,11 @@ embedsvc in one process and ``--workers 2`` over the simulated zero-cost device
 ``--workers``, the engine process's own (``/proc/PID/stat``'s utime and stime before and after
 the measured seconds, over the requests answered).
 
+``--clients 32,1`` runs the ``sim`` rounds at each count of clients (1: latency alone, where
+``--workers 2``'s p50 is compared with one process's). ``BENCH_ENGINE_PROFILE=DIR`` in the
+environment has the engine process profile its loop and batcher thread into DIR
+(bench/sim_server.py).
+
 ``--trees REV,...`` adds ``embedsvc --workers 2`` of each git revision REV (a checkout under
 bench/out/, its own bench/sim_server.py and package) to the ``sim`` rounds, named
 ``sim-w2@REV``: the engine's CPU per request of one tree against another's, in one run.
@@ -54,7 +59,10 @@ from bench import run  # noqa: E402 - the path above makes the repository import
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2"}
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
-SIM_32X1 = run.Scenario("sim 32x1", 32, 1)
+def sim_scenario(clients: int) -> run.Scenario:
+    return run.Scenario(f"sim {clients}x1", clients, 1)
+
+
 MODEL_SCENARIOS = [sc for sc in run.SCENARIOS if sc.name in ("32x1", "4x32")]
 ENGINE_GOAL_US = 40.0
 _PID = re.compile(r"pid=(\d+)")
@@ -214,30 +222,49 @@ def ratio_line(results: list[Measured], sc: str, top: str, bottom: str) -> str:
 
 
 def sim_report(results: list[Measured], labels: dict[str, str]) -> str:
-    sc = SIM_32X1.name
-    lines = [server_table(results, labels), "",
-             "- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
+    lines = [server_table(results, labels), ""]
+    for sc in dict.fromkeys(m.scenario.name for m in results):
+        lines += sim_lines(results, labels, sc)
+    return "\n".join(lines)
+
+
+def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[str]:
+    """The ratios of scenario ``sc`` and each ``--workers`` server's engine CPU."""
+    lines = ["- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
              "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
              "- " + ratio_line(results, sc, "sim", "bare"),
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
     lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
+    lines += ["- " + p50_line(results, sc, name) for name in labels
+              if name.startswith("sim-w2") and _of(results, "sim", sc)]
     for name in (n for n in labels if n.startswith("sim-w2")):
         runs = _of(results, name, sc)
         requests = sum(m.requests for m in runs)
         if requests:
-            engine = sum(m.engine_cpu_s or 0.0 for m in runs)
-            roles = dict.fromkeys(role for m in runs for role in m.engine_threads)
-            by_thread = ", ".join(
-                f"{role} {sum(m.engine_threads.get(role, 0.0) for m in runs) / requests * 1e6:.1f}"
-                for role in roles)
-            lines.append(f"- the engine process's own CPU, {labels[name]}: "
-                         f"{engine / requests * 1e6:.1f} us a request, pooled over the rounds "
-                         f"(goal at most {ENGINE_GOAL_US:.0f}); each round: " + ", ".join(
-                             f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
-                         + f"; by thread (us a request): {by_thread}; its ceiling: "
-                         f"{requests / engine:,.0f} requests a second (1e6 / us a request), "
-                         "whatever the device")
-    return "\n".join(lines)
+            lines.append(engine_line(runs, requests, f"{labels[name]}, {sc}"))
+    return lines
+
+
+def p50_line(results: list[Measured], sc: str, name: str) -> str:
+    """``name``'s p50 latency over one process's, round by round."""
+    pairs = [a.p50_ms / b.p50_ms for a, b in zip(_of(results, name, sc), _of(results, "sim", sc),
+                                                  strict=True) if b.p50_ms]
+    return (f"p50 {name} / sim ({sc}): median {median(pairs):.2f}x (rounds: "
+            + ", ".join(f"{p:.2f}" for p in pairs) + ")") if pairs else f"p50 {name}: -"
+
+
+def engine_line(runs: list[Measured], requests: int, label: str) -> str:
+    engine = sum(m.engine_cpu_s or 0.0 for m in runs)
+    roles = dict.fromkeys(role for m in runs for role in m.engine_threads)
+    by_thread = ", ".join(
+        f"{role} {sum(m.engine_threads.get(role, 0.0) for m in runs) / requests * 1e6:.1f}"
+        for role in roles)
+    return (f"the engine process's own CPU, {label}: {engine / requests * 1e6:.1f} us a "
+            f"request, pooled over the rounds (goal at most {ENGINE_GOAL_US:.0f}); each round: "
+            + ", ".join(f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
+            + f"; by thread (us a request): {by_thread}; its ceiling: "
+            f"{requests / engine:,.0f} requests a second (1e6 / us a request), whatever the "
+            "device")
 
 
 def model_report(results: list[Measured]) -> str:
@@ -366,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison)")
     parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
                         "--workers 2 joins the rounds (sim-w2@REV)")
+    parser.add_argument("--clients", default="32", help="sim: comma-separated client counts, "
+                        "each a scenario of single-input requests (1 for latency alone)")
     parser.add_argument("--workers", type=int, default=4, help="memory: workers of each launch")
     parser.add_argument("--load", type=float, default=8, help="memory: seconds of traffic first")
     parser.add_argument("--maps", default="onnxruntime", help="memory: the library whose "
@@ -381,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         return [n for n in labels if args.only is None or n in args.only.split(",") or "@" in n]
 
     reports: dict[str, Callable[[], str]] = {
-        "sim": lambda: sim_report(rounds(servers(sim), [SIM_32X1], args.rounds, args.duration),
+        "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c)) for c in
+                                         args.clients.split(",")], args.rounds, args.duration),
                                   sim),
         "model": lambda: model_report(rounds(servers(MODEL), MODEL_SCENARIOS, args.rounds,
                                              args.duration)),
