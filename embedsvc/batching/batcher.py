@@ -2,7 +2,8 @@
 
 One thread owns the model. Request threads ``submit`` their (already tokenized) inputs and
 wait on the returned ``Job``; the thread forms each device batch from what is queued when
-the device frees up, runs it under the device lock and writes each row back to its job.
+the device frees up, runs it under the device lock and writes each row back to its job. (A
+device that costs nothing is run by the one caller that queues instead: ``here``.)
 
 >>> from embedsvc.model.fake import FakeEncoder
 >>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048, 1 << 20,

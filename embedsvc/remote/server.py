@@ -118,7 +118,6 @@ class EngineServer:
         runner.batcher.on_finished = self._wake_loop
         self._loop_thread = 0  # the loop's thread, once it runs
 
-
     @property
     def in_flight(self) -> int:
         return len(self._parked) + len(self._running)

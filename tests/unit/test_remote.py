@@ -190,21 +190,35 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
         context.destroy(linger=0)
 
 
-def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
-    """``Submits`` carries several requests; each answer, in whichever frames the engine
-    sends them, holds its own request's rows."""
+@contextlib.contextmanager
+def _dealer(front):
+    """A raw DEALER socket on the engine's socket, as a front's."""
     import zmq
 
-    engine, front, encoder = pair
-    texts = [f"text number {i}" for i in range(7)]
-    tokenizer = front.ready()
-    items = [wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
-             for i, t in enumerate(texts)]
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.connect(front.engine_address)
     try:
-        sock.send(wire.encode(wire.Submits(items)))
+        yield sock
+    finally:
+        context.destroy(linger=0)
+
+
+def _burst(front, texts) -> bytes:
+    """One ``Submits`` frame of an embedding request a text, numbered from 1."""
+    tokenizer = front.ready()
+    return wire.encode(wire.Submits([
+        wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
+        for i, t in enumerate(texts)]))
+
+
+def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
+    """``Submits`` carries several requests; each answer, in whichever frames the engine
+    sends them, holds its own request's rows."""
+    engine, front, encoder = pair
+    texts = [f"text number {i}" for i in range(7)]
+    with _dealer(front) as sock:
+        sock.send(_burst(front, texts))
         got: dict[int, wire.Answer] = {}
         while len(got) < len(texts):
             assert sock.poll(5000), f"answers for {sorted(got)} only"
@@ -216,35 +230,25 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
             row = embedded(got[i + 1], EMBED).vectors[0]  # the model's rows, unnormalised
             np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected(text),
                                        rtol=1e-6)
-    finally:
-        context.destroy(linger=0)
 
 
 def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
     """A burst of one front's requests computed in one batch comes back as one ``Answers``
     frame (one send, one wake-up of the front's reader), each request with its own rows;
     they used to come back as one ``Answer`` frame each."""
-    import zmq
-
     engine, front, encoder = pair
     batcher = engine.runner.batcher
     texts = [f"text number {i}" for i in range(7)]
-    tokenizer = front.ready()
-    items = [wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
-             for i, t in enumerate(texts)]
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.connect(front.engine_address)
-    batcher.device_lock.acquire()  # held: the burst waits, queued, for the device
-    held = True
-    try:
-        sock.send(wire.encode(wire.Submits(items)))
-        deadline = time.monotonic() + 5
-        while len(batcher._current) < len(texts):  # one batch, taken, waiting for the device
-            assert time.monotonic() < deadline, "the burst did not form one batch"
-            time.sleep(0.005)
-        batcher.device_lock.release()
-        held = False
+    with _dealer(front) as sock:
+        batcher.device_lock.acquire()  # held: the burst waits, queued, for the device
+        try:
+            sock.send(_burst(front, texts))
+            deadline = time.monotonic() + 5
+            while len(batcher._current) < len(texts):  # one batch, taken, waiting
+                assert time.monotonic() < deadline, "the burst did not form one batch"
+                time.sleep(0.005)
+        finally:
+            batcher.device_lock.release()
         assert sock.poll(5000), "no answer"
         frame = wire.decode_to_front(sock.recv())
         assert isinstance(frame, wire.Answers), type(frame).__name__
@@ -256,10 +260,6 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
                                        encoder.expected(texts[item.id - 1]), rtol=1e-6)
             assert item.batch_size == len(texts)
         assert not sock.poll(100), "an answer came again in a frame of its own"
-    finally:
-        if held:
-            batcher.device_lock.release()
-        context.destroy(linger=0)
 
 
 class _FreeDevice(FakeEncoder):
