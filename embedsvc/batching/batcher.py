@@ -722,7 +722,8 @@ class Batcher:
         with self._cond:
             seen: set[int] = set()
             finished: list[Job] = []
-            for row, it in zip(rows, batch, strict=True):
+            views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
+            for k, (row, it) in enumerate(zip(rows, batch, strict=True)):
                 job = it.job
                 if id(job) not in seen:
                     seen.add(id(job))
@@ -731,9 +732,12 @@ class Batcher:
                 if job.done:  # failed meanwhile (another of its batches), or its client left
                     continue
                 self._computed += 1
-                if job.rows is None:
-                    job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
-                job.rows[it.index] = row
+                if views and len(job.inputs) == 1:
+                    job.rows = rows[k:k + 1]
+                else:
+                    if job.rows is None:
+                        job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
+                    job.rows[it.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
                     finished.append(job)
