@@ -16,8 +16,11 @@ program again (``serving/children.py``'s ``child_command``) with the subcommand 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from flask import Flask
 
@@ -31,11 +34,21 @@ from embedsvc.serving.server import Server
 from embedsvc.settings import Settings
 
 _COSTS = ("BENCH_SIM_FIXED_MS", "BENCH_SIM_PER_TOKEN_US")  # to the engine process
+# a folder: the engine process profiles its loop and its batcher thread (cProfile, one file
+# each, written as it exits), to see where its CPU a request goes
+_PROFILE = "BENCH_ENGINE_PROFILE"
+
+
+class FreeDevice(FakeEncoder):
+    """The simulated device at zero cost, which says so (``Runner.device_free``)."""
+
+    free = True
 
 
 def fake_encoder(fixed_ms: float = 0.0, per_token_us: float = 0.0) -> FakeEncoder:
-    return FakeEncoder(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
-                       per_token_s=per_token_us / 1e6, record=False)
+    kind = FreeDevice if fixed_ms == 0 and per_token_us == 0 else FakeEncoder
+    return kind(dimension=384, max_input_tokens=256, delay_s=fixed_ms / 1000,
+                per_token_s=per_token_us / 1e6, record=False)
 
 
 def build_service(settings: Settings, fixed_ms: float = 0.0, per_token_us: float = 0.0
@@ -57,8 +70,33 @@ def as_embedsvc(argv: list[str]) -> int:
     """``embedsvc`` with ``argv``, every model it loads the simulated device (as
     tests/integration/fake_serve.py does for the tests)."""
     encoder = fake_encoder(*(float(os.environ.get(name, "0")) for name in _COSTS))
+    if argv[:1] == ["engine"] and os.environ.get(_PROFILE):
+        profile_engine(Path(os.environ[_PROFILE]))
     service_module.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
     return embedsvc_main(argv)
+
+
+def profile_engine(folder: Path) -> None:
+    """The engine's loop (``EngineServer.run``) and batcher thread (``Batcher._run``) each
+    under its own cProfile (a profile sees only the thread that enabled it)."""
+    from embedsvc.batching.batcher import Batcher
+    from embedsvc.remote.server import EngineServer
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def profiled(method: Callable[..., None], name: str) -> Callable[..., None]:
+        def run(*args: object) -> None:
+            profile = cProfile.Profile()
+            profile.enable()
+            try:
+                method(*args)
+            finally:
+                profile.disable()
+                profile.dump_stats(folder / f"{name}-{os.getpid()}.prof")
+        return run
+
+    EngineServer.run = profiled(EngineServer.run, "loop")  # type: ignore[method-assign]
+    Batcher._run = profiled(Batcher._run, "batcher")  # type: ignore[method-assign]
 
 
 def main() -> int:

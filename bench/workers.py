@@ -3,6 +3,7 @@
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/workers.py sim --rounds 3 --duration 10
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/workers.py model --rounds 3 --duration 10
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/workers.py memory --workers 4
+    flock /tmp/embedsvc-bench.lock .venv/bin/python bench/workers.py frames --rounds 3 --duration 6
 
 ``sim``: 32 clients x 1 input (wrk and bench/embed.lua, as bench/run.py drives them) against
 embedsvc in one process and ``--workers 2`` over the simulated zero-cost device
@@ -10,6 +11,11 @@ embedsvc in one process and ``--workers 2`` over the simulated zero-cost device
 (bench/bare_server.py); with each server's CPU per request (every process of it) and, for
 ``--workers``, the engine process's own (``/proc/PID/stat``'s utime and stime before and after
 the measured seconds, over the requests answered).
+
+``--clients 32,1`` runs the ``sim`` rounds at each count of clients (1: latency alone, where
+``--workers 2``'s p50 is compared with one process's). ``BENCH_ENGINE_PROFILE=DIR`` in the
+environment has the engine process profile its loop and batcher thread into DIR
+(bench/sim_server.py).
 
 ``--trees REV,...`` adds ``embedsvc --workers 2`` of each git revision REV (a checkout under
 bench/out/, its own bench/sim_server.py and package) to the ``sim`` rounds, named
@@ -21,6 +27,14 @@ serve`` against ``embedsvc serve --workers 2``.
 Both start every server anew each round and alternate them (reversed every other round), so
 that a drift of the shared machine touches all; ratios are taken within a round.
 
+``frames``: the engine process alone (a ``Service`` over the simulated zero-cost device and its
+``EngineServer``), driven straight on its socket in the two ways a front can send: a socket
+a request, one request in flight on each (32 x 1: how fronts send today, a socket per
+request thread), and a socket a front, 16 requests in flight on each (2 x 16: ``Submits``
+bursts out, ``Answers`` back, one frame a front a batch), beside one request at a time (1 x 1:
+what a wake-up of the engine costs, with nothing to share it); the engine's CPU a request by
+thread.
+
 ``memory``: ``embedsvc serve --workers N``, ``gunicorn -w N embedsvc:app`` with and without
 ``--preload``, and the same two under ``EMBEDSVC_ENGINE=inline`` (each worker its own model,
 as before the engine process), each after ``--load`` seconds of 32 x 1 traffic so that every
@@ -31,6 +45,7 @@ PSS (``/proc/PID/smaps_rollup``) of every process of the server.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import re
@@ -45,6 +60,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -54,7 +70,10 @@ from bench import run  # noqa: E402 - the path above makes the repository import
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2"}
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
-SIM_32X1 = run.Scenario("sim 32x1", 32, 1)
+def sim_scenario(clients: int) -> run.Scenario:
+    return run.Scenario(f"sim {clients}x1", clients, 1)
+
+
 MODEL_SCENARIOS = [sc for sc in run.SCENARIOS if sc.name in ("32x1", "4x32")]
 ENGINE_GOAL_US = 40.0
 _PID = re.compile(r"pid=(\d+)")
@@ -214,30 +233,49 @@ def ratio_line(results: list[Measured], sc: str, top: str, bottom: str) -> str:
 
 
 def sim_report(results: list[Measured], labels: dict[str, str]) -> str:
-    sc = SIM_32X1.name
-    lines = [server_table(results, labels), "",
-             "- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
+    lines = [server_table(results, labels), ""]
+    for sc in dict.fromkeys(m.scenario.name for m in results):
+        lines += sim_lines(results, labels, sc)
+    return "\n".join(lines)
+
+
+def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[str]:
+    """The ratios of scenario ``sc`` and each ``--workers`` server's engine CPU."""
+    lines = ["- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
              "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
              "- " + ratio_line(results, sc, "sim", "bare"),
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
     lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
+    lines += ["- " + p50_line(results, sc, name) for name in labels
+              if name.startswith("sim-w2") and _of(results, "sim", sc)]
     for name in (n for n in labels if n.startswith("sim-w2")):
         runs = _of(results, name, sc)
         requests = sum(m.requests for m in runs)
         if requests:
-            engine = sum(m.engine_cpu_s or 0.0 for m in runs)
-            roles = dict.fromkeys(role for m in runs for role in m.engine_threads)
-            by_thread = ", ".join(
-                f"{role} {sum(m.engine_threads.get(role, 0.0) for m in runs) / requests * 1e6:.1f}"
-                for role in roles)
-            lines.append(f"- the engine process's own CPU, {labels[name]}: "
-                         f"{engine / requests * 1e6:.1f} us a request, pooled over the rounds "
-                         f"(goal at most {ENGINE_GOAL_US:.0f}); each round: " + ", ".join(
-                             f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
-                         + f"; by thread (us a request): {by_thread}; its ceiling: "
-                         f"{requests / engine:,.0f} requests a second (1e6 / us a request), "
-                         "whatever the device")
-    return "\n".join(lines)
+            lines.append("- " + engine_line(runs, requests, f"{labels[name]}, {sc}"))
+    return lines
+
+
+def p50_line(results: list[Measured], sc: str, name: str) -> str:
+    """``name``'s p50 latency over one process's, round by round."""
+    pairs = [a.p50_ms / b.p50_ms for a, b in zip(_of(results, name, sc), _of(results, "sim", sc),
+                                                  strict=True) if b.p50_ms]
+    return (f"p50 {name} / sim ({sc}): median {median(pairs):.2f}x (rounds: "
+            + ", ".join(f"{p:.2f}" for p in pairs) + ")") if pairs else f"p50 {name}: -"
+
+
+def engine_line(runs: list[Measured], requests: int, label: str) -> str:
+    engine = sum(m.engine_cpu_s or 0.0 for m in runs)
+    roles = dict.fromkeys(role for m in runs for role in m.engine_threads)
+    by_thread = ", ".join(
+        f"{role} {sum(m.engine_threads.get(role, 0.0) for m in runs) / requests * 1e6:.1f}"
+        for role in roles)
+    return (f"the engine process's own CPU, {label}: {engine / requests * 1e6:.1f} us a "
+            f"request, pooled over the rounds (goal at most {ENGINE_GOAL_US:.0f}); each round: "
+            + ", ".join(f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
+            + f"; by thread (us a request): {by_thread}; its ceiling: "
+            f"{requests / engine:,.0f} requests a second (1e6 / us a request), whatever the "
+            "device")
 
 
 def model_report(results: list[Measured]) -> str:
@@ -356,9 +394,117 @@ def _order(p: Process) -> tuple[int, int]:
             if p.role != "gone" else 9, p.pid)
 
 
+# -- frames: the engine alone, under the two ways a front can send ---------------------------
+
+FRAME_PATTERNS = {  # name: (sockets, requests in flight on each)
+    "one request at a time (1 x 1)": (1, 1),
+    "a socket a request (32 x 1)": (32, 1),
+    "a socket a front (2 x 16)": (2, 16),
+}
+
+
+def frames_engine(directory: str, ready: Any) -> None:
+    """An engine process over the simulated zero-cost device (bench/sim_server.py's), its
+    address sent back on ``ready``; it runs until killed."""
+    import threading
+
+    from bench.sim_server import fake_encoder
+    from embedsvc.remote.place import engine_address, private_dir
+    from embedsvc.remote.server import EngineServer
+    from embedsvc.service import Service
+    from embedsvc.settings import Settings
+
+    service = Service(Settings(log_level="warning"), encoder=fake_encoder())
+    service.start(background=False)
+    assert service.runner is not None
+    address = engine_address(private_dir(Path(directory)))
+    server = EngineServer(service.runner, address, card={}, state=lambda: "ready",
+                          metrics=service.metrics)
+    ready.send(address)
+    server.run(threading.Event())
+
+
+def frames_drive(address: str, sockets: int, depth: int, seconds: float, pid: int
+                 ) -> tuple[float, dict[str, float]]:
+    """Keep ``depth`` single-input requests in flight on each of ``sockets`` DEALER sockets,
+    each socket's answers replaced by one frame of as many new requests (a ``Submits`` for
+    several); requests a second and the engine's CPU seconds a request by thread."""
+    import zmq
+
+    from embedsvc.remote import wire
+
+    ids = wire.pack_ids([[101, *([7] * 11), 102]])  # a 10-word sentence's 13 tokens
+    numbers = itertools.count(1)
+
+    def frame(n: int) -> bytes:
+        items = [wire.Submit(next(numbers), "embed", *ids, timeout=30.0) for _ in range(n)]
+        return wire.encode(items[0] if n == 1 else wire.Submits(items))
+
+    context = zmq.Context()
+    socks = [context.socket(zmq.DEALER) for _ in range(sockets)]
+    poller = zmq.Poller()
+    for sock in socks:
+        sock.connect(address)
+        poller.register(sock, zmq.POLLIN)
+        sock.send(frame(depth))
+    answered, start, before = 0, 0.0, {}
+    warm_until = time.monotonic() + 1.0
+    try:
+        while not start or time.monotonic() < start + seconds:
+            if not start and time.monotonic() >= warm_until:
+                start, answered, before = time.monotonic(), 0, threads_cpu_s(pid)
+            for sock, _ in poller.poll(1000):
+                got = wire.decode_to_front(sock.recv())
+                n = len(got.items) if isinstance(got, wire.Answers) else 1
+                answered += n
+                sock.send(frame(n))
+        after = threads_cpu_s(pid)
+    finally:
+        context.destroy(linger=0)
+    return answered / seconds, {role: (s - before.get(role, 0.0)) / answered
+                                for role, s in after.items()}
+
+
+def frames(rounds_: int, seconds: float) -> str:
+    """Each pattern against a fresh engine process, alternating, ``rounds_`` times."""
+    import multiprocessing
+    import tempfile
+
+    got: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in FRAME_PATTERNS}
+    spawn = multiprocessing.get_context("spawn")
+    for r in range(rounds_):
+        names = list(FRAME_PATTERNS)
+        for name in names if r % 2 == 0 else names[::-1]:
+            with tempfile.TemporaryDirectory() as directory:
+                mine, theirs = spawn.Pipe()
+                engine = spawn.Process(target=frames_engine, args=(directory, theirs))
+                engine.start()
+                try:
+                    address = mine.recv()
+                    assert engine.pid is not None
+                    got[name].append(frames_drive(address, *FRAME_PATTERNS[name], seconds,
+                                                  engine.pid))
+                finally:
+                    engine.kill()
+                    engine.join()
+            rate, cpu = got[name][-1]
+            print(f"round {r + 1} {name}: {rate:,.0f} req/s, engine "
+                  f"{sum(cpu.values()) * 1e6:.1f} us/req", flush=True)
+    lines = ["| front pattern | req/s (median) | engine CPU us/req (median) | by thread |",
+             "|---|---:|---:|---|"]
+    for name, runs in got.items():
+        total = median(sum(cpu.values()) for _, cpu in runs)
+        roles = dict.fromkeys(role for _, cpu in runs for role in cpu)
+        by = ", ".join(f"{role} {median(cpu.get(role, 0.0) for _, cpu in runs) * 1e6:.1f}"
+                       for role in roles)
+        lines.append(f"| {name} | {median(rate for rate, _ in runs):,.0f} | "
+                     f"{total * 1e6:.1f} | {by} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("sim", "model", "memory"))
+    parser.add_argument("what", choices=("sim", "model", "memory", "frames"))
     parser.add_argument("--duration", type=float, default=10, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
@@ -366,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison)")
     parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
                         "--workers 2 joins the rounds (sim-w2@REV)")
+    parser.add_argument("--clients", default="32", help="sim: comma-separated client counts, "
+                        "each a scenario of single-input requests (1 for latency alone)")
     parser.add_argument("--workers", type=int, default=4, help="memory: workers of each launch")
     parser.add_argument("--load", type=float, default=8, help="memory: seconds of traffic first")
     parser.add_argument("--maps", default="onnxruntime", help="memory: the library whose "
@@ -381,11 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         return [n for n in labels if args.only is None or n in args.only.split(",") or "@" in n]
 
     reports: dict[str, Callable[[], str]] = {
-        "sim": lambda: sim_report(rounds(servers(sim), [SIM_32X1], args.rounds, args.duration),
+        "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c)) for c in
+                                         args.clients.split(",")], args.rounds, args.duration),
                                   sim),
         "model": lambda: model_report(rounds(servers(MODEL), MODEL_SCENARIOS, args.rounds,
                                              args.duration)),
         "memory": lambda: memory(args.workers, args.load, args.maps),
+        "frames": lambda: frames(args.rounds, args.duration),
     }
     report = reports[args.what]()
     print("\n" + report)

@@ -32,7 +32,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,6 +78,18 @@ class Ticket:
     waiting: bool = False
     notify: Callable[[Ticket], None] | None = None
     refused: ApiError | None = None
+
+
+@dataclass(slots=True)
+class Ask:
+    """One request of a burst for ``Admission.request_many``: ``request``'s arguments."""
+
+    inputs: int
+    tokens: int
+    deadline: float
+    flow: Hashable = None
+    tenant: str | None = None
+    notify: Callable[[Ticket], None] | None = None
 
 
 # The queue's model (``Batcher.tokens_ahead``): the tokens the device computes before new work
@@ -157,61 +169,100 @@ class Admission:
         """``admit`` without waiting: the ticket is open, or stands in the FIFO (``waiting``)
         until room frees, when ``notify`` is called with it (or with ``refused`` set, when
         draining). 413, 429 and 503 are raised as by ``admit``."""
+        got = self.request_many([Ask(inputs, tokens, deadline, flow, tenant, notify)])[0]
+        if isinstance(got, ApiError):
+            raise got
+        return got
+
+    def request_many(self, asks: Sequence[Ask]) -> list[Ticket | ApiError]:
+        """``request`` for each of a burst, in order, each as if asked after the one before:
+        its ticket or its refusal (413, 429, 503). The gate's lock is taken once for the
+        burst (the engine's loop admits every request one wake-up read at once), and again
+        only for a request the queue's bound would refuse, whose exact model must be read
+        outside it."""
+        out: list[Ticket | ApiError] = []
+        for ask in asks:
+            try:
+                out.append(self._charge(ask))
+            except ApiError as exc:
+                out.append(exc)
+        tickets = [(i, t) for i, t in enumerate(out) if isinstance(t, Ticket)]
+        notify = [asks[i].notify for i, _ in tickets]
+        for i, refusal in self._enter_many([t for _, t in tickets], notify):
+            ticket = tickets[i][1]
+            if self.quotas is not None and ticket.tenant is not None:
+                self.quotas.refund(ticket.tenant, ticket.inputs, ticket.estimate)
+            out[tickets[i][0]] = refusal
+        return out
+
+    def _charge(self, ask: Ask) -> Ticket:
+        """``ask``'s ticket, charged to its tenant's quotas; 413, or 429 over a quota."""
         limit = self.limit
-        if inputs > limit:
+        if ask.inputs > limit:
             raise PayloadTooLarge(
-                f"this request has {inputs} inputs but the server admits at most {limit} at "
-                "once (MAX_QUEUE); split it into smaller requests",
+                f"this request has {ask.inputs} inputs but the server admits at most {limit} "
+                "at once (MAX_QUEUE); split it into smaller requests",
                 param="input", code="too_many_inputs",
             )
-        ticket = Ticket(inputs, min(tokens, self.max_tokens), deadline, flow, tenant, tokens)
-        quotas = self.quotas if tenant is not None else None
-        if quotas is not None:
-            quotas.take(tenant, inputs=inputs, tokens=tokens)
-        try:
-            self._enter(ticket, flow, notify)
-        except BaseException:
-            if quotas is not None:
-                quotas.refund(tenant, inputs, tokens)
-            raise
-        return ticket
+        if self.quotas is not None and ask.tenant is not None:
+            self.quotas.take(ask.tenant, inputs=ask.inputs, tokens=ask.tokens)
+        return Ticket(ask.inputs, min(ask.tokens, self.max_tokens), ask.deadline, ask.flow,
+                      ask.tenant, ask.tokens)
 
-    def _enter(self, ticket: Ticket, flow: Hashable,
-               notify: Callable[[Ticket], None] | None) -> None:
-        # the queue's model is read before our lock (it takes the batcher's); its bound
-        # first: admitted on it, the ticket is admitted on the model too (the wait predicted
-        # grows with the tokens ahead), so the walk is paid only near a refusal
-        if self.queue_most is not None and self._enter_with(ticket, flow, notify,
-                                                            self.queue_most(), final=False):
-            return
-        ahead = self.queue(flow) if self.queue is not None else None
-        self._enter_with(ticket, flow, notify, ahead, final=True)
+    def _enter_many(self, tickets: list[Ticket],
+                    notify: list[Callable[[Ticket], None] | None]) -> list[tuple[int, ApiError]]:
+        """Open each ticket or put it in line, in order; the refusals, by position. The
+        queue's model is read before our lock (it takes the batcher's); its bound first:
+        admitted on it, a ticket is admitted on the model too (the wait predicted grows with
+        the tokens ahead), so the walk is paid only near a refusal."""
+        refused: list[tuple[int, ApiError]] = []
+        i = 0
+        while i < len(tickets):
+            bound = self.queue_most() if self.queue_most is not None else None
+            with self._cond:
+                while i < len(tickets) and (bound is not None or self.queue is None):
+                    try:
+                        if not self._enter_locked(tickets[i], notify[i], bound,
+                                                  final=bound is None):
+                            break  # the bound would refuse it: the model decides, below
+                    except ApiError as exc:
+                        refused.append((i, exc))
+                    i += 1
+            if i < len(tickets):
+                ahead = self.queue(tickets[i].flow) if self.queue is not None else None
+                try:
+                    with self._cond:
+                        self._enter_locked(tickets[i], notify[i], ahead, final=True)
+                except ApiError as exc:
+                    refused.append((i, exc))
+                i += 1
+        return refused
 
-    def _enter_with(self, ticket: Ticket, flow: Hashable,
-                    notify: Callable[[Ticket], None] | None, ahead: int | None, final: bool
-                    ) -> bool:
+    def _enter_locked(self, ticket: Ticket, notify: Callable[[Ticket], None] | None,
+                      ahead: int | None, final: bool) -> bool:
         """Open ``ticket`` or put it in line, ``ahead`` tokens queued before it; False,
-        with nothing changed, when it would be late and ``ahead`` was a bound (not final)."""
-        with self._cond:
-            if ahead is not None:  # and the work admitted, still tokenizing
-                ahead += self._opened_first
-                own = self._opened.get(flow) if flow is not None else None
-                if own is not None:  # all of its own, not just its first input
-                    ahead += own[0] - own[1]
-            self._refuse_if_closed()
-            opens = not self._waiting and self._fits(ticket)
-            if not opens and ahead is not None:  # room first, then its turn in the queue
-                ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
-            now = time.monotonic()
-            if not final and self.predicted_wait(ahead) > ticket.deadline - now:
-                return False
-            self._refuse_if_late(ticket, now, ahead)
-            if opens:
-                self._open(ticket)
-            else:  # in line behind others, or no room
-                ticket.waiting, ticket.notify = True, notify
-                self._waiting.append(ticket)
-            return True
+        with nothing changed, when it would be late and ``ahead`` was a bound (not final).
+        Under self._cond."""
+        flow = ticket.flow
+        if ahead is not None:  # and the work admitted, still tokenizing
+            ahead += self._opened_first
+            own = self._opened.get(flow) if flow is not None else None
+            if own is not None:  # all of its own, not just its first input
+                ahead += own[0] - own[1]
+        self._refuse_if_closed()
+        opens = not self._waiting and self._fits(ticket)
+        if not opens and ahead is not None:  # room first, then its turn in the queue
+            ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
+        now = time.monotonic()
+        if not final and self.predicted_wait(ahead) > ticket.deadline - now:
+            return False
+        self._refuse_if_late(ticket, now, ahead)
+        if opens:
+            self._open(ticket)
+        else:  # in line behind others, or no room
+            ticket.waiting, ticket.notify = True, notify
+            self._waiting.append(ticket)
+        return True
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the FIFO (its deadline passed, its client left);

@@ -65,6 +65,12 @@ class Runner:
         return self.batcher.alive
 
     @property
+    def device_free(self) -> bool:
+        """Whether the encoder says its device costs nothing (``free = True``: the
+        simulated one of bench/sim_server.py), so that the engine's loop runs it itself."""
+        return bool(getattr(self.encoder, "free", False))
+
+    @property
     def admission(self) -> Admission:
         """The device's admission (the batcher's)."""
         return self.batcher.admission
@@ -83,6 +89,18 @@ class Runner:
         return self.batcher.submit(work.ids, work.deadline, work.disconnected, ticket=ticket,
                                    flow=work.flow, on_done=on_done, origin=work.front,
                                    tenant=work.tenant)
+
+    def submit_many(self, works: Sequence[tuple[Work, Ticket, Callable[[Job], None]]]
+                    ) -> list[Job]:
+        """``submit`` for a burst (each work, its open ticket, its ``on_done``), queued with
+        one hold of the batcher's lock and one wake-up of its thread."""
+        jobs = []
+        for work, ticket, on_done in works:
+            assert work.deadline is not None
+            jobs.append((Job(work.ids, work.deadline, work.disconnected, flow=work.flow,
+                             on_done=on_done, origin=work.front, tenant=work.tenant), ticket))
+        self.batcher.submit_many(jobs)
+        return [job for job, _ in jobs]
 
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""

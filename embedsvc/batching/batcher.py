@@ -2,7 +2,8 @@
 
 One thread owns the model. Request threads ``submit`` their (already tokenized) inputs and
 wait on the returned ``Job``; the thread forms each device batch from what is queued when
-the device frees up, runs it under the device lock and writes each row back to its job.
+the device frees up, runs it under the device lock and writes each row back to its job. (A
+device that costs nothing is run by the one caller that queues instead: ``here``.)
 
 >>> from embedsvc.model.fake import FakeEncoder
 >>> b = Batcher(FakeEncoder(dimension=4).encode, BatchLimits(256, 16384, 0.0, 2048, 1 << 20,
@@ -17,14 +18,13 @@ the device frees up, runs it under the device lock and writes each row back to i
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,9 @@ class Job:
     """One request's inputs in the batcher; ``result()`` waits for their rows, in order."""
 
     def __init__(self, inputs: list[list[int]], deadline: float,
-                 disconnected: Callable[[], bool] | None = None) -> None:
+                 disconnected: Callable[[], bool] | None = None, *, flow: Hashable = None,
+                 on_done: Callable[[Job], None] | None = None, origin: int | None = None,
+                 tenant: str | None = None) -> None:
         self.inputs = inputs
         self.deadline = deadline
         self.disconnected = disconnected  # True once the client has gone (Batcher.cancel_due)
@@ -146,10 +148,12 @@ class Job:
         self.batch_size = 0  # inputs of the largest batch that held some of its inputs
         self.started = False  # some of its inputs reached the model: the deadline no longer applies
         self.queued = 0  # tokens of its inputs still queued (the queue's model reads it)
-        self.flow: Hashable = None
-        self.origin: int | None = None  # the front it came from (the engine process)
-        self.tenant: str | None = None  # whose quota counts its inputs in flight
-        self.on_done: Callable[[Job], None] | None = None  # called once, as it finishes
+        self.left = 0  # its inputs still queued
+        self.seq = 0  # its place in the order of submission (Batcher._enqueue)
+        self.flow = flow
+        self.origin = origin  # the front it came from (the engine process)
+        self.tenant = tenant  # whose quota counts its inputs in flight
+        self.on_done = on_done  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.remaining = len(inputs)
         self.error: ApiError | None = None
@@ -203,6 +207,10 @@ class _Item:
     queued: float
     tag: float  # its virtual start, in tokens (Batcher.start_tag)
     answered: bool = False  # its admission was given back
+
+
+def _submission(job: Job) -> int:
+    return job.seq
 
 
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0,
@@ -264,6 +272,10 @@ class Batcher:
         self._anonymous_end = 0.0  # the end of the tags of work queued without a flow
         self._queued_tokens = 0  # of every backlog
         self._served: set[int] = set()  # the jobs of the last batch (ids)
+        # started jobs with inputs still queued (a few at most: requests larger than a
+        # batch), so that the oldest is found without a walk of the queue at every batch
+        self._partly: dict[Job, None] = {}
+        self._seq = itertools.count()
         self.admission = Admission(
             max_inputs=limits.max_queue, max_tokens=limits.max_queue_tokens,
             timeout_s=limits.timeout_s, floor_inputs=limits.max_request, metrics=self.metrics,
@@ -279,11 +291,20 @@ class Batcher:
         self._last_deep_log = 0.0
         self._thread: threading.Thread | None = None
         self._died = False  # set by a dying thread before it fails its requests
-        self._gathering = False  # submissions wait for the end of ``gathering`` to wake it
         # when the last batch's compute ended with work still queued (the next batch then
         # starts at once): its cycle, compute and the work between batches, is what a queue
         # drains at, and what admission learns the device's rate from
         self._queued_since: float | None = None
+        # called by the thread that finished jobs once it has finished all it had at hand (a
+        # batch's, a cancel's), after their ``on_done``s: for one wake-up of whoever answers
+        # them, which then finds every one (the engine's loop: one frame a front a batch)
+        self.on_finished: Callable[[], None] | None = None
+        # True: the one caller that queues computes the queue itself (``compute_here``), and
+        # the thread only trims; for a device that costs nothing (the simulated one), where
+        # handing each batch to the thread cost more CPU (two thread switches and the
+        # interpreter lock's hand-off) than the batch. Never for a real device.
+        self.here = False
+        self._stopped = threading.Event()  # for the thread while ``here``: time to end
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
@@ -307,52 +328,50 @@ class Batcher:
         ``origin``: the HTTP process it came from, when several feed this batcher;
         ``tenant``: whose quota its inputs count against until answered.
         """
-        n, tokens = len(inputs), sum(map(len, inputs))
         if ticket is None:
-            ticket = self.admission.admit(n, tokens, deadline, disconnected, flow, tenant)
-        job = Job(inputs, deadline, disconnected)
-        job.flow, job.queued, job.on_done, job.origin = flow, tokens, on_done, origin
-        job.tenant = tenant
-        with self._cond:
-            if self._stopping:
-                self.admission.cancel(ticket)
-                raise shutting_down()
-            self.admission.settle(ticket, tokens)
-            now = time.monotonic()
-            tag = self._start_tag(flow, tokens)
-            backlog = self._backlog.setdefault(flow, [0, 0])
-            backlog[0] += tokens
-            backlog[1] += n
-            self._queued_tokens += tokens
-            if flow is None:
-                self._anonymous_end = max(self._anonymous_end, tag + tokens)
-            for i, ids in enumerate(inputs):
-                self._pending.append(_Item(job, i, ids, now, tag))
-                tag += len(ids)
-            self._earliest_deadline = min(self._earliest_deadline, deadline)
-            self._warn_if_deep(now)
-            if not self._gathering:
-                self._cond.notify()
+            ticket = self.admission.admit(len(inputs), sum(map(len, inputs)), deadline,
+                                          disconnected, flow, tenant)
+        job = Job(inputs, deadline, disconnected, flow=flow, on_done=on_done, origin=origin,
+                  tenant=tenant)
+        self.submit_many([(job, ticket)])
         return job
 
-    @contextlib.contextmanager
-    def gathering(self) -> Iterator[None]:
-        """The submissions of the block wake the batcher thread once, at its end.
+    def submit_many(self, jobs: Sequence[tuple[Job, Ticket]]) -> None:
+        """Queue each job under its open admission ticket (``submit``'s jobs, made by the
+        caller) with one hold of the lock and one wake-up of the thread: the engine's loop
+        queues every request one wake-up read at once. Woken at each, the thread took each
+        batch as soon as it could and formed batches of two or three inputs, paying a
+        batch's cost and two thread switches for each. 503 for all when stopping."""
+        with self._cond:
+            if self._stopping:
+                for _, ticket in jobs:
+                    self.admission.cancel(ticket)
+                raise shutting_down()
+            now = time.monotonic()
+            for job, ticket in jobs:
+                self._enqueue(job, ticket, now)
+            self._warn_if_deep(now)
+            if not self.here:
+                self._cond.notify()
 
-        For a caller that has many requests at hand at once (the engine process's loop,
-        reading a burst of frames): woken at each, the thread took each batch as soon as it
-        could and formed batches of two or three inputs, paying a batch's cost and two
-        thread switches for each; one wake-up lets the burst form one batch. Only one thread
-        may gather at a time.
-        """
-        self._gathering = True
-        try:
-            yield
-        finally:
-            self._gathering = False
-            with self._cond:
-                if self._pending:
-                    self._cond.notify()
+    def _enqueue(self, job: Job, ticket: Ticket, now: float) -> None:
+        """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
+        inputs, flow = job.inputs, job.flow
+        tokens = sum(map(len, inputs))
+        job.queued, job.left, job.seq = tokens, len(inputs), next(self._seq)
+        self.admission.settle(ticket, tokens)
+        tag = self._start_tag(flow, tokens)
+        backlog = self._backlog.setdefault(flow, [0, 0])
+        backlog[0] += tokens
+        backlog[1] += len(inputs)
+        self._queued_tokens += tokens
+        if flow is None:
+            self._anonymous_end = max(self._anonymous_end, tag + tokens)
+        pending = self._pending
+        for i, ids in enumerate(inputs):
+            pending.append(_Item(job, i, ids, now, tag))
+            tag += len(ids)
+        self._earliest_deadline = min(self._earliest_deadline, job.deadline)
 
     def start_tag(self, flow: Hashable | None, tokens: int) -> float:
         """The virtual start of new work of ``tokens`` from ``flow``: start-time fair queueing.
@@ -497,6 +516,7 @@ class Batcher:
                 self._cancel(job, Unavailable("the server shut down before this request ran",
                                               code="draining"))
             self._stopping = True
+            self._stopped.set()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
@@ -553,12 +573,35 @@ class Batcher:
                 self._current_tokens = 0
                 self._in_flight = 0
 
+    def compute_here(self) -> None:
+        """Compute what is queued in the calling thread, batch after batch, as the thread
+        would (``here``: the caller that queues calls it after queueing)."""
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                self._cancel_late(time.monotonic())
+                if not self._pending:
+                    return
+                batch = self._take()
+            try:
+                self._compute(batch)
+            finally:
+                with self._cond:
+                    self._current = []
+                    self._current_tokens = 0
+                    self._in_flight = 0
+
     def _next_batch(self) -> list[_Item] | None:
         """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""
+        if self.here:  # the caller computes: wait for nothing but the time to trim or end
+            return None if self._stopped.wait(_TRIM_IDLE_S) else []
         with self._cond:
             while True:
                 if self._stopping:
                     return None
+                if self.here:
+                    return []
                 if not self._pending:
                     if not self._cond.wait(_TRIM_IDLE_S):
                         return []
@@ -597,10 +640,7 @@ class Batcher:
 
     def _oldest_started(self) -> Job | None:
         """The earliest submitted request with inputs both computed and still queued."""
-        for it in self._pending:  # in submission order
-            if it.job.started:
-                return it.job
-        return None
+        return min(self._partly, key=_submission, default=None)
 
     def _take(self) -> list[_Item]:
         lengths = [len(it.ids) for it in self._pending]
@@ -617,6 +657,8 @@ class Batcher:
         for it in batch:
             it.job.started = True
             self._dequeued(it)
+            if it.job.left:
+                self._partly[it.job] = None
         self._served = {id(it.job) for it in batch}
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
@@ -680,7 +722,8 @@ class Batcher:
         with self._cond:
             seen: set[int] = set()
             finished: list[Job] = []
-            for row, it in zip(rows, batch, strict=True):
+            views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
+            for k, (row, it) in enumerate(zip(rows, batch, strict=True)):
                 job = it.job
                 if id(job) not in seen:
                     seen.add(id(job))
@@ -689,15 +732,20 @@ class Batcher:
                 if job.done:  # failed meanwhile (another of its batches), or its client left
                     continue
                 self._computed += 1
-                if job.rows is None:
-                    job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
-                job.rows[it.index] = row
+                if views and len(job.inputs) == 1:
+                    job.rows = rows[k:k + 1]
+                else:
+                    if job.rows is None:
+                        job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
+                    job.rows[it.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
                     finished.append(job)
             self._release(batch)
             for job in finished:
                 job._finish()
+            if finished and self.on_finished is not None:
+                self.on_finished()
 
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
@@ -724,12 +772,17 @@ class Batcher:
             self._release(mine)
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
+        if self.on_finished is not None:
+            self.on_finished()
         self._cond.notify_all()
 
     def _dequeued(self, item: _Item) -> None:
         """``item`` left the queue (for the device, or dropped): the backlogs shrink."""
         job, tokens = item.job, len(item.ids)
         job.queued -= tokens
+        job.left -= 1
+        if not job.left:
+            self._partly.pop(job, None)
         self._queued_tokens -= tokens
         backlog = self._backlog[job.flow]
         backlog[0] -= tokens

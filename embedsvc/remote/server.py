@@ -1,13 +1,16 @@
 """The engine process's loop: one ``Runner`` served on a ZeroMQ socket to every front.
 
-One thread (the loop) owns the ROUTER socket. It reads the fronts' frames, admits each
-``Submit`` without blocking (``Admission.request``: a request that does not fit waits in the
-same FIFO as in one process, parked here until its grant), queues it for the batcher with a
-callback, and writes each answer when the batcher's thread (or the watchdog's) says its job
-is done: those threads only append to a queue and write one byte to a pipe the loop polls,
-so a batch's answers cost one wake-up, not one per request. Batches form from every front's
-requests, in the batcher's one queue, with its turns and admission's rules, exactly as in
-one process.
+One thread (the loop) owns the ROUTER socket. At each wake-up it reads the frames that are
+there and takes their requests (``Submit``, several in a ``Submits``) as one burst: checked
+one by one, admitted by one call without blocking (``Admission.request_many``, each in turn
+as if alone: a request that does not fit waits in the same FIFO as in one process, parked
+here until its grant), and queued for the batcher by one append with a callback each. It
+writes the answers when the batcher's thread (or the watchdog's) says their jobs are done:
+those threads only append to a queue and write one byte to a pipe the loop polls, so a
+batch's answers cost one wake-up, not one per request, and the answers a turn has for one
+front go out in one frame (``Answers``; a lone one as ``Answer`` or ``Failed``). Batches form
+from every front's requests, in the batcher's one queue, with its turns and admission's
+rules, exactly as in one process.
 
 A frame that does not decode, or ids that do not fit the model, are refused there: a
 malformed frame (one whose contents its type cannot hold: a front's metrics with a name,
@@ -33,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from ..admission import Ticket, deadline_error
+from ..admission import Ask, Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
 from ..image.preprocess import Preprocessor
@@ -106,11 +109,14 @@ class EngineServer:
         self._done: deque[_Request] = deque()  # finished jobs, and /embed_all's answers
         self._parked: dict[tuple[bytes, int], _Request] = {}
         self._running: dict[tuple[bytes, int], _Request] = {}
+        self._outbox: dict[bytes, list[wire.Answer | wire.Failed]] = {}  # answers, by front
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
+        runner.batcher.on_finished = self._wake_loop
+        self._loop_thread = 0  # the loop's thread, once it runs
 
     @property
     def in_flight(self) -> int:
@@ -122,6 +128,11 @@ class EngineServer:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic() + _TICK_S
+        self._loop_thread = threading.get_ident()
+        batcher = self.runner.batcher
+        # a device that costs nothing is run by the loop itself (Batcher.here)
+        here = self.runner.device_free and batcher.limits.max_wait_s <= 0
+        batcher.here = here
         try:
             while not (stop.is_set() and not self.in_flight):
                 events = dict(poller.poll(int(_TICK_S * 1000)))
@@ -130,14 +141,18 @@ class EngineServer:
                     self._read()
                 if self._wake_r in events:
                     self._woken()
-                self._answer_done()
                 self._start_granted()
+                if here:
+                    batcher.compute_here()
+                self._answer_done()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + _TICK_S
                     self._sweep_dead_fronts()
                     self._sweep_parked()
+                self._flush()
                 self._busy_s += time.perf_counter() - woke
         finally:
+            batcher.here = False
             self.close()
 
     def close(self) -> None:
@@ -150,25 +165,40 @@ class EngineServer:
     # -- frames in ----------------------------------------------------------------------------
 
     def _read(self) -> None:
-        with self.runner.batcher.gathering():  # the burst read here: one batcher wake-up
-            for _ in range(_READ_BATCH):
+        """Read what is there (at most _READ_BATCH frames): every request among them is
+        admitted and queued as one burst; a control frame (a cancel, a ping) first has the
+        requests read before it submitted, so that it finds them."""
+        burst: list[tuple[bytes, wire.Submit]] = []
+        for _ in range(_READ_BATCH):
+            try:
+                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            frame = self._decoded(parts)
+            if isinstance(frame, wire.Submit):
+                burst.append((parts[0], frame))
+            elif isinstance(frame, wire.Submits):
+                burst.extend((parts[0], item) for item in frame.items)
+            elif frame is not None:
+                self._submit(burst)
+                burst = []
                 try:
-                    parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    return
-                if len(parts) != 2:
-                    self._refuse_frame(f"a frame of {len(parts)} parts")
-                    continue
-                peer, payload = parts
-                try:
-                    frame = wire.decode_to_engine(payload)
-                except ValueError as exc:  # msgspec's DecodeError and ValidationError
-                    self._refuse_frame(str(exc))
-                    continue
-                try:
-                    self._dispatch(peer, frame)
+                    self._dispatch(parts[0], frame)
                 except ValueError as exc:  # contents the frame's type cannot hold
                     self._refuse_frame(f"{type(frame).__name__}: {exc}")
+        self._submit(burst)
+
+    def _decoded(self, parts: list[bytes]) -> Any:
+        """The frame of ``parts`` (the sender, its payload); None, said in one line, when
+        it is not one."""
+        if len(parts) != 2:
+            self._refuse_frame(f"a frame of {len(parts)} parts")
+            return None
+        try:
+            return wire.decode_to_engine(parts[1])
+        except ValueError as exc:  # msgspec's DecodeError and ValidationError
+            self._refuse_frame(str(exc))
+            return None
 
     def _refuse_frame(self, why: str) -> None:
         self._malformed += 1
@@ -176,12 +206,7 @@ class EngineServer:
                     why[:200], self._malformed)
 
     def _dispatch(self, peer: bytes, frame: Any) -> None:
-        if isinstance(frame, wire.Submit):
-            self._submit(peer, frame)
-        elif isinstance(frame, wire.Submits):
-            for item in frame.items:
-                self._submit(peer, item)
-        elif isinstance(frame, wire.Cancel):
+        if isinstance(frame, wire.Cancel):
             self._cancel(peer, frame.id)
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
@@ -213,24 +238,37 @@ class EngineServer:
             del self._fronts[peer]
         return sorted({f.pid for f in self._fronts.values()})
 
-    def _submit(self, peer: bytes, frame: wire.Submit) -> None:
-        req: _Request | None = None
-        try:
-            work = self._work(frame)
+    def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
+        """Check, admit and queue the requests of ``burst`` as one unit: one admission call
+        (``Admission.request_many``: each in turn, as if one after another) and one append
+        to the batcher's queue (one wake-up of its thread) for all."""
+        reqs = []
+        for peer, frame in burst:
+            try:
+                work = self._work(frame)
+                self.runner.check(work)
+            except ApiError as exc:
+                self._reply(peer, failed(frame.id, exc))
+                continue
             req = _Request(peer, frame.id, work)
             work.disconnected = partial(_is_gone, req)
-            self.runner.check(work)
-            ticket = self.runner.admission.request(
-                work.count, sum(map(len, work.ids)), work.deadline or 0.0, work.flow,
-                notify=partial(self._granted, req), tenant=work.tenant)
-        except ApiError as exc:
-            self._send(peer, failed(frame.id, exc))
+            reqs.append(req)
+        if not reqs:
             return
-        req.ticket = ticket
-        if ticket.open:
-            self._start(req)
-        else:
-            self._parked[(peer, frame.id)] = req
+        tickets = self.runner.admission.request_many([
+            Ask(r.work.count, sum(map(len, r.work.ids)), r.work.deadline or 0.0, r.work.flow,
+                r.work.tenant, partial(self._granted, r)) for r in reqs])
+        start = []
+        for req, ticket in zip(reqs, tickets, strict=True):
+            if isinstance(ticket, ApiError):
+                self._reply(req.peer, failed(req.id, ticket))
+                continue
+            req.ticket = ticket
+            if ticket.open:
+                start.append(req)
+            else:
+                self._parked[(req.peer, req.id)] = req
+        self._start(start)
 
     def _work(self, frame: wire.Submit) -> Work:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
@@ -274,25 +312,35 @@ class EngineServer:
         if parked is not None and parked.ticket is not None and \
                 self.runner.admission.withdraw(parked.ticket):
             del self._parked[(peer, request_id)]
-            self._send(peer, failed(request_id, _gone()))
+            self._reply(peer, failed(request_id, _gone()))
 
     # -- the model ----------------------------------------------------------------------------
 
-    def _start(self, req: _Request) -> None:
-        key = (req.peer, req.id)
-        self._running[key] = req
-        if not kind_of(req.work).batched:
-            threading.Thread(target=self._embed_all, args=(req,), name="embedsvc-embed-all",
-                             daemon=True).start()
+    def _start(self, reqs: list[_Request]) -> None:
+        """Admitted requests to the model: the batched ones queued together."""
+        batched = []
+        for req in reqs:
+            self._running[(req.peer, req.id)] = req
+            if kind_of(req.work).batched:
+                batched.append(req)
+            else:
+                threading.Thread(target=self._embed_all, args=(req,),
+                                 name="embedsvc-embed-all", daemon=True).start()
+        if not batched:
             return
+        works = []
+        for req in batched:
+            assert req.ticket is not None  # admitted: ``_submit`` set it
+            works.append((req.work, req.ticket, partial(self._finished, req)))
         try:
-            req.job = self.runner.submit(req.work, req.ticket,
-                                         on_done=partial(self._finished, req))
-        except ApiError as exc:
-            del self._running[key]
-            if req.ticket is not None:
-                self.runner.admission.cancel(req.ticket)
-            self._send(req.peer, failed(req.id, exc))
+            jobs = self.runner.submit_many(works)
+        except ApiError as exc:  # draining: every ticket given back
+            for req in batched:
+                del self._running[(req.peer, req.id)]
+                self._reply(req.peer, failed(req.id, exc))
+            return
+        for req, job in zip(batched, jobs, strict=True):
+            req.job = job
 
     def _embed_all(self, req: _Request) -> None:
         """/embed_all's per-token work, in a thread of its own (it takes the device between
@@ -309,6 +357,7 @@ class EngineServer:
                 self.runner.admission.cancel(req.ticket)
         req.result = out
         self._finished(req, None)
+        self._wake()
 
     # -- answers, from the loop ---------------------------------------------------------------
 
@@ -318,9 +367,9 @@ class EngineServer:
         self._wake()
 
     def _finished(self, req: _Request, job: Job | None) -> None:
-        """Called as a job finishes (the batcher's thread, the watchdog's)."""
+        """Called as a job finishes (the batcher's thread, the watchdog's), which then wakes
+        the loop once for all it finished (``Batcher.on_finished``)."""
         self._done.append(req)
-        self._wake()
 
     def _woken(self) -> None:
         """The pipe said a thread appended: drain it, then let the next append write again.
@@ -334,6 +383,12 @@ class EngineServer:
         _drain_pipe(self._wake_r)
         self._signalled = False
 
+    def _wake_loop(self) -> None:
+        """``Batcher.on_finished``: jobs finished in another thread wake the loop; the loop
+        itself (a device it computes, a deadline it enforced) answers them in this turn."""
+        if threading.get_ident() != self._loop_thread:
+            self._wake()
+
     def _wake(self) -> None:
         if not self._signalled:
             self._signalled = True
@@ -341,26 +396,26 @@ class EngineServer:
                 os.write(self._wake_w, b"\0")
 
     def _start_granted(self) -> None:
-        if not self._ready:
-            return
-        with self.runner.batcher.gathering():
-            while self._ready:
-                req = self._ready.popleft()
-                if self._parked.pop((req.peer, req.id), None) is None:
-                    continue  # withdrawn meanwhile
-                ticket = req.ticket
-                if ticket is not None and ticket.refused is not None:
-                    self._send(req.peer, failed(req.id, ticket.refused))
-                else:
-                    self._start(req)
+        start = []
+        while self._ready:
+            req = self._ready.popleft()
+            if self._parked.pop((req.peer, req.id), None) is None:
+                continue  # withdrawn meanwhile
+            ticket = req.ticket
+            if ticket is not None and ticket.refused is not None:
+                self._reply(req.peer, failed(req.id, ticket.refused))
+            else:
+                start.append(req)
+        if start:
+            self._start(start)
 
     def _answer_done(self) -> None:
         while self._done:
             req = self._done.popleft()
             self._running.pop((req.peer, req.id), None)
-            self._send(req.peer, self._answer(req))
+            self._reply(req.peer, self._answer(req))
 
-    def _answer(self, req: _Request) -> wire.Frame:
+    def _answer(self, req: _Request) -> wire.Answer | wire.Failed:
         result = req.result
         if result is None:
             job = req.job
@@ -414,7 +469,19 @@ class EngineServer:
                 continue
             if self.runner.admission.withdraw(req.ticket):
                 del self._parked[key]
-                self._send(req.peer, failed(req.id, deadline_error() if late else _gone()))
+                self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
+
+    def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed) -> None:
+        """An answer to a request, sent with the others of its front at the end of the
+        loop's turn (``_flush``)."""
+        self._outbox.setdefault(peer, []).append(frame)
+
+    def _flush(self) -> None:
+        """One frame per front for every answer this turn has for it: one send, one
+        wake-up of its reader, one pass of ZeroMQ's I/O thread for all of them."""
+        for peer, frames in self._outbox.items():
+            self._send(peer, frames[0] if len(frames) == 1 else wire.Answers(frames))
+        self._outbox.clear()
 
     def _send(self, peer: bytes, frame: wire.Frame) -> None:
         try:
@@ -423,7 +490,7 @@ class EngineServer:
             log.debug("an answer to a front was not sent: %s", exc)
 
 
-def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Frame:
+def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
     """The frame of a computed answer: the arrays its kind packs it into."""
     return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
                        out.batch_size)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from embedsvc.admission import Admission
+from embedsvc.admission import Admission, Ask
 from embedsvc.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -253,3 +253,39 @@ def test_a_request_that_would_wait_for_room_past_its_deadline_gets_429_at_once()
     assert a.waiting == 0
     ticket = a.request(5, 500, time.monotonic() + 5)  # in time: waits for room
     assert ticket.waiting and not ticket.open
+
+
+def test_a_burst_is_admitted_as_its_requests_one_after_another():
+    """``request_many`` (the engine's loop: one call for what one wake-up read) gives each
+    request of the burst what ``request`` would have given it asked in turn: opened while
+    room lasts, 413 for one larger than MAX_QUEUE, the FIFO for the rest in order (a later
+    small one never overtakes), 429 for one that could not start before its deadline; a
+    refusal leaves nothing behind, and the waiters are granted in order as room frees."""
+    def burst():
+        return [Ask(2, 20, later(), "a"), Ask(9, 90, later(), "b"), Ask(1, 10, later(), "c"),
+                Ask(2, 20, later(), "d"), Ask(1, 10, later(), "e"),
+                Ask(1, 10, time.monotonic() + 0.05, "f")]
+
+    def outcome(got):
+        return [type(t).__name__ if not hasattr(t, "open") else
+                ("open" if t.open else "waiting") for t in got]
+
+    granted: list = []
+    one_by_one, many = gate(), gate()
+    for a in (one_by_one, many):
+        a.observe(tokens=100, inputs=10, seconds=1.0)  # 100 tokens/s: f cannot make it
+    each = []
+    for ask in burst():
+        try:
+            each.append(one_by_one.request(ask.inputs, ask.tokens, ask.deadline, ask.flow))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            each.append(exc)
+    asks = burst()
+    for ask in asks:
+        ask.notify = lambda ticket, flow=ask.flow: granted.append(flow)
+    got = many.request_many(asks)
+    assert outcome(got) == outcome(each) == [
+        "open", "PayloadTooLarge", "open", "waiting", "waiting", "Overloaded"]
+    assert (many.used_inputs, many.waiting) == (one_by_one.used_inputs, one_by_one.waiting)
+    many.release(2, 20)  # a's answered: d, then e, in their order
+    assert granted == ["d", "e"] and many.used_inputs == 4

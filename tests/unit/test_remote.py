@@ -4,6 +4,7 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import subprocess
 import sys
@@ -38,7 +39,12 @@ def pair(served):
 @pytest.fixture
 def served(tmp_path, registry):
     """(the engine's service, a front's service, the fake encoder, the engine's loop)."""
-    encoder = FakeEncoder(dimension=6, max_input_tokens=16)
+    with serving(tmp_path, registry, FakeEncoder(dimension=6, max_input_tokens=16)) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def serving(tmp_path, registry, encoder):
     engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
     engine.start(background=False)
     runner = engine.runner
@@ -184,21 +190,35 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
         context.destroy(linger=0)
 
 
-def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
-    """``Submits`` carries several requests; each answer, in whichever frames the engine
-    sends them, holds its own request's rows."""
+@contextlib.contextmanager
+def _dealer(front):
+    """A raw DEALER socket on the engine's socket, as a front's."""
     import zmq
 
-    engine, front, encoder = pair
-    texts = [f"text number {i}" for i in range(7)]
-    tokenizer = front.ready()
-    items = [wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
-             for i, t in enumerate(texts)]
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.connect(front.engine_address)
     try:
-        sock.send(wire.encode(wire.Submits(items)))
+        yield sock
+    finally:
+        context.destroy(linger=0)
+
+
+def _burst(front, texts) -> bytes:
+    """One ``Submits`` frame of an embedding request a text, numbered from 1."""
+    tokenizer = front.ready()
+    return wire.encode(wire.Submits([
+        wire.Submit(i + 1, "embed", *wire.pack_ids(tokenizer.tokens([t])), timeout=5.0)
+        for i, t in enumerate(texts)]))
+
+
+def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
+    """``Submits`` carries several requests; each answer, in whichever frames the engine
+    sends them, holds its own request's rows."""
+    engine, front, encoder = pair
+    texts = [f"text number {i}" for i in range(7)]
+    with _dealer(front) as sock:
+        sock.send(_burst(front, texts))
         got: dict[int, wire.Answer] = {}
         while len(got) < len(texts):
             assert sock.poll(5000), f"answers for {sorted(got)} only"
@@ -210,8 +230,67 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
             row = embedded(got[i + 1], EMBED).vectors[0]  # the model's rows, unnormalised
             np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected(text),
                                        rtol=1e-6)
-    finally:
-        context.destroy(linger=0)
+
+
+def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
+    """A burst of one front's requests computed in one batch comes back as one ``Answers``
+    frame (one send, one wake-up of the front's reader), each request with its own rows;
+    they used to come back as one ``Answer`` frame each."""
+    engine, front, encoder = pair
+    batcher = engine.runner.batcher
+    texts = [f"text number {i}" for i in range(7)]
+    with _dealer(front) as sock:
+        batcher.device_lock.acquire()  # held: the burst waits, queued, for the device
+        try:
+            sock.send(_burst(front, texts))
+            deadline = time.monotonic() + 5
+            while len(batcher._current) < len(texts):  # one batch, taken, waiting
+                assert time.monotonic() < deadline, "the burst did not form one batch"
+                time.sleep(0.005)
+        finally:
+            batcher.device_lock.release()
+        assert sock.poll(5000), "no answer"
+        frame = wire.decode_to_front(sock.recv())
+        assert isinstance(frame, wire.Answers), type(frame).__name__
+        assert sorted(item.id for item in frame.items) == list(range(1, len(texts) + 1))
+        for item in frame.items:
+            assert isinstance(item, wire.Answer), item
+            row = embedded(item, EMBED).vectors[0]  # the model's rows, unnormalised
+            np.testing.assert_allclose(row / np.linalg.norm(row),
+                                       encoder.expected(texts[item.id - 1]), rtol=1e-6)
+            assert item.batch_size == len(texts)
+        assert not sock.poll(100), "an answer came again in a frame of its own"
+
+
+class _FreeDevice(FakeEncoder):
+    """A device that says it costs nothing, and records the threads that computed on it."""
+
+    free = True
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.threads: set[str] = set()
+
+    def encode(self, batch):
+        self.threads.add(threading.current_thread().name)
+        return super().encode(batch)
+
+
+def test_a_device_that_costs_nothing_is_run_by_the_engines_loop(tmp_path, registry):
+    """``free`` (the simulated device): the loop computes each burst's batches itself, with
+    the same answers, the same deadlines and the same one frame a front; the batcher's
+    thread computes nothing (no hand-off of the interpreter lock to it and back)."""
+    encoder = _FreeDevice(dimension=6, max_input_tokens=16)
+    with serving(tmp_path, registry, encoder) as (engine, front, _, server):
+        texts = ["hello world", "a second text", "x " * 40]
+        out = front.ready().run(Work(EMBED, texts, deadline=time.monotonic() + 5))
+        want = np.stack([encoder.expected(t) for t in texts[:2]])
+        np.testing.assert_allclose(out.vectors[:2], want, rtol=1e-6)
+        tokens = front.ready().run(Work(TOKENS, ["a b c"], deadline=time.monotonic() + 5))
+        assert [t.shape for t in tokens.token_vectors] == [(5, 6)]
+        assert encoder.threads == {"test-engine-loop"}
+        assert engine.runner.batcher.here
+    assert not engine.runner.batcher.here  # the loop ended: the thread computes again
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -378,7 +457,8 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     from embedsvc.remote import client as client_module
 
     taken: list[wire.Frame] = []
-    monkeypatch.setattr(server, "_submit", lambda peer, frame: taken.append(frame))
+    monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
     monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.3)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
