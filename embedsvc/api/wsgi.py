@@ -9,7 +9,9 @@ once, in the error shape of the path's API family (``ErrorShapes``).
 
 Why not Flask for everything: on the hot path its request context, proxies and response
 objects cost more CPU per request than the rest of the server outside the model
-(bench/RESULTS.md).
+(bench/RESULTS.md). embedsvc's own servers serve ``serving_app``, the same pipeline with its
+Flask built on the first path outside the table, so that a start does not import the web
+framework before its first answer.
 
 >>> from embedsvc.model.fake import FakeEncoder
 >>> app = create_app(Settings(), encoder=FakeEncoder(dimension=4))
@@ -24,14 +26,13 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from flask import Flask, Response, request
 from prometheus_client import CollectorRegistry
-from werkzeug.exceptions import HTTPException
 
 from ..errors import (
     OPENAI,
@@ -52,6 +53,8 @@ from .tracing import tracing_for
 from .web import Call, Reply, Route, check_kind, json_reply
 
 if TYPE_CHECKING:  # an encoder given by a test or a library user; the app never loads one
+    from flask import Flask, Response
+
     from ..model.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -198,7 +201,9 @@ class Pipeline:
 
     def flask_error(self, exc: Exception) -> Response:
         """Flask's error handler: errors of the paths Flask serves (users' own routes)."""
-        reply = self.error(_flask_api_error(exc), request.path)
+        from flask import Response, request
+
+        reply = self.error(_flask_api_error(exc, request.path), request.path)
         return Response(reply.body, status=reply.status, headers=reply.headers,
                         content_type=reply.content_type)
 
@@ -251,10 +256,12 @@ def respond(start_response: Callable[..., Any], reply: Reply, head: bool = False
     return [] if head else [reply.body]
 
 
-def _flask_api_error(exc: Exception) -> ApiError:
+def _flask_api_error(exc: Exception, path: str) -> ApiError:
     """What a Flask error (or an exception of a user's route) tells the client."""
+    from werkzeug.exceptions import HTTPException
+
     if isinstance(exc, HTTPException) and exc.code == 404:
-        err: ApiError = NotFound(f"no route {request.path}; see /openapi.json",
+        err: ApiError = NotFound(f"no route {path}; see /openapi.json",
                                  code="not_found")
     elif isinstance(exc, HTTPException) and exc.code == 405:
         allow = ", ".join(sorted(getattr(exc, "valid_methods", None) or []))
@@ -298,9 +305,50 @@ def create_app(
     elif service is None:  # each model's metrics in a registry of its own (Service.exposition)
         service = serve_models(settings, lambda own, i: Service(
             own, metrics=Metrics(registry if i == 0 else None)))
-    app = Flask("embedsvc")
-    app.extensions["embedsvc"] = service
+    app = _flask_host(service)
     pipeline = Pipeline(service, app.wsgi_app)
     app.register_error_handler(Exception, pipeline.flask_error)
     app.wsgi_app = pipeline  # type: ignore[method-assign]
     return app
+
+
+def serving_app(service: Service) -> Pipeline:
+    """The app that embedsvc's own servers serve (``embedsvc serve``, its fronts): the
+    pipeline of ``create_app``, whose Flask, for the paths outside the table, is built on the
+    first such request rather than before the first answer (Flask's imports are a tenth of a
+    second of the start). No routes of a user's can be added to it."""
+
+    def build() -> WSGIApp:
+        app = _flask_host(service)
+        app.register_error_handler(Exception, pipeline.flask_error)
+        return app.wsgi_app
+
+    pipeline = Pipeline(service, _OnFirstCall(build))
+    return pipeline
+
+
+def _flask_host(service: Service) -> Flask:
+    from flask import Flask
+
+    app = Flask("embedsvc")
+    app.extensions["embedsvc"] = service
+    return app
+
+
+class _OnFirstCall:
+    """A WSGI app that ``build`` makes on its first call, once, whichever thread calls."""
+
+    def __init__(self, build: Callable[[], WSGIApp]) -> None:
+        self._build = build
+        self._app: WSGIApp | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
+                 ) -> Iterable[bytes]:
+        app = self._app
+        if app is None:
+            with self._lock:
+                if self._app is None:
+                    self._app = self._build()
+                app = self._app
+        return app(environ, start_response)
