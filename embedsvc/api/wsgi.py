@@ -313,18 +313,21 @@ def create_app(
 
 
 def serving_app(service: Service) -> Pipeline:
-    """The app that embedsvc's own servers serve (``embedsvc serve``, its fronts): the
-    pipeline of ``create_app``, whose Flask, for the paths outside the table, is built on the
-    first such request rather than before the first answer (Flask's imports are a tenth of a
-    second of the start). No routes of a user's can be added to it."""
-
-    def build() -> WSGIApp:
-        app = _flask_host(service)
-        app.register_error_handler(Exception, pipeline.flask_error)
-        return app.wsgi_app
-
-    pipeline = Pipeline(service, _OnFirstCall(build))
+    """The app that embedsvc's own servers serve (``embedsvc serve``, its fronts,
+    ``embedsvc:app``): the pipeline of ``create_app``, whose Flask host, for the paths outside
+    the table, is built on its first use (``flask_host``) rather than before the first answer
+    (Flask's imports are a tenth of a second of the start)."""
+    host = _LazyHost(service)
+    pipeline = host.pipeline = Pipeline(service, host)
     return pipeline
+
+
+def flask_host(app: Pipeline) -> Flask:
+    """The Flask app of a ``serving_app`` (built now if it was not), which serves the same
+    pipeline: users' routes added to it are served by ``app`` too."""
+    host = app.fallback
+    assert isinstance(host, _LazyHost), "not a serving_app"
+    return host.flask()
 
 
 def _flask_host(service: Service) -> Flask:
@@ -335,20 +338,31 @@ def _flask_host(service: Service) -> Flask:
     return app
 
 
-class _OnFirstCall:
-    """A WSGI app that ``build`` makes on its first call, once, whichever thread calls."""
+class _LazyHost:
+    """A pipeline's Flask host, built on first use, once, whichever thread asks: the
+    pipeline's fallback for the paths outside the table."""
 
-    def __init__(self, build: Callable[[], WSGIApp]) -> None:
-        self._build = build
-        self._app: WSGIApp | None = None
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.pipeline: Pipeline | None = None  # the pipeline it hosts (set by serving_app)
+        self._flask: Flask | None = None
+        self._paths: WSGIApp | None = None  # Flask's own WSGI app: its routes, its 404s
         self._lock = threading.Lock()
+
+    def flask(self) -> Flask:
+        with self._lock:
+            if self._flask is None:
+                assert self.pipeline is not None
+                app = _flask_host(self.service)
+                app.register_error_handler(Exception, self.pipeline.flask_error)
+                self._paths = app.wsgi_app
+                app.wsgi_app = self.pipeline  # type: ignore[method-assign]
+                self._flask = app
+            return self._flask
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
                  ) -> Iterable[bytes]:
-        app = self._app
-        if app is None:
-            with self._lock:
-                if self._app is None:
-                    self._app = self._build()
-                app = self._app
-        return app(environ, start_response)
+        if self._paths is None:
+            self.flask()
+        assert self._paths is not None
+        return self._paths(environ, start_response)
