@@ -69,12 +69,15 @@ def loaded(pid: int) -> list[str]:
     return [name for name, needle in LIBRARIES.items() if needle in maps]
 
 
-def one_start(env: dict[str, str], cmd: list[str]) -> dict[str, object]:
-    """Launch ``cmd`` (its port appended) and time it to its first answered POST /embed."""
+def one_start(env: dict[str, str], cmd: list[str], cwd: Path | None = None
+              ) -> dict[str, object]:
+    """Launch ``cmd`` (its port appended) in ``cwd`` and time it to its first answered POST
+    /embed."""
     port = free_port()
     cmd = [*cmd, "--port", str(port)]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=cwd)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             while True:
@@ -136,12 +139,13 @@ def main() -> None:
         subprocess.run([str(BIN / "embedsvc"), "export"], env={**base, **extra}, check=True,
                        capture_output=True)
     serve = [str(BIN / "embedsvc"), "serve"]
-    starts: dict[str, tuple[dict[str, str], list[str]]] = {
-        name: ({**base, **extra}, serve) for name, extra in paths.items()}
+    # (environment, command, working directory: `python -m` imports from there first)
+    starts: dict[str, tuple[dict[str, str], list[str], Path | None]] = {
+        name: ({**base, **extra}, serve, None) for name, extra in paths.items()}
     record = next(d for d in cache.glob("*.lean") if (d / "record.json").is_file())
     starts["floor (onnxruntime + tokenizers)"] = (
         base, [sys.executable, str(Path(__file__).with_name("floor_server.py")),
-               "--record", str(record)])
+               "--record", str(record)], None)
     if args.baseline:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from bench.run import baseline_tree
@@ -150,19 +154,22 @@ def main() -> None:
         env = {**base, "PYTHONPATH": str(tree)}
         subprocess.run([sys.executable, "-m", "embedsvc", "export"], env=env, check=True,
                        capture_output=True, cwd=tree)  # its own record format, not timed
+        # in its tree: `python -m` puts the working directory first on sys.path, so that
+        # run from this checkout's root it would serve this tree, not the baseline
         starts[f"embedsvc serve at {args.baseline}"] = (
-            env, [sys.executable, "-m", "embedsvc", "serve"])
+            env, [sys.executable, "-m", "embedsvc", "serve"], tree)
     if args.light:  # its own environment: nothing of this venv's on its path
         light = {**base, "PYTHONPATH": "", "VIRTUAL_ENV": str(args.light.parent)}
-        starts["light install, record"] = (light, [str(args.light / "embedsvc"), "serve"])
+        starts["light install, record"] = (light, [str(args.light / "embedsvc"), "serve"],
+                                           None)
         if args.onnx_dir:
             starts["light install, ONNX directory"] = (
-                light, [str(args.light / "embedsvc"), "serve", "--model", args.onnx_dir])
+                light, [str(args.light / "embedsvc"), "serve", "--model", args.onnx_dir], None)
     print(f"{'path':30} {'first /embed s':>14} {'CPU s':>6} {'RSS MiB':>8}  libraries mapped")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in starts}
     for _ in range(args.starts):  # alternating rounds: the machine's load falls on every path
-        for name, (env, cmd) in starts.items():
-            runs[name].append(one_start(env, cmd))
+        for name, (env, cmd, cwd) in starts.items():
+            runs[name].append(one_start(env, cmd, cwd))
     medians = {}
     for name, runs_ in runs.items():
         med = medians[name] = {k: statistics.median(r[k] for r in runs_)
