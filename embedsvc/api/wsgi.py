@@ -326,7 +326,9 @@ def flask_host(app: Pipeline) -> Flask:
     """The Flask app of a ``serving_app`` (built now if it was not), which serves the same
     pipeline: users' routes added to it are served by ``app`` too."""
     host = app.fallback
-    assert isinstance(host, _LazyHost), "not a serving_app"
+    if not isinstance(host, _LazyHost):
+        raise TypeError("flask_host takes the app of serving_app(); create_app() returns "
+                        "its Flask app itself")
     return host.flask()
 
 
