@@ -9,13 +9,14 @@ PyTorch loaded beside it), in one run.
 Beside them, always: the floor (bench/floor_server.py: ONNX Runtime and tokenizers serving the
 same record over the standard library's HTTP server), and what embedsvc's start costs over it;
 with ``--baseline REV``, `embedsvc serve` of that revision too (its tree checked out under
-bench/out, run with this venv), in the same alternating rounds.
+bench/out, run in that tree with this venv), in the same alternating rounds.
 
 ``--light``: also the install without PyTorch (`pip install embedsvc` into a venv of its
 own, whose bin directory this is), serving the record this venv exported, and with
 ``--onnx-dir`` a model directory that ships an ONNX graph, served with no record.
 
-For each path: exports into a private cache first (not timed), then starts `embedsvc serve`
+For each path: writes each tree's bytecode and exports into a private cache first (not
+timed), then starts `embedsvc serve`
 --starts times and reports the median of: seconds from launch to the first answered
 POST /embed, the process's CPU-seconds by then, VmRSS after ten more requests, and which of
 libtorch, scikit-learn, scipy, pandas appear in /proc/PID/maps. Then `embedsvc embed` on
