@@ -9,13 +9,14 @@ PyTorch loaded beside it), in one run.
 Beside them, always: the floor (bench/floor_server.py: ONNX Runtime and tokenizers serving the
 same record over the standard library's HTTP server), and what embedsvc's start costs over it;
 with ``--baseline REV``, `embedsvc serve` of that revision too (its tree checked out under
-bench/out, run with this venv), in the same alternating rounds.
+bench/out, run in that tree with this venv), in the same alternating rounds.
 
 ``--light``: also the install without PyTorch (`pip install embedsvc` into a venv of its
 own, whose bin directory this is), serving the record this venv exported, and with
 ``--onnx-dir`` a model directory that ships an ONNX graph, served with no record.
 
-For each path: exports into a private cache first (not timed), then starts `embedsvc serve`
+For each path: writes each tree's bytecode and exports into a private cache first (not
+timed), then starts `embedsvc serve`
 --starts times and reports the median of: seconds from launch to the first answered
 POST /embed, the process's CPU-seconds by then, VmRSS after ten more requests, and which of
 libtorch, scikit-learn, scipy, pandas appear in /proc/PID/maps. Then `embedsvc embed` on
@@ -69,12 +70,15 @@ def loaded(pid: int) -> list[str]:
     return [name for name, needle in LIBRARIES.items() if needle in maps]
 
 
-def one_start(env: dict[str, str], cmd: list[str]) -> dict[str, object]:
-    """Launch ``cmd`` (its port appended) and time it to its first answered POST /embed."""
+def one_start(env: dict[str, str], cmd: list[str], cwd: Path | None = None
+              ) -> dict[str, object]:
+    """Launch ``cmd`` (its port appended) in ``cwd`` and time it to its first answered POST
+    /embed."""
     port = free_port()
     cmd = [*cmd, "--port", str(port)]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=cwd)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             while True:
@@ -94,6 +98,13 @@ def one_start(env: dict[str, str], cmd: list[str]) -> dict[str, object]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def compiled(tree: Path) -> None:
+    """The tree's bytecode written, as an install writes it: under PYTHONDONTWRITEBYTECODE a
+    checkout never gets any, and each start would compile its 70 modules again (not timed)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "embedsvc")],
+                   check=True, capture_output=True)
 
 
 def embed_run(env: dict[str, str], work: Path) -> tuple[float, float]:
@@ -132,37 +143,43 @@ def main() -> None:
     base = {**os.environ, "EMBEDSVC_CACHE_DIR": str(cache), "EMBEDSVC_DEVICE": "cpu",
             "HF_HUB_OFFLINE": "1"}
     paths = {k: v for k, v in PATHS.items() if not args.serve_only or not v}
+    compiled(Path(__file__).resolve().parent.parent)
     for extra in paths.values():  # a warm cache for both paths: exporting is not timed
         subprocess.run([str(BIN / "embedsvc"), "export"], env={**base, **extra}, check=True,
                        capture_output=True)
     serve = [str(BIN / "embedsvc"), "serve"]
-    starts: dict[str, tuple[dict[str, str], list[str]]] = {
-        name: ({**base, **extra}, serve) for name, extra in paths.items()}
+    # (environment, command, working directory: `python -m` imports from there first)
+    starts: dict[str, tuple[dict[str, str], list[str], Path | None]] = {
+        name: ({**base, **extra}, serve, None) for name, extra in paths.items()}
     record = next(d for d in cache.glob("*.lean") if (d / "record.json").is_file())
     starts["floor (onnxruntime + tokenizers)"] = (
         base, [sys.executable, str(Path(__file__).with_name("floor_server.py")),
-               "--record", str(record)])
+               "--record", str(record)], None)
     if args.baseline:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from bench.run import baseline_tree
 
         tree = baseline_tree(args.baseline)
+        compiled(tree)
         env = {**base, "PYTHONPATH": str(tree)}
         subprocess.run([sys.executable, "-m", "embedsvc", "export"], env=env, check=True,
                        capture_output=True, cwd=tree)  # its own record format, not timed
+        # in its tree: `python -m` puts the working directory first on sys.path, so that
+        # run from this checkout's root it would serve this tree, not the baseline
         starts[f"embedsvc serve at {args.baseline}"] = (
-            env, [sys.executable, "-m", "embedsvc", "serve"])
+            env, [sys.executable, "-m", "embedsvc", "serve"], tree)
     if args.light:  # its own environment: nothing of this venv's on its path
         light = {**base, "PYTHONPATH": "", "VIRTUAL_ENV": str(args.light.parent)}
-        starts["light install, record"] = (light, [str(args.light / "embedsvc"), "serve"])
+        starts["light install, record"] = (light, [str(args.light / "embedsvc"), "serve"],
+                                           None)
         if args.onnx_dir:
             starts["light install, ONNX directory"] = (
-                light, [str(args.light / "embedsvc"), "serve", "--model", args.onnx_dir])
+                light, [str(args.light / "embedsvc"), "serve", "--model", args.onnx_dir], None)
     print(f"{'path':30} {'first /embed s':>14} {'CPU s':>6} {'RSS MiB':>8}  libraries mapped")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in starts}
     for _ in range(args.starts):  # alternating rounds: the machine's load falls on every path
-        for name, (env, cmd) in starts.items():
-            runs[name].append(one_start(env, cmd))
+        for name, (env, cmd, cwd) in starts.items():
+            runs[name].append(one_start(env, cmd, cwd))
     medians = {}
     for name, runs_ in runs.items():
         med = medians[name] = {k: statistics.median(r[k] for r in runs_)

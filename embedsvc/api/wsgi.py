@@ -9,7 +9,9 @@ once, in the error shape of the path's API family (``ErrorShapes``).
 
 Why not Flask for everything: on the hot path its request context, proxies and response
 objects cost more CPU per request than the rest of the server outside the model
-(bench/RESULTS.md).
+(bench/RESULTS.md). embedsvc's own servers serve ``serving_app``, the same pipeline with its
+Flask built on the first path outside the table, so that a start does not import the web
+framework before its first answer.
 
 >>> from embedsvc.model.fake import FakeEncoder
 >>> app = create_app(Settings(), encoder=FakeEncoder(dimension=4))
@@ -24,14 +26,13 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from flask import Flask, Response, request
 from prometheus_client import CollectorRegistry
-from werkzeug.exceptions import HTTPException
 
 from ..errors import (
     OPENAI,
@@ -52,6 +53,8 @@ from .tracing import tracing_for
 from .web import Call, Reply, Route, check_kind, json_reply
 
 if TYPE_CHECKING:  # an encoder given by a test or a library user; the app never loads one
+    from flask import Flask, Response
+
     from ..model.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -198,7 +201,9 @@ class Pipeline:
 
     def flask_error(self, exc: Exception) -> Response:
         """Flask's error handler: errors of the paths Flask serves (users' own routes)."""
-        reply = self.error(_flask_api_error(exc), request.path)
+        from flask import Response, request
+
+        reply = self.error(_flask_api_error(exc, request.path), request.path)
         return Response(reply.body, status=reply.status, headers=reply.headers,
                         content_type=reply.content_type)
 
@@ -251,10 +256,12 @@ def respond(start_response: Callable[..., Any], reply: Reply, head: bool = False
     return [] if head else [reply.body]
 
 
-def _flask_api_error(exc: Exception) -> ApiError:
+def _flask_api_error(exc: Exception, path: str) -> ApiError:
     """What a Flask error (or an exception of a user's route) tells the client."""
+    from werkzeug.exceptions import HTTPException
+
     if isinstance(exc, HTTPException) and exc.code == 404:
-        err: ApiError = NotFound(f"no route {request.path}; see /openapi.json",
+        err: ApiError = NotFound(f"no route {path}; see /openapi.json",
                                  code="not_found")
     elif isinstance(exc, HTTPException) and exc.code == 405:
         allow = ", ".join(sorted(getattr(exc, "valid_methods", None) or []))
@@ -298,9 +305,66 @@ def create_app(
     elif service is None:  # each model's metrics in a registry of its own (Service.exposition)
         service = serve_models(settings, lambda own, i: Service(
             own, metrics=Metrics(registry if i == 0 else None)))
-    app = Flask("embedsvc")
-    app.extensions["embedsvc"] = service
+    app = _flask_host(service)
     pipeline = Pipeline(service, app.wsgi_app)
     app.register_error_handler(Exception, pipeline.flask_error)
     app.wsgi_app = pipeline  # type: ignore[method-assign]
     return app
+
+
+def serving_app(service: Service) -> Pipeline:
+    """The app that embedsvc's own servers serve (``embedsvc serve``, its fronts,
+    ``embedsvc:app``): the pipeline of ``create_app``, whose Flask host, for the paths outside
+    the table, is built on its first use (``flask_host``) rather than before the first answer
+    (Flask's imports are a tenth of a second of the start)."""
+    host = _LazyHost(service)
+    pipeline = host.pipeline = Pipeline(service, host)
+    return pipeline
+
+
+def flask_host(app: Pipeline) -> Flask:
+    """The Flask app of a ``serving_app`` (built now if it was not), which serves the same
+    pipeline: users' routes added to it are served by ``app`` too."""
+    host = app.fallback
+    if not isinstance(host, _LazyHost):
+        raise TypeError("flask_host takes the app of serving_app(); create_app() returns "
+                        "its Flask app itself")
+    return host.flask()
+
+
+def _flask_host(service: Service) -> Flask:
+    from flask import Flask
+
+    app = Flask("embedsvc")
+    app.extensions["embedsvc"] = service
+    return app
+
+
+class _LazyHost:
+    """A pipeline's Flask host, built on first use, once, whichever thread asks: the
+    pipeline's fallback for the paths outside the table."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.pipeline: Pipeline | None = None  # the pipeline it hosts (set by serving_app)
+        self._flask: Flask | None = None
+        self._paths: WSGIApp | None = None  # Flask's own WSGI app: its routes, its 404s
+        self._lock = threading.Lock()
+
+    def flask(self) -> Flask:
+        with self._lock:
+            if self._flask is None:
+                assert self.pipeline is not None
+                app = _flask_host(self.service)
+                app.register_error_handler(Exception, self.pipeline.flask_error)
+                self._paths = app.wsgi_app
+                app.wsgi_app = self.pipeline  # type: ignore[method-assign]
+                self._flask = app
+            return self._flask
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
+                 ) -> Iterable[bytes]:
+        if self._paths is None:
+            self.flask()
+        assert self._paths is not None
+        return self._paths(environ, start_response)

@@ -43,6 +43,7 @@ from .preflight import FAILURE, PreflightError, check_tracing
 if TYPE_CHECKING:  # the web stack is imported where the app is built, not with this module
     from flask import Flask
 
+    from ..api.wsgi import Pipeline
     from ..model.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class LazyApp:
         self._env = os.environ if env is None else env
         self._load = load
         self._lock = threading.Lock()
-        self._flask: Flask | None = None
+        self._app: Pipeline | None = None
         self._pid = 0
         self._preloaded: Any = None
         settings = Settings.from_env(self._env)
@@ -222,22 +223,30 @@ class LazyApp:
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
     ) -> Iterable[bytes]:
-        return self.flask()(environ, start_response)
+        return self.pipeline()(environ, start_response)
 
-    def flask(self) -> Flask:
-        """This process's Flask app; its engine starts loading on the first call."""
-        app = self._flask
+    def pipeline(self) -> Pipeline:
+        """This process's app (``api/wsgi.py``'s ``serving_app``); its engine starts loading
+        on the first call."""
+        app = self._app
         if app is not None and self._pid == os.getpid():
             return app
         with self._lock:
-            if self._flask is None or self._pid != os.getpid():
-                self._flask = self._build()
+            if self._app is None or self._pid != os.getpid():
+                self._app = self._build()
                 self._pid = os.getpid()
-            return self._flask
+            return self._app
+
+    def flask(self) -> Flask:
+        """This process's Flask app, which serves the same pipeline (Flask is imported and
+        built on this call, or on the first request for a path outside the route table)."""
+        from ..api.wsgi import flask_host
+
+        return flask_host(self.pipeline())
 
     @property
     def service(self) -> Service:
-        return self.flask().extensions["embedsvc"]
+        return self.pipeline().service
 
     def warm(self, timeout: float | None = None) -> Service:
         """Build this process's service and wait until the model is loaded and warm."""
@@ -248,8 +257,8 @@ class LazyApp:
             raise RuntimeError(service.failure or exc.message) from None
         return service
 
-    def _build(self) -> Flask:
-        from ..api.wsgi import create_app
+    def _build(self) -> Pipeline:
+        from ..api.wsgi import serving_app
         from .shared_engine import SharedEngine, engine_owner, gunicorn_workers
 
         settings = Settings.from_env(self._env)
@@ -279,7 +288,7 @@ class LazyApp:
                 own, loader=partial(self._load, own, self._preloaded if index == 0 else None)))
             service.on_ready.append(lambda info: warn_if_wasteful(
                 info.device, sibling_workers(), _server_software(self._env)))
-        app = create_app(settings, service=service)
+        app = serving_app(service)
         service.start(background=True)
         return app
 
@@ -310,7 +319,7 @@ class LazyApp:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread may have held the parent's at the fork
-        self._flask = None
+        self._app = None
         try:
             check_fork(Settings.from_env(self._env))
         except RuntimeError as exc:

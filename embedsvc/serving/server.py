@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from ..api.wsgi import create_app
+from ..api.wsgi import serving_app
 from ..logs import configure_logging
 from ..service import Service, serve_models
 from ..settings import Settings
@@ -59,7 +59,7 @@ class Server:
                  ) -> None:
         self.settings = settings
         self.service = service
-        self.app = create_app(settings, service=service)
+        self.app = serving_app(service)
         metrics = service.metrics
         self.open_files = ensure_open_files(settings.max_connections,
                                             waitress_adapter.DESCRIPTORS_PER_CONNECTION)

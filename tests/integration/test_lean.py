@@ -260,6 +260,36 @@ def test_the_bundled_model_answers_to_its_own_name(bundled):
     assert served.graph.parent == path
 
 
+class _CountedSession:
+    """An ONNX Runtime session that notes the outputs each run asks for."""
+
+    def __init__(self, session, runs: list) -> None:
+        self._session, self._runs = session, runs
+
+    def run(self, names, feeds):
+        self._runs.append(list(names))
+        return self._session.run(names, feeds)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def test_a_start_checks_the_probe_in_one_run_of_the_graph(bundled, monkeypatch):
+    """The probe's pooled rows and token rows come from one run: each run on the probe costs
+    a start as much as the first. A probe that differs is still refused (the tampered
+    records above)."""
+    from embedsvc.model import runtime
+
+    _, path = bundled
+    runs: list = []
+    real = runtime.session
+    monkeypatch.setattr(runtime, "session",
+                        lambda graph, threads: _CountedSession(real(graph, threads), runs))
+    encoder = lean.open_record(path, 1)
+    assert isinstance(encoder, lean.LeanEncoder)
+    assert runs == [["sentence_embedding", "token_embeddings"]]
+
+
 def test_the_batcher_gives_the_lean_encoder_batches_of_one_session_run(bundled):
     from embedsvc.model.runtime import RUN_TOKENS
     from embedsvc.service import batch_limits

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import orjson
+import pytest
 from werkzeug.test import EnvironBuilder
 
 from embedsvc.model.fake import FakeEncoder
@@ -230,3 +231,14 @@ def test_head_answers_carry_the_get_headers_and_no_body(fake, registry):
     assert status == 405 and body == b"" and int(headers["Content-Length"]) > 0
     status, headers, body = call("HEAD", "/metrics")  # its length changes between calls
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+
+
+def test_flask_host_gives_a_serving_apps_flask_and_refuses_create_apps_pipeline(fake, registry):
+    from embedsvc.api.wsgi import flask_host, serving_app
+
+    app = make_app(fake, registry)
+    with pytest.raises(TypeError, match="create_app"):
+        flask_host(app.wsgi_app)
+    served = serving_app(app.extensions["embedsvc"])
+    host = flask_host(served)
+    assert host is flask_host(served) and host.wsgi_app is served
