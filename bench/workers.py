@@ -213,14 +213,22 @@ def ratio_line(results: list[Measured], sc: str, top: str, bottom: str) -> str:
             + ", ".join(f"{p:.2f}" for p in pairs) + ")")
 
 
+def sim_scenarios(clients: str) -> list[run.Scenario]:
+    """``sim Nx1`` for each N of ``clients`` (``--clients``: 1 for a lone client's latency)."""
+    return [SIM_32X1 if n == "32" else run.Scenario(f"sim {int(n)}x1", int(n), 1)
+            for n in clients.split(",")]
+
+
 def sim_report(results: list[Measured], labels: dict[str, str]) -> str:
+    lines = [server_table(results, labels), ""]
+    for sc in dict.fromkeys(m.scenario.name for m in results):
+        lines += ["- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
+                  "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
+                  "- " + ratio_line(results, sc, "sim", "bare"),
+                  "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
+        lines += ["- " + ratio_line(results, sc, "sim-w2", tree)
+                  for tree in labels if "@" in tree]
     sc = SIM_32X1.name
-    lines = [server_table(results, labels), "",
-             "- " + ratio_line(results, sc, "sim-w2", "sim") + f"; goal {WORKERS_GOAL}x",
-             "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
-             "- " + ratio_line(results, sc, "sim", "bare"),
-             "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
-    lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
     for name in (n for n in labels if n.startswith("sim-w2")):
         runs = _of(results, name, sc)
         requests = sum(m.requests for m in runs)
@@ -364,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
     parser.add_argument("--only", help="sim, model: comma-separated servers of "
                         + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison)")
+    parser.add_argument("--clients", default="32", help="sim: comma-separated numbers of "
+                        "clients, each sending 1 input a request (32: the comparison's)")
     parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
                         "--workers 2 joins the rounds (sim-w2@REV)")
     parser.add_argument("--workers", type=int, default=4, help="memory: workers of each launch")
@@ -381,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         return [n for n in labels if args.only is None or n in args.only.split(",") or "@" in n]
 
     reports: dict[str, Callable[[], str]] = {
-        "sim": lambda: sim_report(rounds(servers(sim), [SIM_32X1], args.rounds, args.duration),
-                                  sim),
+        "sim": lambda: sim_report(rounds(servers(sim), sim_scenarios(args.clients), args.rounds,
+                                         args.duration), sim),
         "model": lambda: model_report(rounds(servers(MODEL), MODEL_SCENARIOS, args.rounds,
                                              args.duration)),
         "memory": lambda: memory(args.workers, args.load, args.maps),
