@@ -228,6 +228,8 @@ class Link:
         return call.result()
 
     def close(self) -> None:
+        if self._stop.is_set():  # closed already: its pipe's numbers may be another's now
+            return
         self._stop.set()
         self.post(wire.Ping(os.getpid()))  # wakes the link's thread now
         if self._thread.is_alive():
@@ -256,8 +258,8 @@ class Link:
         except Exception:  # noqa: BLE001 - the front must hear the engine is gone, not hang
             log.exception("the link to the engine failed")
             self._lost("the link failed")
-        finally:
-            self._engine_gone()  # closing: no request waits on a link that is gone
+        finally:  # closing: no request waits on a link that is gone
+            self._fail_all(lambda: shutting_down({"Retry-After": "1"}))
             sock.disable_monitor()
             events.close(linger=0)
             sock.close(linger=0)
@@ -417,12 +419,15 @@ class Link:
     def _engine_gone(self) -> None:
         """The one place a request learns the engine is gone: every future in it fails
         now, each with its own 503 ``engine_gone``."""
+        self._fail_all(lambda: _gone(_ENGINE_GONE))
+
+    def _fail_all(self, error: Callable[[], ApiError]) -> None:
         with self._lock:
             calls = [*self._calls.values(), *(call for _, call in self._askers)]
             self._calls.clear()
             self._askers.clear()
         for call in calls:
-            call.settle(error=_gone(_ENGINE_GONE))
+            call.settle(error=error())
 
 
 def _gone(message: str) -> EngineGone:

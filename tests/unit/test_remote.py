@@ -552,3 +552,27 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
         assert select.select([link._wake_r], [], [], 0)[0], "a post after the turn wrote nothing"
     finally:
         link.close()
+
+
+def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_draining(
+        served, monkeypatch):
+    """Past the drain's wait, the link closes: a request still in the engine gets the
+    drain's 503, not a link that is gone from under it."""
+    from embedsvc.errors import Unavailable
+
+    engine, front, _, server = served
+    taken: list[wire.Submit] = []
+    monkeypatch.setattr(server, "_submit", lambda peer, frame: taken.append(frame))
+    errors: list[Exception] = []
+
+    def request(_: int) -> None:
+        try:
+            front.ready().run(Work(EMBED, ["held"], deadline=time.monotonic() + 30))
+        except Exception as exc:  # noqa: BLE001 - the test reads what it got
+            errors.append(exc)
+
+    (thread,) = _in_threads(request, [0])
+    assert _soon(lambda: len(taken) == 1)
+    front._link.close()
+    thread.join(10)
+    assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
