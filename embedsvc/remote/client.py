@@ -282,7 +282,8 @@ class Link:
         if now >= self._next_tick:
             self._next_tick = now + _TICK_S
             self._tick(sock, now)
-        self._flush(sock)
+        if self._outbox or self._unsent:
+            self._flush(sock)
 
     def _tick(self, sock: zmq.Socket, now: float) -> None:
         if self.card is not None and self.state != "loading" \
@@ -304,10 +305,9 @@ class Link:
 
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_READ_BATCH):
-            try:
-                data = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than zmq.Again
                 return
+            data = sock.recv(zmq.NOBLOCK)
             self._heard_at = time.monotonic()
             try:
                 frame = wire.decode_to_front(data)
