@@ -64,6 +64,8 @@ _READ_BATCH = 512  # frames read before the link looks at its other work
 # connection of a frame past the largest one request can make, which is at least 1 MiB
 # (wire.max_frame_bytes' margin), and that would cost every request of this front
 _BURST_BYTES = 1 << 19
+# plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
 _ENGINE_GONE = ("the engine process stopped while this request was in it; retry: a new one "
                 "is starting")
@@ -305,9 +307,9 @@ class Link:
 
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_READ_BATCH):
-            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than zmq.Again
+            if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # cheaper than zmq.Again
                 return
-            data = sock.recv(zmq.NOBLOCK)
+            data = sock.recv(_NOBLOCK)
             self._heard_at = time.monotonic()
             try:
                 frame = wire.decode_to_front(data)
@@ -334,9 +336,10 @@ class Link:
                 asker[1].settle(frame)
 
     def _settle(self, answers: list[wire.Answer | wire.Failed]) -> None:
+        pop = self._calls.pop
         with self._lock:
-            calls = [self._calls.pop(item.id, None) for item in answers]
-        for call, item in zip(calls, answers, strict=True):
+            calls = [(pop(item.id, None), item) for item in answers]
+        for call, item in calls:
             if call is not None:  # else its request gave up meanwhile
                 call.settle(item)
 
@@ -352,7 +355,7 @@ class Link:
             data = wire.encode(frames[0] if count == 1 else
                                wire.Submits(cast("list[wire.Submit]", frames)))
             try:
-                sock.send(data, zmq.NOBLOCK)
+                sock.send(data, _NOBLOCK)
             except zmq.Again:
                 self._expire_unsent()
                 return
