@@ -120,6 +120,11 @@ class Unavailable(ApiError):
     reason = "unavailable"
 
 
+class EngineGone(Unavailable):
+    """503: the engine process this front sent a request to is gone (or not reachable);
+    a new one is starting, so a retry in a moment is served."""
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout"

@@ -2,6 +2,7 @@
 
 ``wire.py`` is what travels on the engine's socket (typed frames, never pickles);
 ``server.py`` serves a ``Runner`` on that socket (the engine process's loop); ``client.py``
-is the front side's port to it (``RemotePort``) and the model's tokenizer rebuilt from the
-engine's card; ``place.py`` is the private directory the socket lives in.
+is the front side: its ``Link`` (one socket to the engine, whose one thread sends, reads and
+tracks the front's requests there) and its port (``RemotePort``); ``place.py`` is the private
+directory the socket lives in.
 """

@@ -1,13 +1,18 @@
 """A front's side of the engine's socket: ``Link`` (the card, the engine's state, its
-liveness) and ``RemotePort`` (the engine as ``EngineClient``'s port).
+liveness, and the one tracker of this front's requests in the engine) and ``RemotePort``
+(the engine as ``EngineClient``'s port).
 
-Each request thread has its own socket to the engine (``Link.socket``): it sends its
-``Submit`` and waits on that socket for the answer, so no other thread of the front is
-woken on the way. A thread of the link's own pings the engine every half second, sends this
-front's metrics every second, and watches the connection: when the engine process is gone
-(its socket closes, or it stops answering), every request waiting on it gets 503 with
-``Retry-After`` within ``LOST_AFTER_S`` plus one tick, and /health says ``loading`` until the
-supervisor's new engine answers a ``Hello`` with its card.
+The front has one socket to the engine, and one thread owns it: the link's (a ZeroMQ socket
+is not thread-safe). A request thread lists its request's future (``_Call``) with the link,
+queues its ``Submit`` and waits on the future alone, until its deadline. The link's thread
+sends what the request threads queued while it was busy as one ``Submits`` frame (they wake
+it through a pipe only where no wake-up is pending yet), reads every answer (an ``Answer``,
+a ``Failed``, or each of an ``Answers``) and sets the future it answers, which wakes that
+request's thread and no other. It pings the engine every half second, sends this front's
+metrics every second, cancels the requests whose client left, and watches the connection:
+when the engine process is gone (its socket closes, it stops answering, another answers),
+it fails every future in it at once with 503 ``engine_gone`` and ``Retry-After``, and
+/health says ``loading`` until the supervisor's new engine answers a ``Hello`` with its card.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -29,6 +35,7 @@ from ..errors import (
     ApiError,
     ClientDisconnected,
     DeadlineExceeded,
+    EngineGone,
     QuotaExceeded,
     Unavailable,
     shutting_down,
@@ -39,7 +46,7 @@ from . import wire
 
 log = logging.getLogger(__name__)
 
-_TICK_S = 0.1  # how often a waiting request looks at the engine's liveness and its client
+_TICK_S = 0.1  # how often the link looks at the engine's liveness and the clients
 _PING_S = 0.5
 _SNAPSHOT_S = 1.0
 # An engine silent this long is gone: one that dies closes its socket, which tells sooner;
@@ -50,8 +57,15 @@ _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engi
 # How long past its deadline a request waits for the engine's answer: the engine answers 504
 # at the deadline itself (its sweep looks every 0.1 s); past this, the front answers it
 ANSWER_GRACE_S = 2.0
-_CONNECT_S = 1.0  # how long a send waits for its socket to connect
+_CONNECT_S = 1.0  # how long a queued frame waits for the socket to connect
 _RECHECK_S = 1.0  # the longest a tenant's spent quota is refused here without the engine
+_READ_BATCH = 512  # frames read before the link looks at its other work
+# The most bytes of ids and pixels one Submits frame carries: the engine closes the
+# connection of a frame past the largest one request can make, which is at least 1 MiB
+# (wire.max_frame_bytes' margin), and that would cost every request of this front
+_BURST_BYTES = 1 << 19
+# plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
 _ENGINE_GONE = ("the engine process stopped while this request was in it; retry: a new one "
                 "is starting")
@@ -82,14 +96,54 @@ _ERRORS = {(c.status, c.type, c.reason): c for c in reversed(_subclasses(ApiErro
 _BY_NAME = {c.__name__: c for c in _subclasses(ApiError)}
 
 
+class _Call:
+    """A question to the engine, answered by the link's thread: a request's future (its
+    answer frame, or the error that ended it), or a scrape's. ``disconnected`` (the
+    request's client left), ``cancelled_at``: the link's, for a departed client."""
+
+    __slots__ = ("id", "disconnected", "cancelled_at", "answer", "error", "_unset")
+
+    def __init__(self, request_id: int, disconnected: Callable[[], bool] | None = None) -> None:
+        self.id = request_id
+        self.disconnected = disconnected
+        self.cancelled_at: float | None = None
+        self.answer: Any = None
+        self.error: ApiError | None = None
+        # held until settled: a bare lock costs a tenth of an Event's wait and set, and
+        # the link settles a call once (whoever takes it off the link's lists settles it)
+        self._unset = threading.Lock()
+        self._unset.acquire()
+
+    def settle(self, answer: Any = None, error: ApiError | None = None) -> None:
+        self.answer, self.error = answer, error
+        self._unset.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether it was settled within ``timeout`` seconds (None: however long)."""
+        if timeout is None:
+            got = self._unset.acquire()
+        elif timeout > 0:
+            got = self._unset.acquire(timeout=timeout)
+        else:
+            got = self._unset.acquire(blocking=False)
+        if got:
+            self._unset.release()  # settled for every later look too
+        return got
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+
 class Link:
     """This front's connection to the engine at ``address``.
 
     ``state``: ``loading`` until the engine's card arrives (and again while it is gone),
-    then the engine's own (``ready``, ``draining``, ``unhealthy``). ``generation`` grows each
-    time the engine is lost: a request sent in an earlier generation will get no answer.
-    ``snapshot()`` gives this front's metrics to send; ``keeper()``, called while no
-    engine answers, starts one if there is none (where no supervisor does).
+    then the engine's own (``ready``, ``draining``, ``unhealthy``). ``snapshot()`` gives this
+    front's metrics to send; ``keeper()``, called while no engine answers, starts one if
+    there is none (where no supervisor does). A request goes through ``send_call`` (its
+    future) and ``post`` (later frames about it, ``Cancel``); a scrape through ``ask``.
     """
 
     def __init__(self, address: str,
@@ -99,15 +153,24 @@ class Link:
         self._keeper = keeper  # starts an engine when there is none (gunicorn's workers)
         self.card: wire.Card | None = None
         self.state = "loading"
-        self.generation = 0
         self.engine_pid: int | None = None
         self.queue_limit = 0
         self.fronts: list[int] = []
         self._snapshot = snapshot
         self._context = zmq.Context()
-        self._local = threading.local()
-        self._sockets: list[zmq.Socket] = []
-        self._sockets_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # the futures listed, the askers, the state's loss
+        self._calls: dict[int, _Call] = {}
+        self._askers: deque[tuple[type, _Call]] = deque()
+        self._outbox: deque[tuple[float, wire.Frame]] = deque()  # any thread appends
+        self._unsent: list[tuple[float, wire.Frame]] = []  # the link's thread's alone
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._signalled = False
+        self._heard_at = 0.0
+        self._next_ping = self._next_snapshot = self._next_tick = 0.0
+        self._next_keep = time.monotonic() + LOST_AFTER_S
         self._carded = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="embedsvc-engine-link",
@@ -121,120 +184,223 @@ class Link:
         self._carded.wait(timeout)
         return self.card
 
-    def socket(self) -> zmq.Socket:
-        """This thread's socket to the engine."""
-        sock = getattr(self._local, "socket", None)
-        if sock is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # no engine connected: a send fails at once
-            sock.connect(self.address)
-            self._local.socket = sock
-            with self._sockets_lock:
-                self._sockets.append(sock)
-        return sock
+    def next_id(self) -> int:
+        return next(self._ids)
 
-    def send(self, sock: zmq.Socket, data: bytes) -> None:
-        """``data`` on this thread's ``sock``; 503 if the engine is not connected. A socket
-        connects within a moment of its creation (and again after the engine was replaced):
-        a send waits that moment, never longer than ``_CONNECT_S``."""
-        until = time.monotonic() + _CONNECT_S
-        while True:
-            try:
-                sock.send(data, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if self.state == "loading" or time.monotonic() > until:
-                    raise Unavailable(_NOT_CONNECTED, code="engine_gone",
-                                      headers={"Retry-After": "1"}) from None
-                time.sleep(0.001)
+    def send_call(self, frame: wire.Submit, disconnected: Callable[[], bool] | None
+                  ) -> _Call:
+        """``frame`` on its way, and its future; 503 while no engine answers."""
+        call = _Call(frame.id, disconnected)
+        with self._lock:
+            if self.state == "loading":
+                raise _gone(_NOT_CONNECTED)
+            self._calls[call.id] = call
+        self.post(frame)
+        return call
+
+    def forget(self, call: _Call) -> bool:
+        """Stop waiting for ``call``'s answer; False if it has come (or the link failed it)."""
+        with self._lock:
+            return self._calls.pop(call.id, None) is not None
+
+    def post(self, frame: wire.Frame) -> None:
+        """``frame`` to the engine, by the link's thread, with whatever else is queued. The
+        pipe is written only where no wake-up is pending: the link drains it before it
+        clears the flag, so a wake-up is never lost (see ``_turn``)."""
+        self._outbox.append((time.monotonic(), frame))
+        if not self._signalled:
+            self._signalled = True
+            with contextlib.suppress(OSError):  # closed, or a byte is there already
+                os.write(self._wake_w, b"\0")
 
     def ask(self, frame: wire.Frame, expect: type, timeout: float) -> Any:
-        """One question on this thread's socket that has no request id (a scrape)."""
-        sock = self.socket()
-        self.send(sock, wire.encode(frame))
-        until = time.monotonic() + timeout
-        while (left := until - time.monotonic()) > 0:
-            if sock.poll(int(left * 1000)):
-                answer = wire.decode_to_front(sock.recv())
-                if isinstance(answer, expect):
-                    return answer
-        raise Unavailable("the engine process did not answer in time", code="engine_timeout",
-                          headers={"Retry-After": "1"})
+        """One question that has no request id (a scrape): the next ``expect`` answers it."""
+        call = _Call(0)
+        with self._lock:
+            if self.state == "loading":
+                raise _gone(_NOT_CONNECTED)
+            self._askers.append((expect, call))
+        self.post(frame)
+        if not call.wait(timeout):
+            with self._lock, contextlib.suppress(ValueError):
+                self._askers.remove((expect, call))
+            if not call.wait(0):
+                raise Unavailable("the engine process did not answer in time",
+                                  code="engine_timeout", headers={"Retry-After": "1"})
+        return call.result()
 
     def close(self) -> None:
+        if self._stop.is_set():  # closed already: its pipe's numbers may be another's now
+            return
         self._stop.set()
+        self.post(wire.Ping(os.getpid()))  # wakes the link's thread now
         if self._thread.is_alive():
             self._thread.join(2)
-        with self._sockets_lock:
-            for sock in self._sockets:
-                sock.close(linger=0)
         self._context.term()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # -- the link's thread --------------------------------------------------------------------
 
     def _watch(self) -> None:
-        control = self._context.socket(zmq.DEALER)
-        control.setsockopt(zmq.LINGER, 0)
-        control.setsockopt(zmq.IMMEDIATE, 1)
-        events = control.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no engine connected: a send fails at once
+        events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
-        poller.register(events, zmq.POLLIN)
-        heard = 0.0
-        next_ping = next_snapshot = 0.0
-        next_keep = time.monotonic() + LOST_AFTER_S
+        for each in (sock, events, self._wake_r):
+            poller.register(each, zmq.POLLIN)
         try:
-            control.connect(self.address)
+            sock.connect(self.address)
             while not self._stop.is_set():
-                found = dict(poller.poll(int(_TICK_S * 1000)))
-                if events in found:
-                    event = recv_monitor_message(events)["event"]
-                    if event == zmq.EVENT_DISCONNECTED:
-                        self._lost("its socket closed")
-                    elif event == zmq.EVENT_CONNECTED:
-                        next_ping = 0.0  # say hello now
-                while control in found and control.poll(0):
-                    heard = time.monotonic()
-                    self._heard(wire.decode_to_front(control.recv()))
-                now = time.monotonic()
-                if self.card is not None and self.state != "loading" \
-                        and now - heard > LOST_AFTER_S:
-                    self._lost(f"no answer for {LOST_AFTER_S}s")
-                if self._keeper is not None and self.state in ("loading", "unhealthy") \
-                        and now >= next_keep:
-                    next_keep = now + LOST_AFTER_S  # none has answered: start one if needed
-                    self._failed(self._keeper())
-                if now >= next_ping:
-                    next_ping = now + _PING_S
-                    hello = wire.Ping(os.getpid()) if self.state != "loading" \
-                        else wire.Hello(os.getpid())
-                    _send(control, hello)
-                if self._snapshot is not None and now >= next_snapshot \
-                        and self.state != "loading":
-                    next_snapshot = now + _SNAPSHOT_S
-                    _send(control, wire.Snapshot(os.getpid(), *self._snapshot()))
+                # a frame the socket could not take yet is tried again soon
+                found = dict(poller.poll(1 if self._unsent else int(_TICK_S * 1000)))
+                self._turn(sock, events, found)
         except Exception:  # noqa: BLE001 - the front must hear the engine is gone, not hang
             log.exception("the link to the engine failed")
             self._lost("the link failed")
-        finally:
-            control.disable_monitor()
+        finally:  # closing: no request waits on a link that is gone
+            self._fail_all(lambda: shutting_down({"Retry-After": "1"}))
+            sock.disable_monitor()
             events.close(linger=0)
-            control.close(linger=0)
+            sock.close(linger=0)
 
-    def _heard(self, frame: Any) -> None:
+    def _turn(self, sock: zmq.Socket, events: zmq.Socket, found: dict[Any, int]) -> None:
+        if events in found:
+            event = recv_monitor_message(events)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost("its socket closed")
+            elif event == zmq.EVENT_CONNECTED:
+                self._next_ping = self._next_tick = 0.0  # say hello now
+        if self._wake_r in found:
+            # drained, then cleared: a post in between finds the flag still set and writes
+            # nothing, and its frame is sent below; one after writes a byte the next poll sees
+            _drain_pipe(self._wake_r)
+            self._signalled = False
+        if sock in found:
+            self._read(sock)
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK_S
+            self._tick(sock, now)
+        if self._outbox or self._unsent:
+            self._flush(sock)
+
+    def _tick(self, sock: zmq.Socket, now: float) -> None:
+        if self.card is not None and self.state != "loading" \
+                and now - self._heard_at > LOST_AFTER_S:
+            self._lost(f"no answer for {LOST_AFTER_S}s")
+        if self._keeper is not None and self.state in ("loading", "unhealthy") \
+                and now >= self._next_keep:
+            self._next_keep = now + LOST_AFTER_S  # none has answered: start one if needed
+            self._failed(self._keeper())
+        if now >= self._next_ping:
+            self._next_ping = now + _PING_S
+            _send(sock, wire.Ping(os.getpid()) if self.state != "loading"
+                  else wire.Hello(os.getpid()))
+        if self._snapshot is not None and now >= self._next_snapshot \
+                and self.state != "loading":
+            self._next_snapshot = now + _SNAPSHOT_S
+            _send(sock, wire.Snapshot(os.getpid(), *self._snapshot()))
+        self._sweep_departed(now)
+
+    def _read(self, sock: zmq.Socket) -> None:
+        for _ in range(_READ_BATCH):
+            if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # cheaper than zmq.Again
+                return
+            data = sock.recv(_NOBLOCK)
+            self._heard_at = time.monotonic()
+            try:
+                frame = wire.decode_to_front(data)
+            except ValueError as exc:  # msgspec's DecodeError and ValidationError
+                log.warning("a malformed frame from the engine was dropped (%s)",
+                            str(exc)[:200])
+                continue
+            self._route(frame)
+
+    def _route(self, frame: Any) -> None:
+        """An answer to the future it answers; the engine's card and pongs to the link."""
+        if isinstance(frame, (wire.Answer, wire.Failed)):
+            self._settle([frame])
+        elif isinstance(frame, wire.Answers):
+            self._settle(frame.items)
+        elif isinstance(frame, (wire.Card, wire.Pong)):
+            self._heard(frame)
+        else:
+            with self._lock:
+                asker = next((a for a in self._askers if isinstance(frame, a[0])), None)
+                if asker is not None:
+                    self._askers.remove(asker)
+            if asker is not None:
+                asker[1].settle(frame)
+
+    def _settle(self, answers: list[wire.Answer | wire.Failed]) -> None:
+        pop = self._calls.pop
+        with self._lock:
+            calls = [(pop(item.id, None), item) for item in answers]
+        for call, item in calls:
+            if call is not None:  # else its request gave up meanwhile
+                call.settle(item)
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        """What the request threads queued, in as few frames as fit: a run of ``Submit``s
+        as one ``Submits`` (one alone as itself). Frames the socket cannot take yet (it
+        is connecting) wait for the next turn, at most ``_CONNECT_S``."""
+        while self._outbox:
+            self._unsent.append(self._outbox.popleft())
+        while self._unsent:
+            count = _burst(self._unsent)
+            frames = [frame for _, frame in self._unsent[:count]]
+            data = wire.encode(frames[0] if count == 1 else
+                               wire.Submits(cast("list[wire.Submit]", frames)))
+            try:
+                sock.send(data, _NOBLOCK)
+            except zmq.Again:
+                self._expire_unsent()
+                return
+            del self._unsent[:count]
+
+    def _expire_unsent(self) -> None:
+        """Requests queued longer than ``_CONNECT_S`` on a socket that does not connect get
+        503; other frames that old are dropped (a scrape's asker times out)."""
+        until = time.monotonic() - _CONNECT_S
+        late = [frame for queued, frame in self._unsent if queued < until]
+        if not late:
+            return
+        self._unsent = [(queued, frame) for queued, frame in self._unsent if queued >= until]
+        with self._lock:
+            calls = [self._calls.pop(f.id, None) for f in late if isinstance(f, wire.Submit)]
+        for call in calls:
+            if call is not None:
+                call.settle(error=_gone(_NOT_CONNECTED))
+
+    def _sweep_departed(self, now: float) -> None:
+        """A request whose client left: ``Cancel`` to the engine at once (it answers 499),
+        and 499 here if that has not come within ``_CANCEL_GRACE_S``."""
+        with self._lock:
+            watched = [c for c in self._calls.values() if c.disconnected is not None]
+        for call in watched:
+            if call.cancelled_at is None:
+                if call.disconnected():  # type: ignore[misc]
+                    call.cancelled_at = now
+                    self._unsent.append((now, wire.Cancel(call.id)))
+            elif now - call.cancelled_at > _CANCEL_GRACE_S and self.forget(call):
+                call.settle(error=ClientDisconnected("the client disconnected",
+                                                     code="client_disconnected"))
+
+    def _heard(self, frame: wire.Card | wire.Pong) -> None:
         if isinstance(frame, wire.Card):
             if self.engine_pid is not None and frame.pid != self.engine_pid:
-                self.generation += 1  # a new engine: the old one's requests are lost
+                self._engine_gone()  # a new engine: the old one's requests are lost
             self.card, self.engine_pid = frame, frame.pid
             self.state, self.queue_limit = frame.state, frame.queue_limit
             log.info("engine ready: pid=%d device=%s model=%s (this front: pid %d)",
                      frame.pid, frame.info.get("device"), frame.info.get("name"), os.getpid())
             self._carded.set()
-        elif isinstance(frame, wire.Pong):
-            if self.engine_pid is not None and frame.pid != self.engine_pid:
-                self._lost("another engine answered")
-                return
+        elif self.engine_pid is not None and frame.pid != self.engine_pid:
+            self._lost("another engine answered")
+        else:
             self.state, self.queue_limit, self.fronts = frame.state, frame.queue_limit, \
                 frame.fronts
 
@@ -245,17 +411,54 @@ class Link:
             log.error("%s", why)
 
     def _lost(self, why: str) -> None:
-        if self.state == "loading":
-            return
-        self.generation += 1
-        self.state = "loading"
+        with self._lock:
+            if self.state == "loading":
+                return
+            self.state = "loading"
         log.warning("the engine process (pid %s) is gone (%s); waiting for a new one",
                     self.engine_pid, why)
+        self._engine_gone()
+
+    def _engine_gone(self) -> None:
+        """The one place a request learns the engine is gone: every future in it fails
+        now, each with its own 503 ``engine_gone``."""
+        self._fail_all(lambda: _gone(_ENGINE_GONE))
+
+    def _fail_all(self, error: Callable[[], ApiError]) -> None:
+        with self._lock:
+            calls = [*self._calls.values(), *(call for _, call in self._askers)]
+            self._calls.clear()
+            self._askers.clear()
+        for call in calls:
+            call.settle(error=error())
+
+
+def _gone(message: str) -> EngineGone:
+    return EngineGone(message, code="engine_gone", headers={"Retry-After": "1"})
+
+
+def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
+    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids
+    and pixels fit ``_BURST_BYTES`` (at least one), or one other frame."""
+    size = 0
+    for n, (_, frame) in enumerate(queued):
+        if not isinstance(frame, wire.Submit):
+            return max(n, 1)
+        size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
+            + len(frame.pixels) + len(frame.images)
+        if n and size > _BURST_BYTES:
+            return n
+    return len(queued)
 
 
 def _send(sock: zmq.Socket, frame: wire.Frame) -> None:
     with contextlib.suppress(zmq.Again):  # not connected (yet): the next tick tries again
         sock.send(wire.encode(frame), zmq.NOBLOCK)
+
+
+def _drain_pipe(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):  # a post writes only while none is pending
+        os.read(fd, 4096)
 
 
 class RemotePort:
@@ -273,7 +476,6 @@ class RemotePort:
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        self._ids = itertools.count(1)
         self._draining = False
         self._in_flight = 0
         self._cond = threading.Condition()
@@ -322,56 +524,38 @@ class RemotePort:
         """Nothing is reserved on this side."""
 
     def submit(self, work: Work, ticket: None) -> Pending:
-        sock = self.link.socket()
-        request_id = next(self._ids)
-        generation = self.link.generation
         assert work.deadline is not None
         rows: list[Any] = work.ids
         images: dict[str, Any] = {}
         if work.kind == IMAGE:  # the pixels beside the ids
             rows, images = wire.pack_pixels(rows)
         ids, lengths, seconds = wire.pack_ids(rows)
-        frame = wire.Submit(request_id, work.kind, ids, lengths, seconds, raw=work.raw,
-                            timeout=work.deadline - time.monotonic(),
+        frame = wire.Submit(self.link.next_id(), work.kind, ids, lengths, seconds,
+                            raw=work.raw, timeout=work.deadline - time.monotonic(),
                             flow=None if work.flow is None else repr(work.flow),
                             tenant=work.tenant, front=os.getpid(), **images)
-        self.link.send(sock, wire.encode(frame))
+        call = self.link.send_call(frame, work.disconnected)
         with self._cond:
             self._in_flight += 1
         give_up = work.deadline + ANSWER_GRACE_S
-        return Pending(lambda: self._wait(sock, request_id, generation, work, give_up))
+        return Pending(lambda: self._wait(call, work, give_up))
 
-    def _wait(self, sock: zmq.Socket, request_id: int, generation: int, work: Work,
-              give_up: float) -> Embedded:
-        cancelled_at = None
+    def _wait(self, call: _Call, work: Work, give_up: float) -> Embedded:
+        """The answer the link sets on ``call``, or the error it ends it with (the engine
+        gone, the client gone); 504 and a ``Cancel`` past ``give_up``."""
         try:
-            while True:
-                if sock.poll(int(_TICK_S * 1000)):
-                    frame = _for(request_id, wire.decode_to_front(sock.recv()))
-                    if frame is not None:
-                        if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
-                                and work.tenant is not None:
-                            now = time.monotonic()
-                            self._spent[work.tenant] = (
-                                now + min(frame.empty_s, _RECHECK_S), now + frame.empty_s,
-                                frame)
-                        return embedded(frame, work.kind)
-                    continue  # an answer to an earlier request of this thread
-                if self.link.generation != generation:
-                    raise Unavailable(_ENGINE_GONE, code="engine_gone",
-                                      headers={"Retry-After": "1"})
-                if time.monotonic() > give_up:
-                    _send(sock, wire.Cancel(request_id))  # the engine may drop it now
-                    raise DeadlineExceeded("the engine process did not answer in time",
-                                           code="timeout")
-                if cancelled_at is None and work.disconnected is not None \
-                        and work.disconnected():
-                    cancelled_at = time.monotonic()
-                    _send(sock, wire.Cancel(request_id))
-                elif cancelled_at is not None and \
-                        time.monotonic() - cancelled_at > _CANCEL_GRACE_S:
-                    raise ClientDisconnected("the client disconnected",
-                                             code="client_disconnected")
+            if not call.wait(give_up - time.monotonic()) and self.link.forget(call):
+                self.link.post(wire.Cancel(call.id))  # the engine may drop it now
+                raise DeadlineExceeded("the engine process did not answer in time",
+                                       code="timeout")
+            call.wait(None)  # set, or being set: it was no longer listed
+            frame = call.result()
+            if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
+                    and work.tenant is not None:
+                now = time.monotonic()
+                self._spent[work.tenant] = (now + min(frame.empty_s, _RECHECK_S),
+                                            now + frame.empty_s, frame)
+            return embedded(frame, work.kind)
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -387,13 +571,6 @@ class RemotePort:
                 self._cond.wait(left)
             left_over = self._in_flight
         return ShutdownReport(0, left_over, left_over == 0)
-
-
-def _for(request_id: int, frame: Any) -> Any:
-    """The answer to ``request_id`` in ``frame`` (an ``Answers`` holds several), or None."""
-    if isinstance(frame, wire.Answers):
-        return next((item for item in frame.items if item.id == request_id), None)
-    return frame if getattr(frame, "id", None) == request_id else None
 
 
 def embedded(frame: Any, kind: str) -> Embedded:

@@ -39,12 +39,14 @@ def pair(served):
 @pytest.fixture
 def served(tmp_path, registry):
     """(the engine's service, a front's service, the fake encoder, the engine's loop)."""
-    with serving(tmp_path, registry, FakeEncoder(dimension=6, max_input_tokens=16)) as got:
-        yield got
+    with serving(tmp_path, registry) as (engine, front, encoder, server, _):
+        yield engine, front, encoder, server
 
 
 @contextlib.contextmanager
-def serving(tmp_path, registry, encoder):
+def serving(tmp_path, registry, encoder=None):
+    """``served``'s four, and the event that ends the engine's loop once nothing is in it."""
+    encoder = encoder or FakeEncoder(dimension=6, max_input_tokens=16)
     engine = Service(Settings(), encoder=encoder, metrics=Metrics(registry))
     engine.start(background=False)
     runner = engine.runner
@@ -58,7 +60,7 @@ def serving(tmp_path, registry, encoder):
     front.start(background=True)
     try:
         assert front.ready(10) is not None
-        yield engine, front, encoder, server
+        yield engine, front, encoder, server, stop
     finally:
         front.drain(2)
         engine.drain(2)
@@ -281,7 +283,7 @@ def test_a_device_that_costs_nothing_is_run_by_the_engines_loop(tmp_path, regist
     the same answers, the same deadlines and the same one frame a front; the batcher's
     thread computes nothing (no hand-off of the interpreter lock to it and back)."""
     encoder = _FreeDevice(dimension=6, max_input_tokens=16)
-    with serving(tmp_path, registry, encoder) as (engine, front, _, server):
+    with serving(tmp_path, registry, encoder) as (engine, front, _, server, _):
         texts = ["hello world", "a second text", "x " * 40]
         out = front.ready().run(Work(EMBED, texts, deadline=time.monotonic() + 5))
         want = np.stack([encoder.expected(t) for t in texts[:2]])
@@ -457,14 +459,198 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     from embedsvc.remote import client as client_module
 
     taken: list[wire.Frame] = []
+    cancelled: list[int] = []
     monkeypatch.setattr(server, "_submit",
                         lambda burst: taken.extend(frame for _, frame in burst))
+    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
     monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.3)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
         front.ready().run(Work(EMBED, ["never answered"], deadline=started + 0.5))
     assert time.monotonic() - started >= 0.8  # its deadline and the grace, not sooner
     assert len(taken) == 1 and isinstance(taken[0], wire.Submit)
+    assert _soon(lambda: cancelled == [taken[0].id]), cancelled
     monkeypatch.undo()  # the engine answers again, on the same port
     out = front.ready().run(Work(EMBED, ["answered"], deadline=time.monotonic() + 5))
     assert out.vectors.shape == (1, 6)
+
+
+def _soon(condition, timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds."""
+    until = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _in_threads(target, args: list) -> list[threading.Thread]:
+    threads = [threading.Thread(target=target, args=(a,)) for a in args]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_requests_queued_while_the_link_sends_share_one_frame_and_get_their_own_rows(
+        served, monkeypatch):
+    """A front's request threads do not each send: what they submit while the link's
+    thread is busy goes to the engine as one ``Submits``, and each gets its own rows."""
+    engine, front, encoder, server = served
+    frames: list[wire.Frame] = []
+    decoded = server._decoded
+
+    def counted(parts):
+        frame = decoded(parts)
+        if isinstance(frame, (wire.Submit, wire.Submits)):
+            frames.append(frame)
+        return frame
+
+    monkeypatch.setattr(server, "_decoded", counted)
+    holding, held = threading.Event(), threading.Event()
+    snapshot = front.metrics.snapshot
+
+    def held_snapshot(pid):  # the link's thread, busy while the requests submit
+        holding.set()
+        held.wait(10)
+        return snapshot(pid)
+
+    monkeypatch.setattr(front.metrics, "snapshot", held_snapshot)
+    assert holding.wait(5)
+    port, submitted = front.ready().port, threading.Semaphore(0)
+    submit = port.submit
+
+    def counted_submit(work, ticket):
+        pending = submit(work, ticket)
+        submitted.release()
+        return pending
+
+    monkeypatch.setattr(port, "submit", counted_submit)
+    texts = [f"request number {i}" for i in range(8)]
+    rows: dict[str, np.ndarray] = {}
+
+    def request(text: str) -> None:
+        work = Work(EMBED, [text], deadline=time.monotonic() + 10)
+        rows[text] = front.ready().run(work).vectors[0]
+
+    threads = _in_threads(request, texts)
+    assert all(submitted.acquire(timeout=10) for _ in texts)
+    held.set()
+    for thread in threads:
+        thread.join(10)
+    sizes = [len(f.items) if isinstance(f, wire.Submits) else 1 for f in frames]
+    assert sum(sizes) == len(texts) and len(frames) < len(texts), sizes
+    for text in texts:
+        np.testing.assert_allclose(rows[text], encoder.expected(text), rtol=1e-6)
+
+
+def test_a_lost_engine_fails_every_waiting_request_at_once_from_the_link(
+        tmp_path, registry, monkeypatch):
+    """Requests waiting in an engine that goes away each get 503 ``engine_gone`` with
+    Retry-After, set on their futures by the link's thread when it sees the loss (no
+    request thread looks for it on a tick of its own)."""
+    from embedsvc.errors import EngineGone
+    from embedsvc.remote import client as client_module
+
+    with serving(tmp_path, registry) as (engine, front, encoder, server, stop):
+        taken: list[wire.Submit] = []
+        monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
+        settled: list[tuple[str, type]] = []
+        settle = client_module._Call.settle
+
+        def recorded(call, answer=None, error=None):
+            settled.append((threading.current_thread().name, type(error)))
+            settle(call, answer, error)
+
+        monkeypatch.setattr(client_module._Call, "settle", recorded)
+        errors: list[Exception] = []
+
+        def request(i: int) -> None:
+            try:
+                front.ready().run(Work(EMBED, [f"held {i}"], deadline=time.monotonic() + 30))
+            except Exception as exc:  # noqa: BLE001 - the test reads what each one got
+                errors.append(exc)
+
+        threads = _in_threads(request, list(range(6)))
+        assert _soon(lambda: len(taken) == 6), taken
+        stop.set()  # nothing admitted: the engine's loop ends and its socket closes
+        for thread in threads:
+            thread.join(10)
+        assert [type(e) for e in errors] == [EngineGone] * 6, errors
+        assert all(e.status == 503 and e.code == "engine_gone" and
+                   e.headers == {"Retry-After": "1"} for e in errors)
+        assert settled == [("embedsvc-engine-link", EngineGone)] * 6
+
+
+def test_a_departed_clients_request_is_cancelled_in_the_engine_then_499(served, monkeypatch):
+    engine, front, _, server = served
+    from embedsvc.errors import ClientDisconnected
+
+    taken: list[wire.Submit] = []
+    cancelled: list[int] = []
+    monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
+    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
+    work = Work(EMBED, ["gone"], deadline=time.monotonic() + 30, disconnected=lambda: True)
+    with pytest.raises(ClientDisconnected):
+        front.ready().run(work)
+    assert [f.id for f in taken] == cancelled
+
+
+def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeypatch):
+    """The flag-then-pipe wake-up of the link's thread, drained before it is cleared: a
+    request thread that posts while the link drains its pipe has its frame sent by that
+    turn, and the next post writes again (cleared first, the flag stayed set with the pipe
+    empty, and no later post woke the link)."""
+    from embedsvc.remote import client as client_module
+
+    link = client_module.Link("ipc:///nonexistent")
+    sent: list[bytes] = []
+
+    class Socket:
+        def send(self, data: bytes, flags: int = 0) -> None:
+            sent.append(data)
+
+    drain = client_module._drain_pipe
+    during = wire.Cancel(2)
+
+    def drain_with_a_post_in_between(fd: int) -> None:
+        link.post(during)
+        drain(fd)
+
+    try:
+        link.post(wire.Cancel(1))
+        monkeypatch.setattr(client_module, "_drain_pipe", drain_with_a_post_in_between)
+        link._turn(Socket(), object(), {link._wake_r: 1})
+        monkeypatch.setattr(client_module, "_drain_pipe", drain)
+        assert wire.encode(during) in sent
+        link.post(wire.Cancel(3))
+        assert select.select([link._wake_r], [], [], 0)[0], "a post after the turn wrote nothing"
+    finally:
+        link.close()
+
+
+def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_draining(
+        served, monkeypatch):
+    """Past the drain's wait, the link closes: a request still in the engine gets the
+    drain's 503, not a link that is gone from under it."""
+    from embedsvc.errors import Unavailable
+
+    engine, front, _, server = served
+    taken: list[wire.Submit] = []
+    monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
+    errors: list[Exception] = []
+
+    def request(_: int) -> None:
+        try:
+            front.ready().run(Work(EMBED, ["held"], deadline=time.monotonic() + 30))
+        except Exception as exc:  # noqa: BLE001 - the test reads what it got
+            errors.append(exc)
+
+    (thread,) = _in_threads(request, [0])
+    assert _soon(lambda: len(taken) == 1)
+    front._link.close()
+    thread.join(10)
+    assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
