@@ -8,7 +8,7 @@ When the inputs reach the place where they leave the request's hands, the hook t
 Python stack there and keeps embedsvc's frames from the route function down:
 
 - one process: the route, down to the batcher's ``submit`` (``embedsvc/batching/``: its
-  queue);
+  queue; ``submit_many`` where a tree queues a burst at once);
 - ``--workers`` (an engine and a front in this process, on an ``ipc://`` socket, as
   tests/unit/test_remote.py builds them): the front, the route down to its port's
   ``submit`` (where the work is handed to the engine's socket), and the engine, its loop's
@@ -72,7 +72,7 @@ def hook(frame, event, arg):
     if event != "call" or not frame.f_code.co_filename.startswith(ROOT):
         return
     where = rel(frame)
-    if where.startswith("batching/") and frame.f_code.co_name == "submit":
+    if where.startswith("batching/") and frame.f_code.co_name in ("submit", "submit_many"):
         for name, start in (("one process", route), ("engine", engine_loop)):
             found = name not in stacks and stretch(frame, start)
             if found:

@@ -6,7 +6,7 @@
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/workers.py frames --rounds 3 --duration 6
 
 ``sim``: 32 clients x 1 input (wrk and bench/embed.lua, as bench/run.py drives them) against
-embedsvc in one process and ``--workers 2`` over the simulated zero-cost device
+embedsvc in one process, ``--workers 2`` and ``--workers 4`` over the simulated zero-cost device
 (bench/sim_server.py), a bare waitress app and the same bare app under ``gunicorn -w 2``
 (bench/bare_server.py); with each server's CPU per request (every process of it) and, for
 ``--workers``, the engine process's own (``/proc/PID/stat``'s utime and stime before and after
@@ -68,8 +68,11 @@ sys.path.insert(0, str(REPO))
 from bench import run  # noqa: E402 - the path above makes the repository importable
 
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
+       "sim-w4": "embedsvc --workers 4",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2"}
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
+
+
 def sim_scenario(clients: int) -> run.Scenario:
     return run.Scenario(f"sim {clients}x1", clients, 1)
 
@@ -245,10 +248,12 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
              "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
              "- " + ratio_line(results, sc, "sim", "bare"),
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
+    if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
+        lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
     lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
     lines += ["- " + p50_line(results, sc, name) for name in labels
-              if name.startswith("sim-w2") and _of(results, "sim", sc)]
-    for name in (n for n in labels if n.startswith("sim-w2")):
+              if name.startswith("sim-w") and _of(results, "sim", sc)]
+    for name in (n for n in labels if n.startswith("sim-w")):
         runs = _of(results, name, sc)
         requests = sum(m.requests for m in runs)
         if requests:
