@@ -64,6 +64,9 @@ _READ_BATCH = 512  # frames read before the link looks at its other work
 # connection of a frame past the largest one request can make, which is at least 1 MiB
 # (wire.max_frame_bytes' margin), and that would cost every request of this front
 _BURST_BYTES = 1 << 19
+# What a Submit's encoding adds to its arrays (its field names, numbers, kind), counted
+# beside them: one-input requests are a dozen bytes of ids in a frame of some 160
+_SUBMIT_BYTES = 256
 # plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
@@ -438,14 +441,15 @@ def _gone(message: str) -> EngineGone:
 
 
 def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
-    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids
-    and pixels fit ``_BURST_BYTES`` (at least one), or one other frame."""
+    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids,
+    pixels and encoding fit ``_BURST_BYTES`` (at least one), or one other frame."""
     size = 0
     for n, (_, frame) in enumerate(queued):
         if not isinstance(frame, wire.Submit):
             return max(n, 1)
         size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
-            + len(frame.pixels) + len(frame.images)
+            + len(frame.pixels) + len(frame.images) + _SUBMIT_BYTES \
+            + 4 * (len(frame.tenant or "") + len(frame.flow or ""))  # UTF-8's most a char
         if n and size > _BURST_BYTES:
             return n
     return len(queued)
