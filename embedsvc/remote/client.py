@@ -198,7 +198,10 @@ class Link:
             if self.state == "loading":
                 raise _gone(_NOT_CONNECTED)
             self._calls[call.id] = call
-        self.post(frame)
+            # queued with the listing: a Cancel the link queues for a call it sees listed
+            # goes after its Submit, never before (the engine ignores a Cancel of no request)
+            self._outbox.append((time.monotonic(), frame))
+        self._signal()
         return call
 
     def forget(self, call: _Call) -> bool:
@@ -211,6 +214,9 @@ class Link:
         pipe is written only where no wake-up is pending: the link drains it before it
         clears the flag, so a wake-up is never lost (see ``_turn``)."""
         self._outbox.append((time.monotonic(), frame))
+        self._signal()
+
+    def _signal(self) -> None:
         if not self._signalled:
             self._signalled = True
             with contextlib.suppress(OSError):  # closed, or a byte is there already
@@ -387,7 +393,7 @@ class Link:
             if call.cancelled_at is None:
                 if call.disconnected():  # type: ignore[misc]
                     call.cancelled_at = now
-                    self._unsent.append((now, wire.Cancel(call.id)))
+                    self._outbox.append((now, wire.Cancel(call.id)))  # after its Submit
             elif now - call.cancelled_at > _CANCEL_GRACE_S and self.forget(call):
                 call.settle(error=ClientDisconnected("the client disconnected",
                                                      code="client_disconnected"))

@@ -671,3 +671,31 @@ def test_a_burst_of_many_small_requests_stays_within_the_engines_frame_limit():
     frame = wire.encode(wire.Submits([f for _, f in queued[:count]]))
     assert 1 < count < len(queued)
     assert len(frame) <= wire.max_frame_bytes(inputs=1, tokens=3), (count, len(frame))
+
+
+class _Recorder:
+    """A socket that takes every frame at once and keeps what it decodes to."""
+
+    def __init__(self) -> None:
+        self.sent: list[wire.Frame] = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        self.sent.append(wire.decode_to_engine(data))
+
+
+def test_a_departed_clients_cancel_goes_after_its_submit_in_the_same_turn():
+    """A request whose client has left by the link's turn that sends its ``Submit``: the
+    ``Cancel`` goes after the ``Submit``. It used to go first, where the engine ignored it
+    (no such request yet) and then computed the request to the end."""
+    link = client_module.Link("ipc:///nonexistent")
+    link.state = "ready"
+    try:
+        submit = wire.Submit(link.next_id(), "embed", *wire.pack_ids([[101, 7, 102]]))
+        link.send_call(submit, lambda: True)  # listed and queued; its client gone already
+        link._sweep_departed(time.monotonic())  # the turn's tick, before its flush
+        sock = _Recorder()
+        link._flush(sock)  # type: ignore[arg-type]
+        assert [type(f).__name__ for f in sock.sent] == ["Submit", "Cancel"], sock.sent
+        assert sock.sent[1].id == submit.id
+    finally:
+        link.close()
