@@ -54,8 +54,9 @@ _SNAPSHOT_S = 1.0
 # (building its tokenizer from the card held it 1.7 s once) not to mistake its own pause.
 LOST_AFTER_S = 3.0
 _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engine's 499
-# How long past its deadline a request waits for the engine's answer: the engine answers 504
-# at the deadline itself (its sweep looks every 0.1 s); past this, the front answers it
+# How long past its deadline, or past the engine's last pong that listed it as held, a
+# request waits for the engine's answer: the engine answers 504 at the deadline itself (its
+# sweep looks every 0.1 s) unless the request reached the model; past this, the front does
 ANSWER_GRACE_S = 2.0
 _CONNECT_S = 1.0  # how long a queued frame waits for the socket to connect
 _RECHECK_S = 1.0  # the longest a tenant's spent quota is refused here without the engine
@@ -64,6 +65,9 @@ _READ_BATCH = 512  # frames read before the link looks at its other work
 # connection of a frame past the largest one request can make, which is at least 1 MiB
 # (wire.max_frame_bytes' margin), and that would cost every request of this front
 _BURST_BYTES = 1 << 19
+# What a Submit's encoding adds to its arrays (its field names, numbers, kind), counted
+# beside them: one-input requests are a dozen bytes of ids in a frame of some 160
+_SUBMIT_BYTES = 256
 # plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
@@ -101,12 +105,13 @@ class _Call:
     answer frame, or the error that ended it), or a scrape's. ``disconnected`` (the
     request's client left), ``cancelled_at``: the link's, for a departed client."""
 
-    __slots__ = ("id", "disconnected", "cancelled_at", "answer", "error", "_unset")
+    __slots__ = ("id", "disconnected", "cancelled_at", "held_at", "answer", "error", "_unset")
 
     def __init__(self, request_id: int, disconnected: Callable[[], bool] | None = None) -> None:
         self.id = request_id
         self.disconnected = disconnected
         self.cancelled_at: float | None = None
+        self.held_at = 0.0  # when the engine last said it holds the request (Pong.holding)
         self.answer: Any = None
         self.error: ApiError | None = None
         # held until settled: a bare lock costs a tenth of an Event's wait and set, and
@@ -195,7 +200,10 @@ class Link:
             if self.state == "loading":
                 raise _gone(_NOT_CONNECTED)
             self._calls[call.id] = call
-        self.post(frame)
+            # queued with the listing: a Cancel the link queues for a call it sees listed
+            # goes after its Submit, never before (the engine ignores a Cancel of no request)
+            self._outbox.append((time.monotonic(), frame))
+        self._signal()
         return call
 
     def forget(self, call: _Call) -> bool:
@@ -208,6 +216,9 @@ class Link:
         pipe is written only where no wake-up is pending: the link drains it before it
         clears the flag, so a wake-up is never lost (see ``_turn``)."""
         self._outbox.append((time.monotonic(), frame))
+        self._signal()
+
+    def _signal(self) -> None:
         if not self._signalled:
             self._signalled = True
             with contextlib.suppress(OSError):  # closed, or a byte is there already
@@ -384,7 +395,7 @@ class Link:
             if call.cancelled_at is None:
                 if call.disconnected():  # type: ignore[misc]
                     call.cancelled_at = now
-                    self._unsent.append((now, wire.Cancel(call.id)))
+                    self._outbox.append((now, wire.Cancel(call.id)))  # after its Submit
             elif now - call.cancelled_at > _CANCEL_GRACE_S and self.forget(call):
                 call.settle(error=ClientDisconnected("the client disconnected",
                                                      code="client_disconnected"))
@@ -403,6 +414,15 @@ class Link:
         else:
             self.state, self.queue_limit, self.fronts = frame.state, frame.queue_limit, \
                 frame.fronts
+            self._held(frame.holding)
+
+    def _held(self, ids: list[int]) -> None:
+        """The engine holds these requests: their waits go on (``RemotePort._wait``)."""
+        now, calls = time.monotonic(), self._calls
+        for request_id in ids:
+            call = calls.get(request_id)
+            if call is not None:
+                call.held_at = now
 
     def _failed(self, why: str | None) -> None:
         """The keeper could not start an engine: unhealthy, and why, until one answers."""
@@ -438,14 +458,15 @@ def _gone(message: str) -> EngineGone:
 
 
 def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
-    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids
-    and pixels fit ``_BURST_BYTES`` (at least one), or one other frame."""
+    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids,
+    pixels and encoding fit ``_BURST_BYTES`` (at least one), or one other frame."""
     size = 0
     for n, (_, frame) in enumerate(queued):
         if not isinstance(frame, wire.Submit):
             return max(n, 1)
         size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
-            + len(frame.pixels) + len(frame.images)
+            + len(frame.pixels) + len(frame.images) + _SUBMIT_BYTES \
+            + 4 * (len(frame.tenant or "") + len(frame.flow or ""))  # UTF-8's most a char
         if n and size > _BURST_BYTES:
             return n
     return len(queued)
@@ -542,12 +563,20 @@ class RemotePort:
 
     def _wait(self, call: _Call, work: Work, give_up: float) -> Embedded:
         """The answer the link sets on ``call``, or the error it ends it with (the engine
-        gone, the client gone); 504 and a ``Cancel`` past ``give_up``."""
+        gone, the client gone); 504 and a ``Cancel`` past ``give_up`` and ``ANSWER_GRACE_S``
+        past the engine's last pong that held it."""
         try:
-            if not call.wait(give_up - time.monotonic()) and self.link.forget(call):
-                self.link.post(wire.Cancel(call.id))  # the engine may drop it now
-                raise DeadlineExceeded("the engine process did not answer in time",
-                                       code="timeout")
+            # a request that reached the model before its deadline is computed to the end,
+            # as in one process: waited for while the engine's pongs say it holds it
+            while not call.wait(give_up - time.monotonic()):
+                if call.held_at + ANSWER_GRACE_S > give_up:
+                    give_up = call.held_at + ANSWER_GRACE_S
+                    continue
+                if self.link.forget(call):
+                    self.link.post(wire.Cancel(call.id))  # the engine may drop it now
+                    raise DeadlineExceeded("the engine process did not answer in time",
+                                           code="timeout")
+                break
             call.wait(None)  # set, or being set: it was no longer listed
             frame = call.result()
             if isinstance(frame, wire.Failed) and frame.empty_s > 0 \

@@ -211,7 +211,7 @@ class EngineServer:
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
             self._send(peer, wire.Pong(os.getpid(), self.state(), self.runner.admission.limit,
-                                       self.fronts()))
+                                       self.fronts(), self._holding(peer)))
         elif isinstance(frame, wire.Hello):
             self._seen(peer, frame.pid)
             self._send(peer, wire.Card(pid=os.getpid(), state=self.state(),
@@ -223,6 +223,11 @@ class EngineServer:
             if isinstance(frame, wire.Scrape):
                 own = self.metrics.families(os.getpid())
                 self._send(peer, wire.Exposition(self.snapshots.merged(own, self.fronts())))
+
+    def _holding(self, peer: bytes) -> list[int]:
+        """The ids of ``peer``'s requests in the engine (``Pong.holding``)."""
+        return [key[1] for held in (self._parked, self._running) for key in held
+                if key[0] == peer]
 
     def _seen(self, peer: bytes, pid: int) -> None:
         front = self._fronts.get(peer)

@@ -98,10 +98,15 @@ class Card(Frame):
 
 
 class Pong(Frame):
+    """The engine's state, and the ids of the asking front's requests it holds (queued,
+    computing): a request that reached the model has no deadline left, and its front
+    waits for it while the engine still lists it."""
+
     pid: int
     state: str
     queue_limit: int
     fronts: list[int] = []
+    holding: list[int] = []
 
 
 # An answer's arrays: little-endian float32 or int32, each with its shape

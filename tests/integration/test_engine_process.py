@@ -456,3 +456,19 @@ def test_one_fronts_flood_cannot_starve_another_fronts_client(tmp_path):
         assert_vectors(resp, [f"light {i}"])
     worst = max(float(r.headers["x-queue-time"]) for r in answers) / 1000
     assert worst < 4 * batch_s + 0.25, (worst, batch_s)
+
+
+def test_a_request_computing_past_its_deadline_is_answered_as_in_one_process(tmp_path):
+    """REQUEST_TIMEOUT_S bounds the wait to reach the model, not the computing: a request
+    of 8 batches of 0.5 s each, whose first input reached the model at once, is answered
+    with its rows after 4 s on a 1 s deadline, as one process answers it. Its front used
+    to give up at the deadline plus 2 s (504, and a Cancel that threw the work away); now
+    it waits while the engine's pongs list the request as held."""
+    texts = [f"computed past its deadline {k}" for k in range(64)]
+    with workers(tmp_path, 2, 0.5, "--request-timeout-s", "1", "--max-batch-size", "8") \
+            as server:
+        sent = time.monotonic()
+        resp = embed(server.url, texts, timeout=30)
+        took = time.monotonic() - sent
+    assert took > 3.0, f"{took:.1f}s: not past the deadline and its grace"
+    assert_vectors(resp, texts)

@@ -20,6 +20,7 @@ from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded, QuotaE
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
+from embedsvc.remote import client as client_module
 from embedsvc.remote import server as server_module
 from embedsvc.remote import wire
 from embedsvc.remote.client import embedded, error_of
@@ -654,3 +655,47 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
     front._link.close()
     thread.join(10)
     assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
+
+
+def test_a_burst_of_many_small_requests_stays_within_the_engines_frame_limit():
+    """The link's burst cap counts each ``Submit``'s encoding, not only its ids: thousands
+    of one-input requests (a front of many threads) used to go out as one frame of 160-odd
+    bytes a request counted as 12, past the engine's limit where requests are small, whose
+    connection the engine then closed (every request of the front 503)."""
+    queued = [(0.0, wire.Submit(i, "embed", *wire.pack_ids([[101, 7, 102]]), timeout=29.5,
+                                tenant="tenant-with-a-name-of-forty-characters!!",
+                                flow="('tenant-with-a-name-of-forty-characters!!', 1)",
+                                front=4194304))
+              for i in range(1, 8001)]
+    count = client_module._burst(queued)
+    frame = wire.encode(wire.Submits([f for _, f in queued[:count]]))
+    assert 1 < count < len(queued)
+    assert len(frame) <= wire.max_frame_bytes(inputs=1, tokens=3), (count, len(frame))
+
+
+class _Recorder:
+    """A socket that takes every frame at once and keeps what it decodes to."""
+
+    def __init__(self) -> None:
+        self.sent: list[wire.Frame] = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        self.sent.append(wire.decode_to_engine(data))
+
+
+def test_a_departed_clients_cancel_goes_after_its_submit_in_the_same_turn():
+    """A request whose client has left by the link's turn that sends its ``Submit``: the
+    ``Cancel`` goes after the ``Submit``. It used to go first, where the engine ignored it
+    (no such request yet) and then computed the request to the end."""
+    link = client_module.Link("ipc:///nonexistent")
+    link.state = "ready"
+    try:
+        submit = wire.Submit(link.next_id(), "embed", *wire.pack_ids([[101, 7, 102]]))
+        link.send_call(submit, lambda: True)  # listed and queued; its client gone already
+        link._sweep_departed(time.monotonic())  # the turn's tick, before its flush
+        sock = _Recorder()
+        link._flush(sock)  # type: ignore[arg-type]
+        assert [type(f).__name__ for f in sock.sent] == ["Submit", "Cancel"], sock.sent
+        assert sock.sent[1].id == submit.id
+    finally:
+        link.close()
