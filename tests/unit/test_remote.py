@@ -452,6 +452,17 @@ def test_a_sockets_directory_made_by_someone_else_is_never_used(monkeypatch):
         shutil.rmtree(short)
 
 
+def _swallowing(server, monkeypatch) -> tuple[list[wire.Submit], list[int]]:
+    """The engine takes every request and answers none: the submits it took, and the ids
+    of the cancels it got."""
+    taken: list[wire.Submit] = []
+    cancelled: list[int] = []
+    monkeypatch.setattr(server, "_submit",
+                        lambda burst: taken.extend(frame for _, frame in burst))
+    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
+    return taken, cancelled
+
+
 def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monkeypatch):
     """The front's wait has a deadline of its own: an engine that takes a request and never
     answers (a bug, a frame lost) costs the request 504 shortly after its deadline, not a
@@ -459,11 +470,7 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     engine, front, _, server = served
     from embedsvc.remote import client as client_module
 
-    taken: list[wire.Frame] = []
-    cancelled: list[int] = []
-    monkeypatch.setattr(server, "_submit",
-                        lambda burst: taken.extend(frame for _, frame in burst))
-    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
+    taken, cancelled = _swallowing(server, monkeypatch)
     monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.3)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
@@ -554,9 +561,7 @@ def test_a_lost_engine_fails_every_waiting_request_at_once_from_the_link(
     from embedsvc.remote import client as client_module
 
     with serving(tmp_path, registry) as (engine, front, encoder, server, stop):
-        taken: list[wire.Submit] = []
-        monkeypatch.setattr(server, "_submit",
-                        lambda burst: taken.extend(frame for _, frame in burst))
+        taken, _ = _swallowing(server, monkeypatch)
         settled: list[tuple[str, type]] = []
         settle = client_module._Call.settle
 
@@ -588,11 +593,7 @@ def test_a_departed_clients_request_is_cancelled_in_the_engine_then_499(served, 
     engine, front, _, server = served
     from embedsvc.errors import ClientDisconnected
 
-    taken: list[wire.Submit] = []
-    cancelled: list[int] = []
-    monkeypatch.setattr(server, "_submit",
-                        lambda burst: taken.extend(frame for _, frame in burst))
-    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
+    taken, cancelled = _swallowing(server, monkeypatch)
     work = Work(EMBED, ["gone"], deadline=time.monotonic() + 30, disconnected=lambda: True)
     with pytest.raises(ClientDisconnected):
         front.ready().run(work)
@@ -639,9 +640,7 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
     from embedsvc.errors import Unavailable
 
     engine, front, _, server = served
-    taken: list[wire.Submit] = []
-    monkeypatch.setattr(server, "_submit",
-                        lambda burst: taken.extend(frame for _, frame in burst))
+    taken, _ = _swallowing(server, monkeypatch)
     errors: list[Exception] = []
 
     def request(_: int) -> None:
