@@ -166,7 +166,10 @@ def maps_runtime(pid: int) -> bool:
 # measures it for both launches (RESULTS 12-05 19:39 and 20:08): it holds in every kill under a
 # load that leaves the 2 cores idle part of the time, and under a load that keeps them busy
 # most kills put some request past twice the p99 of the 3 s before, gunicorn's more often
-# (the replacement's start, 0.4 s of CPU, has no core to spare).
+# (the replacement's start, 0.4 s of CPU, has no core to spare). So the test's load is the
+# light one (one client a model, 20 ms between requests): with two clients a model back to
+# back, beside another test file on the other core, the bound failed 1 run in 2, at this
+# tree and at b54ebf3 alike.
 @pytest.mark.parametrize("several", ["workers 2", "gunicorn -w 2"], indirect=True)
 def test_one_models_engine_killed_under_load_leaves_the_others_answering(several):
     launch, server, _ = several
@@ -180,8 +183,9 @@ def test_one_models_engine_killed_under_load_leaves_the_others_answering(several
     def load(name: str) -> None:
         while not stop.is_set():
             results[name].append((*timed(server, *others[name]), time.monotonic()))
+            time.sleep(0.02)  # the light load under which the bound is claimed (RESULTS 20:08)
 
-    threads = [threading.Thread(target=load, args=(n,)) for n in others for _ in range(2)]
+    threads = [threading.Thread(target=load, args=(n,)) for n in others]
     for t in threads:
         t.start()
     time.sleep(3.0)  # the same load before the kill: what "unloaded" by the failure means
