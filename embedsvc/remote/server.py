@@ -101,6 +101,10 @@ class EngineServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(
             runner.settings.max_inputs_per_request, info.max_input_tokens, image_bytes))
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a gone front is dropped
+        # no high-water mark: past one, a ROUTER drops a frame for a front that reads late
+        # without a word, and its request waited into a 504; what is sent to a front is
+        # bounded by what admission lets in (answers) and by what it asks (pongs, scrapes)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.bind(address)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)

@@ -227,6 +227,26 @@ def _burst(front, texts) -> bytes:
         for i, t in enumerate(texts)]))
 
 
+def test_an_answer_waits_for_a_front_that_reads_late_and_is_never_dropped(pair):
+    """A front whose thread is held up (a large body parsing holds the interpreter) reads
+    late: the frames for it wait in the engine's socket. ZeroMQ's ROUTER drops what passes
+    its high-water mark (1,000 frames each side) without a word, and an answer dropped left
+    its request to a 504 two seconds past its deadline; the engine's frames for a front are
+    bounded by what admission lets in, so they need no mark. Here 2,500 pongs are not read,
+    then a request's answer must still come."""
+    engine, front, _ = pair
+    with _dealer(front) as sock:
+        for _ in range(2500):
+            sock.send(wire.encode(wire.Ping(0)))
+        sock.send(_burst(front, ["read late"]))
+        time.sleep(1.0)  # the engine has answered all of it, into the socket
+        frames = []
+        while sock.poll(2000):
+            frames.append(wire.decode_to_front(sock.recv()))
+    assert sum(isinstance(f, wire.Pong) for f in frames) == 2500
+    assert [f.id for f in frames if isinstance(f, wire.Answer)] == [1]
+
+
 def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
     """``Submits`` carries several requests; each answer, in whichever frames the engine
     sends them, holds its own request's rows."""
