@@ -1,6 +1,7 @@
 """Overload on a live `embedsvc serve` (issue 45): a burst past what the deadline allows,
-counted by status (and how many 429s carried Retry-After), then a single-input client beside
-24 clients of 300 inputs each, its latency percentiles.
+counted by status (and how many 429s carried Retry-After), with how many of its requests were
+tokenized (a refusal before tokenizing costs none), then a single-input client beside 24
+clients of 300 inputs each, its latency percentiles.
 
     PYTHONPATH=$PWD .venv/bin/python bench/overload.py                 # fake device
     PYTHONPATH=$PWD .venv/bin/python bench/overload.py --workers 2
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,15 @@ def post(c: httpx.Client, texts: list[str] | str) -> tuple[int, float, str | Non
     began = time.monotonic()
     resp = c.post("/embed", json={"inputs": texts})
     return resp.status_code, time.monotonic() - began, resp.headers.get("Retry-After")
+
+
+def tokenized(url: str) -> float:
+    """Requests tokenized so far in every process (a front's count reaches a scrape within
+    its snapshot's second)."""
+    time.sleep(1.5)
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.search(r"^embedsvc_tokenization_seconds_count(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else float("nan")
 
 
 def burst(url: str, n: int) -> list[tuple[int, float, str | None]]:
@@ -104,13 +115,16 @@ def main() -> None:
             with httpx.Client(base_url=url, timeout=60) as c:
                 for _ in range(6):  # back-to-back batches: the rate is learned
                     post(c, TEXTS[:64])
+            before = tokenized(url)
             results = burst(url, args.clients)
+            spent = tokenized(url) - before
             counts = Counter(s for s, _, _ in results)
             with_retry = sum(1 for s, _, r in results if s == 429 and r is not None)
             refusals = counts[429] + counts[504]
             slowest_429 = max((t for s, t, _ in results if s == 429), default=0.0)
             print(f"burst {args.clients} x 300: {dict(counts)}; 429 with Retry-After "
-                  f"{with_retry}/{refusals} refusals; slowest 429 {slowest_429:.2f} s")
+                  f"{with_retry}/{refusals} refusals; slowest 429 {slowest_429:.2f} s; "
+                  f"tokenized {spent:.0f}")
             time.sleep(args.timeout_s + 2)
             light, heavy = beside_flood(url, args.seconds)
             light.sort()
