@@ -321,19 +321,6 @@ class Admission:
                     ticket.notify(ticket)
             self._cond.notify_all()
 
-    def ahead_of_new(self) -> int:
-        """The tokens the device computes before a new client's first input, were it
-        admitted now: the queue's model for a flow with nothing queued, the work admitted and
-        still tokenizing, and, when room is short, what must be answered before room frees.
-        A front's lease predicts its requests' waits from it (remote/lease.py)."""
-        ahead = self.queue(object()) if self.queue is not None else 0
-        probe = Ticket(1, 1, 0.0)
-        with self._cond:
-            ahead += self._opened_first
-            if self._waiting or not self._fits(probe):
-                ahead += self._fifo_tokens(probe)
-        return ahead
-
     def predicted_wait(self, tokens_ahead: int | None = None) -> float:
         """Seconds until ``tokens_ahead`` (by default: all work admitted or waiting now)
         have been computed, at the device's measured rate."""

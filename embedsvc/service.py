@@ -379,9 +379,7 @@ class Service:
                 self.failure = f"the engine's tokenizer cannot be rebuilt here: {_reason(exc)}"
                 log.error("%s", self.failure)
             else:
-                self._client = EngineClient(self.settings, text,
-                                            RemotePort(link, self.settings, self.metrics),
-                                            self.metrics)
+                self._client = EngineClient(self.settings, text, RemotePort(link), self.metrics)
                 log.info("front ready: pid=%d, the model in the engine process (pid %d)",
                          self.pid, card.pid)
                 _settle()

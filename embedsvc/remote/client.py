@@ -31,7 +31,6 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..admission import Ticket
 from ..errors import (
     ApiError,
     ClientDisconnected,
@@ -41,12 +40,9 @@ from ..errors import (
     Unavailable,
     shutting_down,
 )
-from ..metrics import Metrics
-from ..settings import Settings
 from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
 from ..work_kinds import WORK_KINDS
 from . import wire
-from .lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +161,6 @@ class Link:
         self.engine_pid: int | None = None
         self.queue_limit = 0
         self.fronts: list[int] = []
-        self.rate = 0.0  # the device's tokens a second, and the tokens ahead of a new
-        self.ahead = 0  # client: the engine's, from its last pong (remote/lease.py)
         self._snapshot = snapshot
         self._context = zmq.Context()
         self._ids = itertools.count(1)
@@ -420,7 +414,6 @@ class Link:
         else:
             self.state, self.queue_limit, self.fronts = frame.state, frame.queue_limit, \
                 frame.fronts
-            self.rate, self.ahead = frame.rate, frame.ahead
             self._held(frame.holding)
 
     def _held(self, ids: list[int]) -> None:
@@ -490,11 +483,9 @@ def _drain_pipe(fd: int) -> None:
 
 
 class RemotePort:
-    """The engine process as ``EngineClient``'s port: batching happens there.
+    """The engine process as ``EngineClient``'s port: admission and batching happen there.
 
-    A request is admitted here before it is tokenized, on this front's lease of the
-    engine's room (remote/lease.py), and again by the engine on arrival, at its exact tokens.
-    Tenants' quotas are charged there, on arrival, after this process tokenized the
+    Tenants' quotas are charged there too, on arrival, after this process tokenized the
     request. So that a tenant over a rate quota does not cost its fronts the tokenizing of
     every refused request, the engine's refusal says how long the quota stays spent
     (``Failed.empty_s``), and ``admit`` refuses the tenant's requests here, with the same
@@ -504,9 +495,8 @@ class RemotePort:
     refused request a second per front is tokenized, not all of them.
     """
 
-    def __init__(self, link: Link, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
-        self.lease = Lease(link, settings, metrics)
         self._draining = False
         self._in_flight = 0
         self._cond = threading.Condition()
@@ -525,10 +515,9 @@ class RemotePort:
     def queue_limit(self) -> int:
         return self.link.queue_limit
 
-    def admit(self, work: Work, tokens: int) -> Ticket:
-        """Reserve room for ``work`` (about ``tokens``) on this front's lease, before it is
-        tokenized: 503 while the engine is loading, gone or draining, and the lease's 413,
-        429, 504 and 499 as ``Admission.admit`` gives them."""
+    def admit(self, work: Work, tokens: int) -> None:
+        """The engine admits (on arrival, with the exact tokens); here, only whether it is
+        there to ask: 503 while it is loading, gone or draining."""
         state = self.state
         if state == "draining":
             raise shutting_down({"Retry-After": "1"})
@@ -537,9 +526,6 @@ class RemotePort:
                               code=state, headers={"Retry-After": "1"})
         if work.tenant is not None and self._spent:
             self._refuse_if_spent(work.tenant)
-        assert work.deadline is not None
-        return self.lease.admit(work.count, tokens, work.deadline, work.disconnected,
-                                flow=work.flow)
 
     def _refuse_if_spent(self, tenant: str) -> None:
         """The engine's last refusal of ``tenant``'s rate quota again, while it holds."""
@@ -555,11 +541,10 @@ class RemotePort:
         error.headers["Retry-After"] = str(max(1, math.ceil(until - now)))
         raise error
 
-    def cancel(self, ticket: Ticket) -> None:
-        """Free a reservation never sent (an error while tokenizing); idempotent."""
-        self.lease.cancel(ticket)
+    def cancel(self, ticket: None) -> None:
+        """Nothing is reserved on this side."""
 
-    def submit(self, work: Work, ticket: Ticket) -> Pending:
+    def submit(self, work: Work, ticket: None) -> Pending:
         assert work.deadline is not None
         rows: list[Any] = work.ids
         images: dict[str, Any] = {}
@@ -571,13 +556,12 @@ class RemotePort:
                             flow=None if work.flow is None else repr(work.flow),
                             tenant=work.tenant, front=os.getpid(), **images)
         call = self.link.send_call(frame, work.disconnected)
-        self.lease.sent(ticket, sum(map(len, rows)))
         with self._cond:
             self._in_flight += 1
         give_up = work.deadline + ANSWER_GRACE_S
-        return Pending(lambda: self._wait(call, work, ticket, give_up))
+        return Pending(lambda: self._wait(call, work, give_up))
 
-    def _wait(self, call: _Call, work: Work, ticket: Ticket, give_up: float) -> Embedded:
+    def _wait(self, call: _Call, work: Work, give_up: float) -> Embedded:
         """The answer the link sets on ``call``, or the error it ends it with (the engine
         gone, the client gone); 504 and a ``Cancel`` past ``give_up`` and ``ANSWER_GRACE_S``
         past the engine's last pong that held it."""
@@ -602,7 +586,6 @@ class RemotePort:
                                             now + frame.empty_s, frame)
             return embedded(frame, work.kind)
         finally:
-            self.lease.answered(ticket)
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify_all()
@@ -611,7 +594,6 @@ class RemotePort:
         """Refuse new work (503); wait up to ``timeout`` for this front's requests in the
         engine to be answered."""
         self._draining = True
-        self.lease.close()  # its waiters get 503
         until = time.monotonic() + timeout
         with self._cond:
             while self._in_flight and (left := until - time.monotonic()) > 0:

@@ -214,10 +214,8 @@ class EngineServer:
             self._cancel(peer, frame.id)
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
-            admission = self.runner.admission
-            self._send(peer, wire.Pong(os.getpid(), self.state(), admission.limit,
-                                       self.fronts(), self._holding(peer), admission.rate,
-                                       admission.ahead_of_new()))
+            self._send(peer, wire.Pong(os.getpid(), self.state(), self.runner.admission.limit,
+                                       self.fronts(), self._holding(peer)))
         elif isinstance(frame, wire.Hello):
             self._seen(peer, frame.pid)
             self._send(peer, wire.Card(pid=os.getpid(), state=self.state(),

@@ -100,17 +100,13 @@ class Card(Frame):
 class Pong(Frame):
     """The engine's state, and the ids of the asking front's requests it holds (queued,
     computing): a request that reached the model has no deadline left, and its front
-    waits for it while the engine still lists it. ``rate`` (the device's tokens a second)
-    and ``ahead`` (the tokens ahead of a new client's first input) are what a front's lease
-    predicts its requests' waits from (remote/lease.py)."""
+    waits for it while the engine still lists it."""
 
     pid: int
     state: str
     queue_limit: int
     fronts: list[int] = []
     holding: list[int] = []
-    rate: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    ahead: Size = 0
 
 
 # An answer's arrays: little-endian float32 or int32, each with its shape

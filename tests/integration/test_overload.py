@@ -80,9 +80,9 @@ def test_a_burst_past_the_deadline_gets_429_at_once_not_504(tmp_path, launch):
     # at once: before any admitted request could have waited out the deadline
     assert all(retry is not None and int(retry) >= 1 for _, retry in refused), refused
     assert all(took < 1.0 for took, _ in refused), sorted(took for took, _ in refused)[-3:]
-    # A refusal costs no tokenizing, with an engine process as in one process: room is
-    # reserved before tokenizing, in the engine's admission or in a front's lease of it
-    # (remote/lease.py). Before leases a front tokenized every request of the burst (48),
-    # then the engine refused 15; now 33-34 are tokenized for 32-33 answered. A few may still
-    # meet their refusal in the engine, where both fronts' work first meets.
-    assert spent <= counts[200] + counts[504] + 3, (spent, counts)
+    # In one process a refusal costs no tokenizing: room is reserved before it. Under
+    # --workers a front tokenizes first and the engine admits (docs/batching.md): there
+    # all 48 are tokenized, which a front's lease of the engine's room would change
+    # (tried in bench/RESULTS.md, 2026-12-06, and taken back).
+    if launch == "one process":
+        assert spent <= counts[200] + counts[504] + 3, (spent, counts)

@@ -81,18 +81,6 @@ def test_rows_through_the_engine_equal_the_encoders(pair):
     assert front.engine_pid == engine.pid and front.state == "ready"
 
 
-def test_the_engines_pongs_give_a_front_the_devices_rate_for_its_lease(pair):
-    """A front's lease (remote/lease.py) predicts waits from the engine's rate and queue,
-    which its pongs carry."""
-    engine, front, _ = pair
-    front.ready().run(Work(EMBED, ["warm the rate up"] * 4, deadline=time.monotonic() + 5))
-    link, want = front._link, engine.runner.admission.rate
-    until = time.monotonic() + 5
-    while link.rate != want and time.monotonic() < until:
-        time.sleep(0.05)
-    assert want > 0 and link.rate == want and link.ahead == 0
-
-
 def _signal_pending(server: EngineServer) -> bool:
     """Whether the loop's next poll will see a wake-up (a byte in its pipe)."""
     return bool(select.select([server._wake_r], [], [], 0)[0])
