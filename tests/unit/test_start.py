@@ -76,6 +76,47 @@ print(json.dumps({"first": first, "modules": modules, "later": later}))
 """
 WEB_FRAMEWORK = {"flask", "werkzeug", "jinja2", "click", "itsdangerous"}
 
+# `embedsvc serve` as serving/start.py runs it, the model's load replaced by one that waits
+# (up to 10 s) for the web stack, and the server's run by the first request
+OVERLAP = CALL + """
+import threading, time
+from embedsvc.model import backend
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.serving import start
+from embedsvc.settings import Settings
+
+WEB = ("embedsvc.api.wsgi", "waitress", "pydantic.plugin._loader")
+seen = {}
+
+
+def load(settings, preloaded=None):
+    if settings.model == "broken":
+        raise OSError("no such model")
+    seen["in_main_thread"] = threading.current_thread() is threading.main_thread()
+    seen["web_at_start"] = [m for m in WEB if m in sys.modules]
+    deadline = time.monotonic() + 10
+    while not all(m in sys.modules for m in WEB) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen["web_while_loading"] = [m for m in WEB if m in sys.modules]
+    return FakeEncoder(dimension=4)
+
+
+def first_request(settings, service):
+    from embedsvc.serving.server import Server
+
+    server = Server(settings, service)
+    before = set(sys.modules)
+    seen["first"] = call(server.app, "POST", "/embed", b'{"inputs": "a first request"}')
+    seen["first_imported"] = sorted(set(sys.modules) - before)
+    return 0
+
+
+backend.load_encoder = load
+start._run = first_request
+seen["code"] = start.serve(Settings(port=0, host="127.0.0.1", model=sys.argv[1]))
+print(json.dumps(seen))
+"""
+
 
 def _start(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -121,3 +162,29 @@ def test_the_first_answer_of_embedsvc_app_needs_no_flask_and_its_flask_serves_al
     status, body = later["/nothing"]
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     assert later["test client"] == 200
+
+
+def test_embedsvc_serve_imports_the_web_stack_while_the_model_loads():
+    """The model loads in a thread of its own from the start; meanwhile the main thread
+    imports the pipeline, waitress and pydantic and has pydantic look up its plugins (which
+    reads every installed distribution's metadata), so that neither waits for the other and
+    the first request does not do that lookup."""
+    out = subprocess.run([sys.executable, "-c", OVERLAP, "all-MiniLM-L6-v2"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["code"] == 0 and seen["in_main_thread"] is False
+    assert "pydantic.plugin._loader" not in seen["web_at_start"]
+    assert seen["web_while_loading"] == ["embedsvc.api.wsgi", "waitress",
+                                         "pydantic.plugin._loader"]
+    status, body = seen["first"]
+    assert status == 200 and len(json.loads(body)[0]) == 4
+    assert not [m for m in seen["first_imported"] if m.startswith("pydantic")]
+
+
+def test_a_model_that_fails_to_load_in_its_thread_is_one_line_and_exit_code_1():
+    done = subprocess.run([sys.executable, "-c", OVERLAP, "broken"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": 1}
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "the model failed to load: OSError: no such model" in errors[0]
+    assert "Traceback" not in done.stderr
