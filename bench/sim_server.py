@@ -24,10 +24,10 @@ from pathlib import Path
 
 from flask import Flask
 
-from embedsvc import service as service_module
 from embedsvc.api.wsgi import create_app
 from embedsvc.cli import main as embedsvc_main
 from embedsvc.logs import configure_logging
+from embedsvc.model import backend
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.service import Service
 from embedsvc.serving.server import Server
@@ -72,7 +72,8 @@ def as_embedsvc(argv: list[str]) -> int:
     encoder = fake_encoder(*(float(os.environ.get(name, "0")) for name in _COSTS))
     if argv[:1] == ["engine"] and os.environ.get(_PROFILE):
         profile_engine(Path(os.environ[_PROFILE]))
-    service_module.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
+    # every load goes through it, `embedsvc serve`'s loading thread's too
+    backend.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
     return embedsvc_main(argv)
 
 

@@ -224,14 +224,13 @@ def _serve(settings: Settings) -> int:
 
     try:
         check_serving(settings)  # before the imports below, which take seconds
-        from .serving.process import serving_process
-
-        serving_process(settings)
         if settings.workers > 1 or settings.engine == "process":
+            from .serving.process import serving_process
             from .serving.supervisor import Supervisor
 
+            serving_process(settings)
             return Supervisor(settings).run()
-        from .serving.server import serve
+        from .serving.start import serve  # the model loads while the web stack is imported
 
         return serve(settings)
     except PreflightError as exc:

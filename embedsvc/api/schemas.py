@@ -12,6 +12,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    TypeAdapter,
     field_validator,
 )
 
@@ -612,3 +613,10 @@ OLLAMA_VERSION: dict[str, Any] = {"type": "object", "properties": {"version": {"
 OLLAMA_ERROR: dict[str, Any] = {
     "type": "object", "description": "Ollama's error shape", "required": ["error"],
     "properties": {"error": {"type": "string"}}}
+
+
+def prepare_validation() -> None:
+    """pydantic's one-off work before the first validator it builds, done now: its lookup of
+    plugins, which reads every installed distribution's entry points (13 ms of CPU in a venv
+    of 180 distributions), so that the first request does not pay for it."""
+    TypeAdapter(int)

@@ -67,10 +67,10 @@ def check_memory(entries: list[tuple[str, Settings]]) -> None:
 def check_keys(path: str | None, api_key: str | None = None) -> None:
     """A KEYS_FILE that is there, parses and does not clash with API_KEY (a reload that fails
     later keeps the keys)."""
+    if not path:  # before the import: a start without keys loads its model sooner
+        return
     from ..tenants import KeysFileError, parse_keys, read_keys_file, with_api_key
 
-    if not path:
-        return
     try:
         with_api_key(parse_keys(read_keys_file(path)), api_key)
     except OSError as exc:

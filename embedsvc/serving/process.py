@@ -258,6 +258,7 @@ class LazyApp:
         return service
 
     def _build(self) -> Pipeline:
+        from ..api.schemas import prepare_validation
         from ..api.wsgi import serving_app
         from .shared_engine import SharedEngine, engine_owner, gunicorn_workers
 
@@ -290,6 +291,7 @@ class LazyApp:
                 info.device, sibling_workers(), _server_software(self._env)))
         app = serving_app(service)
         service.start(background=True)
+        prepare_validation()  # while the model loads, not in the request that waits for it
         return app
 
     def _preload(self, settings: Settings) -> None:

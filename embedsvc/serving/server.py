@@ -1,9 +1,5 @@
-"""``embedsvc serve``: load the model, serve it with waitress, drain on SIGTERM or SIGINT,
-reload the keys file on SIGHUP.
-
-Example (loads the model and blocks)::
-
-    serve(Settings(port=0))
+"""The server of ``embedsvc serve`` and its fronts: waitress around a service, draining on
+SIGTERM or SIGINT, the keys file reloaded on SIGHUP (start.py loads the model and runs it).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ import time
 from typing import Any
 
 from ..api.wsgi import serving_app
-from ..logs import configure_logging
-from ..service import Service, serve_models
+from ..service import Service
 from ..settings import Settings
 from ..work import ShutdownReport
 from . import drain, waitress_adapter
@@ -120,7 +115,7 @@ class Server:
             # wait for request threads, and torch's native threads abort (SIGABRT) if they
             # are torn down mid-batch.
             log.warning("signal %d again: exiting at once", signum)
-            _flush_logs()
+            flush_logs()
             os._exit(128 + signum)
         log.info("signal %d: draining (up to %.0fs)", signum, self.settings.drain_timeout_s)
         threading.Thread(target=self._drain, name="embedsvc-drain", daemon=True).start()
@@ -161,28 +156,8 @@ class Server:
                             (getattr(request, "path", "-") or "-")[:200], status)
 
 
-def _flush_logs() -> None:
+def flush_logs() -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):  # exiting anyway
             handler.flush()
     sys.stderr.flush()
-
-
-def serve(settings: Settings) -> int:
-    """Load the model, then serve until a signal; the exit code."""
-    configure_logging(settings.log_level, settings.log_format)
-    service = serve_models(settings, lambda own, i: Service(own))
-    try:
-        service.start(background=False)
-    except RuntimeError as exc:
-        log.error("%s", exc)
-        return 1
-    server = Server(settings, service)
-    server.run()
-    if server.drain_report is not None and not server.drain_report.clean:
-        # The batch still on the device at the drain timeout runs in torch's native threads,
-        # which abort the process (SIGABRT) if the interpreter tears them down: leave now.
-        log.info("exiting with a batch still computing")
-        _flush_logs()
-        os._exit(0)
-    return 0

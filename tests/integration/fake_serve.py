@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-from embedsvc import service
 from embedsvc.cli import main
+from embedsvc.model import backend
 from embedsvc.model.fake import FakeEncoder
 
 
@@ -25,7 +25,8 @@ def run() -> int:
     encoder = FakeEncoder(dimension=384, max_input_tokens=256, record=False,
                           delay_s=float(os.environ.get("FAKE_SERVE_DELAY_S", "0")),
                           per_token_s=float(os.environ.get("FAKE_SERVE_PER_TOKEN_S", "0")))
-    service.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
+    # every load goes through it: service.load_encoder's, and `embedsvc serve`'s loading thread
+    backend.load_encoder = lambda settings, preloaded=None: encoder  # type: ignore[assignment]
     return main()
 
 

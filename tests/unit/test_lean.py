@@ -1,6 +1,7 @@
 """The PyTorch-free path's pieces that need no model: when it applies, how records compare,
 sparse top-k, and record directories in the graph cache."""
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 from embedsvc.model import lean
 from embedsvc.model.graph_cache import GraphCache
-from embedsvc.model.record import RecordError, compare, fingerprint
+from embedsvc.model.record import RecordError, compare, file_digest, fingerprint
 from embedsvc.model.sparse import top_active
 from embedsvc.settings import Settings
 
@@ -111,3 +112,12 @@ def test_the_cpu_batches_are_one_session_run_and_hold_one_input_at_the_limit():
     assert run_tokens(SimpleNamespace(max_input_tokens=8192), 16384) == 8192
     for chosen in (2048, 32768):  # MAX_BATCH_TOKENS that was set is kept
         assert run_tokens(SimpleNamespace(max_input_tokens=256), chosen) == chosen
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) + 3])
+def test_a_files_digest_is_its_sha256_empty_files_too(tmp_path, size):
+    """The record's digest of a file, read in one mapped pass (mmap refuses empty files)."""
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    path.write_bytes(data)
+    assert file_digest(path) == hashlib.sha256(data).hexdigest()

@@ -66,15 +66,59 @@ from embedsvc.serving.process import LazyApp
 
 app = LazyApp({}, load=lambda settings, preloaded: FakeEncoder(dimension=4))
 app.warm(timeout=30)
+before = set(sys.modules)
 first = call(app, "POST", "/embed", b'{"inputs": "a first request"}')
 modules = sorted(sys.modules)
+first_imported = sorted(set(sys.modules) - before)
 flask = app.flask()  # a user's route on it is served by the app
 flask.add_url_rule("/mine", "mine", lambda: "my own route")
 later = {"/mine": call(app, "GET", "/mine"), "/nothing": call(app, "GET", "/nothing"),
          "test client": flask.test_client().post("/embed", json={"inputs": "x"}).status_code}
-print(json.dumps({"first": first, "modules": modules, "later": later}))
+print(json.dumps({"first": first, "modules": modules, "later": later,
+                  "first_imported": first_imported}))
 """
 WEB_FRAMEWORK = {"flask", "werkzeug", "jinja2", "click", "itsdangerous"}
+
+# `embedsvc serve` as serving/start.py runs it, the model's load replaced by one that waits
+# (up to 10 s) for the web stack, and the server's run by the first request
+OVERLAP = CALL + """
+import threading, time
+from embedsvc.model import backend
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.serving import start
+from embedsvc.settings import Settings
+
+WEB = ("embedsvc.api.wsgi", "waitress", "pydantic.plugin._loader")
+seen = {}
+
+
+def load(settings, preloaded=None):
+    if settings.model == "broken":
+        raise OSError("no such model")
+    seen["in_main_thread"] = threading.current_thread() is threading.main_thread()
+    seen["web_at_start"] = [m for m in WEB if m in sys.modules]
+    deadline = time.monotonic() + 10
+    while not all(m in sys.modules for m in WEB) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen["web_while_loading"] = [m for m in WEB if m in sys.modules]
+    return FakeEncoder(dimension=4)
+
+
+def first_request(settings, service):
+    from embedsvc.serving.server import Server
+
+    server = Server(settings, service)
+    before = set(sys.modules)
+    seen["first"] = call(server.app, "POST", "/embed", b'{"inputs": "a first request"}')
+    seen["first_imported"] = sorted(set(sys.modules) - before)
+    return 0
+
+
+backend.load_encoder = load
+start._run = first_request
+seen["code"] = start.serve(Settings(port=0, host="127.0.0.1", model=sys.argv[1]))
+print(json.dumps(seen))
+"""
 
 
 def _start(code: str) -> dict:
@@ -116,8 +160,36 @@ def test_the_first_answer_of_embedsvc_app_needs_no_flask_and_its_flask_serves_al
     status, body = start["first"]
     assert status == 200 and len(json.loads(body)[0]) == 4
     assert not WEB_FRAMEWORK & {m.split(".")[0] for m in start["modules"]}
+    # pydantic looked up its plugins while the model loaded, not in the first request
+    assert not [m for m in start["first_imported"] if m.startswith("pydantic")]
     later = start["later"]
     assert later["/mine"] == [200, "my own route"]
     status, body = later["/nothing"]
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     assert later["test client"] == 200
+
+
+def test_embedsvc_serve_imports_the_web_stack_while_the_model_loads():
+    """The model loads in a thread of its own from the start; meanwhile the main thread
+    imports the pipeline, waitress and pydantic and has pydantic look up its plugins (which
+    reads every installed distribution's metadata), so that neither waits for the other and
+    the first request does not do that lookup."""
+    out = subprocess.run([sys.executable, "-c", OVERLAP, "all-MiniLM-L6-v2"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["code"] == 0 and seen["in_main_thread"] is False
+    assert "pydantic.plugin._loader" not in seen["web_at_start"]
+    assert seen["web_while_loading"] == ["embedsvc.api.wsgi", "waitress",
+                                         "pydantic.plugin._loader"]
+    status, body = seen["first"]
+    assert status == 200 and len(json.loads(body)[0]) == 4
+    assert not [m for m in seen["first_imported"] if m.startswith("pydantic")]
+
+
+def test_a_model_that_fails_to_load_in_its_thread_is_one_line_and_exit_code_1():
+    done = subprocess.run([sys.executable, "-c", OVERLAP, "broken"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": 1}
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "the model failed to load: OSError: no such model" in errors[0]
+    assert "Traceback" not in done.stderr
