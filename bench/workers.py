@@ -252,7 +252,7 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
     lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
     lines += ["- " + p50_line(results, sc, name) for name in labels
-              if name.startswith("sim-w") and _of(results, "sim", sc)]
+              if name.startswith("sim-w") and _of(results, name, sc) and _of(results, "sim", sc)]
     for name in (n for n in labels if n.startswith("sim-w")):
         runs = _of(results, name, sc)
         requests = sum(m.requests for m in runs)

@@ -168,11 +168,15 @@ class Admission:
                 ) -> Ticket:
         """``admit`` without waiting: the ticket is open, or stands in the FIFO (``waiting``)
         until room frees, when ``notify`` is called with it (or with ``refused`` set, when
-        draining). 413, 429 and 503 are raised as by ``admit``."""
-        got = self.request_many([Ask(inputs, tokens, deadline, flow, tenant, notify)])[0]
-        if isinstance(got, ApiError):
-            raise got
-        return got
+        draining). 413, 429 and 503 are raised as by ``admit``. ``request_many`` for one,
+        without its lists: one process's request threads ask one at a time."""
+        ticket = self._charge(inputs, tokens, deadline, flow, tenant)
+        try:
+            self._enter(ticket, notify)
+        except ApiError:
+            self._uncharge(ticket)
+            raise
+        return ticket
 
     def request_many(self, asks: Sequence[Ask]) -> list[Ticket | ApiError]:
         """``request`` for each of a burst, in order, each as if asked after the one before:
@@ -183,31 +187,46 @@ class Admission:
         out: list[Ticket | ApiError] = []
         for ask in asks:
             try:
-                out.append(self._charge(ask))
+                out.append(self._charge(ask.inputs, ask.tokens, ask.deadline, ask.flow,
+                                        ask.tenant))
             except ApiError as exc:
                 out.append(exc)
         tickets = [(i, t) for i, t in enumerate(out) if isinstance(t, Ticket)]
         notify = [asks[i].notify for i, _ in tickets]
         for i, refusal in self._enter_many([t for _, t in tickets], notify):
-            ticket = tickets[i][1]
-            if self.quotas is not None and ticket.tenant is not None:
-                self.quotas.refund(ticket.tenant, ticket.inputs, ticket.estimate)
+            self._uncharge(tickets[i][1])
             out[tickets[i][0]] = refusal
         return out
 
-    def _charge(self, ask: Ask) -> Ticket:
-        """``ask``'s ticket, charged to its tenant's quotas; 413, or 429 over a quota."""
+    def _charge(self, inputs: int, tokens: int, deadline: float, flow: Hashable,
+                tenant: str | None) -> Ticket:
+        """A request's ticket, charged to its tenant's quotas; 413, or 429 over a quota."""
         limit = self.limit
-        if ask.inputs > limit:
+        if inputs > limit:
             raise PayloadTooLarge(
-                f"this request has {ask.inputs} inputs but the server admits at most {limit} "
+                f"this request has {inputs} inputs but the server admits at most {limit} "
                 "at once (MAX_QUEUE); split it into smaller requests",
                 param="input", code="too_many_inputs",
             )
-        if self.quotas is not None and ask.tenant is not None:
-            self.quotas.take(ask.tenant, inputs=ask.inputs, tokens=ask.tokens)
-        return Ticket(ask.inputs, min(ask.tokens, self.max_tokens), ask.deadline, ask.flow,
-                      ask.tenant, ask.tokens)
+        if self.quotas is not None and tenant is not None:
+            self.quotas.take(tenant, inputs=inputs, tokens=tokens)
+        return Ticket(inputs, min(tokens, self.max_tokens), deadline, flow, tenant, tokens)
+
+    def _uncharge(self, ticket: Ticket) -> None:
+        """A ticket refused on entering charges its tenant nothing."""
+        if self.quotas is not None and ticket.tenant is not None:
+            self.quotas.refund(ticket.tenant, ticket.inputs, ticket.estimate)
+
+    def _enter(self, ticket: Ticket, notify: Callable[[Ticket], None] | None) -> None:
+        """``_enter_many`` for one ticket: opened or put in line, or its refusal raised."""
+        bound = self.queue_most() if self.queue_most is not None else None
+        if bound is not None or self.queue is None:
+            with self._cond:
+                if self._enter_locked(ticket, notify, bound, final=bound is None):
+                    return
+        ahead = self.queue(ticket.flow) if self.queue is not None else None
+        with self._cond:
+            self._enter_locked(ticket, notify, ahead, final=True)
 
     def _enter_many(self, tickets: list[Ticket],
                     notify: list[Callable[[Ticket], None] | None]) -> list[tuple[int, ApiError]]:
