@@ -100,13 +100,18 @@ lint: setup
 # processes ran the suite in 270-274 s and 497-510 CPU-s, 4 in 295-326 s and 547-591 CPU-s;
 # on a fresh clone the two did not differ measurably (bench/RESULTS.md).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
+# Tests marked `alone` assert a latency or a rate claimed for cores otherwise idle; beside
+# two other test files on 2 cores they failed about one run in three (an engine's restart or
+# a burst's deadline sharing the cores), so they run after the rest, one at a time.
 test: lint tools $(HUB1_VENV)/.installed
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -m alone
 
 # The same run, measuring line coverage of embedsvc/ in the test processes and every Python
 # process they start (pyproject.toml's [tool.coverage.run]); slower, so not part of `test`.
 coverage: lint tools $(HUB1_VENV)/.installed
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --cov --cov-report=term:skip-covered
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile -m "not alone" --cov
+	$(BIN)/python -m pytest -m alone --cov --cov-append --cov-report=term:skip-covered
 
 clean:
 	rm -rf $(VENV) $(HUB1_VENV) .pytest_cache .coverage .coverage.*

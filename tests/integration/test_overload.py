@@ -36,6 +36,7 @@ def tokenized(url: str) -> float:
     return float(found.group(1))
 
 
+@pytest.mark.alone  # the deadline's 429s are predicted from the device's best recent rate
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 def test_a_burst_past_the_deadline_gets_429_at_once_not_504(tmp_path, launch):
     """48 clients x 300 inputs at once, about 6 s of device work, with a 2 s deadline: the
