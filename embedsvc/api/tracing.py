@@ -138,9 +138,12 @@ class Tracing:
         if str(found.attributes.get("service.name", "")).startswith("unknown_service"):
             found = found.merge(Resource({"service.name": "embedsvc"}))  # OTEL_SERVICE_NAME wins
         self.provider = TracerProvider(resource=found, shutdown_on_exit=False)  # ours, below
+        # a half second past the drain: at the exit's flush a silent collector outlasts the
+        # drain's wait (``shutdown`` False); with the same timeout the export could give up
+        # first, and the flush looked finished
         exporter = exporter or OTLPSpanExporter(
             endpoint=endpoint, session=bounded_session(),
-            timeout=min(10.0, max(1.0, drain_timeout_s)))
+            timeout=min(10.0, max(1.0, drain_timeout_s)) + 0.5)
         self.drain_timeout_s = drain_timeout_s
         self._shut = False
         atexit.register(self.shutdown)
