@@ -57,6 +57,7 @@ from . import drain, http_errors
 from .internals import missing_internals
 from .probe import ProbeListener
 from .process import ensure_open_files
+from .shared_engine import flush_logs
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,21 @@ class ThreadWorker(gthread.ThreadWorker):
                 self._probes.stop()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.booted:
+            self._stop_before_boot()
         if self.alive:  # the first SIGTERM: the main loop closes the listener next
             self.method_queue.defer(self._stop_listening)
         super().handle_exit(sig, frame)
+
+    def _stop_before_boot(self) -> None:
+        """Told to stop while still warming in post_worker_init: nothing accepted, nothing to
+        drain, so exit now. Warming on would start an engine process for a master that is
+        stopping; and when the master halts on another worker's failed boot, that engine
+        fails the same way, and the second failed boot makes the halting master raise (a
+        traceback, exit 1 instead of 3)."""
+        log.info("worker %d stops before it served: its master is stopping", os.getpid())
+        flush_logs()
+        os._exit(0)
 
     def _stop_listening(self) -> None:
         """Take the connections the kernel has queued, close the listeners, then drain.

@@ -130,12 +130,18 @@ def test_every_worker_answers_the_service_state_and_counters_never_go_backwards(
                 "embedsvc_requests_total", (("route", "/embed"), ("status", "200")))]
 
 
-@pytest.mark.parametrize("launch", ["plain", "conf"])
+LATE = ["gunicorn", "-c", "tests/integration/gunicorn_late_worker.conf.py", "-w", "2", "-b",
+        "127.0.0.1:0", "--timeout", "10", "embedsvc:app"]
+
+
+@pytest.mark.parametrize("launch", ["plain", "conf", "late"])
 def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(launch, tmp_path):
     """Every request waited 30 s, then 503, and the master never exited, its engine's
     directory left behind: now a worker exits as gunicorn's failed boot, and the master
     stops with it, as `embedsvc serve --workers` does (the other workers exit too, not as
-    failed boots: a second one made the halting master raise, a traceback and exit 1)."""
+    failed boots: a second one made the halting master raise, a traceback and exit 1).
+    "late": the second worker warms only after the halting master's SIGTERM; it started a
+    second engine in a directory made anew, and failed its boot too (a CI run, by chance)."""
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -144,7 +150,7 @@ def test_an_engine_that_cannot_load_the_model_stops_gunicorn_with_its_cause(laun
     env = {"EMBEDSVC_MODEL": str(model), "XDG_RUNTIME_DIR": str(runtime)}
     log = tmp_path / "broken.log"
     try:
-        with running(LAUNCHES[launch], log, env=env, healthy=False,
+        with running({**LAUNCHES, "late": LATE}[launch], log, env=env, healthy=False,
                      cwd=str(Path(__file__).parents[2])) as server:
             code = server.exit_after_first_request()
         output = log.read_text()
