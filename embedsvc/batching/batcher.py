@@ -654,12 +654,20 @@ class Batcher:
             batch = [self._pending[i] for i in sorted(chosen)]
             self._pending = [it for i, it in enumerate(self._pending) if i not in picked]
         now = time.monotonic()
+        taken: dict[Job, list[int]] = {}  # each job's tokens and inputs in this batch
         for it in batch:
-            it.job.started = True
-            self._dequeued(it)
-            if it.job.left:
-                self._partly[it.job] = None
-        self._served = {id(it.job) for it in batch}
+            counts = taken.get(it.job)
+            if counts is None:
+                taken[it.job] = [len(it.ids), 1]
+            else:
+                counts[0] += len(it.ids)
+                counts[1] += 1
+        for job, (tokens, inputs) in taken.items():
+            job.started = True
+            self._dequeued(job, tokens, inputs)
+            if job.left:
+                self._partly[job] = None
+        self._served = {id(job) for job in taken}
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
@@ -767,8 +775,7 @@ class Batcher:
         mine = [it for it in self._pending if it.job is job]
         if mine:
             self._pending = [it for it in self._pending if it.job is not job]
-            for it in mine:
-                self._dequeued(it)
+            self._dequeued(job, sum(len(it.ids) for it in mine), len(mine))
             self._release(mine)
             self.metrics.dropped_inputs.labels(reason=error.reason).inc(len(mine))
         job._finish(error)
@@ -776,17 +783,17 @@ class Batcher:
             self.on_finished()
         self._cond.notify_all()
 
-    def _dequeued(self, item: _Item) -> None:
-        """``item`` left the queue (for the device, or dropped): the backlogs shrink."""
-        job, tokens = item.job, len(item.ids)
+    def _dequeued(self, job: Job, tokens: int, inputs: int) -> None:
+        """``inputs`` of ``job``'s, ``tokens`` in all, left the queue (for the device, or
+        dropped): the backlogs shrink."""
         job.queued -= tokens
-        job.left -= 1
+        job.left -= inputs
         if not job.left:
             self._partly.pop(job, None)
         self._queued_tokens -= tokens
         backlog = self._backlog[job.flow]
         backlog[0] -= tokens
-        backlog[1] -= 1
+        backlog[1] -= inputs
         if backlog[1] <= 0:
             del self._backlog[job.flow]
 
