@@ -27,10 +27,10 @@ variable gives) or that gives one key to two tenants.
 ``Quotas`` holds each tenant's usage where admission is (admission.py): a request
 over its tenant's requests a second or tokens a minute (token buckets refilled at that rate,
 so a burst of up to a second's or a minute's worth passes) or inputs in flight is refused
-with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized in one
-process, on arrival in the engine process; there, a refusal of a rate quota says how long
-the quota stays spent (``QuotaExceeded.empty_s``), and the front that sent it refuses the
-tenant's requests until then before tokenizing them (remote/client.py). Its usage lives in
+with 429 and a ``Retry-After`` that the quota itself gives, before it is tokenized, in one
+process as in the engine process (a front's ``Reserve``); there, a refusal of a rate quota
+says how long the quota stays spent (``QuotaExceeded.empty_s``), and the front that sent it
+refuses the tenant's requests until then without asking (remote/client.py). Its usage lives in
 this process, or, where several models' engine processes serve one service, in a table they
 all map (tenant_usage.py), so that a tenant's limits hold across models.
 

@@ -3,13 +3,15 @@ liveness, and the one tracker of this front's requests in the engine) and ``Remo
 (the engine as ``EngineClient``'s port).
 
 The front has one socket to the engine, and one thread owns it: the link's (a ZeroMQ socket
-is not thread-safe). A request thread lists its request's future (``_Call``) with the link,
+is not thread-safe). A request thread lists its request's future (``_Call``) with the link
+as it queues its ``Reserve`` (room in the engine's admission, before it tokenizes), then
 queues its ``Submit`` and waits on the future alone, until its deadline. The link's thread
 sends what the request threads queued while it was busy as one ``Submits`` frame (they wake
 it through a pipe only where no wake-up is pending yet), reads every answer (an ``Answer``,
-a ``Failed``, or each of an ``Answers``) and sets the future it answers, which wakes that
-request's thread and no other. It pings the engine every half second, sends this front's
-metrics every second, cancels the requests whose client left, and watches the connection:
+a ``Failed``, a ``Granted``, or each of an ``Answers``) and sets the future it answers,
+which wakes that request's thread and no other. It pings the engine every half second,
+sends this front's metrics every second, cancels the requests whose client left, and
+watches the connection:
 when the engine process is gone (its socket closes, it stops answering, another answers),
 it fails every future in it at once with 503 ``engine_gone`` and ``Retry-After``, and
 /health says ``loading`` until the supervisor's new engine answers a ``Hello`` with its card.
@@ -31,6 +33,7 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..admission import deadline_error
 from ..errors import (
     ApiError,
     ClientDisconnected,
@@ -68,6 +71,11 @@ _BURST_BYTES = 1 << 19
 # What a Submit's encoding adds to its arrays (its field names, numbers, kind), counted
 # beside them: one-input requests are a dozen bytes of ids in a frame of some 160
 _SUBMIT_BYTES = 256
+# A request this large waits for the engine's grant before it tokenizes (``Reserve.tell``),
+# so that a refusal costs no tokenizing; a smaller one tokenizes at once (a round trip would
+# cost it more than its tokenizing) and the engine holds its ids until the grant.
+_TELL_INPUTS = 8
+_TELL_TOKENS = 1024
 # plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
@@ -105,23 +113,49 @@ class _Call:
     answer frame, or the error that ended it), or a scrape's. ``disconnected`` (the
     request's client left), ``cancelled_at``: the link's, for a departed client."""
 
-    __slots__ = ("id", "disconnected", "cancelled_at", "held_at", "answer", "error", "_unset")
+    __slots__ = ("id", "disconnected", "cancelled_at", "held_at", "answer", "error", "_unset",
+                 "submitted", "_ungranted")
 
-    def __init__(self, request_id: int, disconnected: Callable[[], bool] | None = None) -> None:
+    def __init__(self, request_id: int, disconnected: Callable[[], bool] | None = None,
+                 tell: bool = False) -> None:
         self.id = request_id
         self.disconnected = disconnected
         self.cancelled_at: float | None = None
         self.held_at = 0.0  # when the engine last said it holds the request (Pong.holding)
         self.answer: Any = None
         self.error: ApiError | None = None
+        self.submitted = False  # its ids were queued: the engine holds its reservation now
         # held until settled: a bare lock costs a tenth of an Event's wait and set, and
         # the link settles a call once (whoever takes it off the link's lists settles it)
         self._unset = threading.Lock()
         self._unset.acquire()
+        # a reservation that asked to be told: held until granted (or settled: refused)
+        self._ungranted: threading.Lock | None = None
+        if tell:
+            self._ungranted = threading.Lock()
+            self._ungranted.acquire()
 
     def settle(self, answer: Any = None, error: ApiError | None = None) -> None:
         self.answer, self.error = answer, error
         self._unset.release()
+        self.grant()  # a waiter for the grant hears the refusal
+
+    def grant(self) -> None:
+        lock = self._ungranted
+        if lock is not None and lock.locked():
+            with contextlib.suppress(RuntimeError):  # granted and settled at once
+                lock.release()
+
+    def wait_granted(self, timeout: float) -> bool:
+        """Whether the engine granted the reservation, or answered otherwise, within
+        ``timeout`` seconds."""
+        lock = self._ungranted
+        if lock is None:
+            return True
+        if lock.acquire(timeout=max(0.0, timeout)):
+            lock.release()  # open for every later look
+            return True
+        return False
 
     def wait(self, timeout: float | None) -> bool:
         """Whether it was settled within ``timeout`` seconds (None: however long)."""
@@ -192,10 +226,12 @@ class Link:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def send_call(self, frame: wire.Submit, disconnected: Callable[[], bool] | None
-                  ) -> _Call:
-        """``frame`` on its way, and its future; 503 while no engine answers."""
-        call = _Call(frame.id, disconnected)
+    def send_call(self, frame: wire.Reserve | wire.Submit,
+                  disconnected: Callable[[], bool] | None) -> _Call:
+        """``frame`` (a request's first: its reservation) on its way, and its future; 503
+        while no engine answers."""
+        tell = isinstance(frame, wire.Reserve) and frame.tell
+        call = _Call(frame.id, disconnected, tell)
         with self._lock:
             if self.state == "loading":
                 raise _gone(_NOT_CONNECTED)
@@ -205,6 +241,16 @@ class Link:
             self._outbox.append((time.monotonic(), frame))
         self._signal()
         return call
+
+    def send_ids(self, call: _Call, frame: wire.Submit) -> None:
+        """A reserved request's ``Submit`` on its way, unless its future is settled (a
+        refusal, the engine gone: the wait raises it)."""
+        call.submitted = True
+        with self._lock:
+            if call.id not in self._calls:
+                return
+            self._outbox.append((time.monotonic(), frame))
+        self._signal()
 
     def forget(self, call: _Call) -> bool:
         """Stop waiting for ``call``'s answer; False if it has come (or the link failed it)."""
@@ -332,7 +378,7 @@ class Link:
 
     def _route(self, frame: Any) -> None:
         """An answer to the future it answers; the engine's card and pongs to the link."""
-        if isinstance(frame, (wire.Answer, wire.Failed)):
+        if isinstance(frame, (wire.Answer, wire.Failed, wire.Granted)):
             self._settle([frame])
         elif isinstance(frame, wire.Answers):
             self._settle(frame.items)
@@ -346,12 +392,17 @@ class Link:
             if asker is not None:
                 asker[1].settle(frame)
 
-    def _settle(self, answers: list[wire.Answer | wire.Failed]) -> None:
-        pop = self._calls.pop
+    def _settle(self, answers: list[wire.Answer | wire.Failed | wire.Granted]) -> None:
+        pop, get = self._calls.pop, self._calls.get
         with self._lock:
-            calls = [(pop(item.id, None), item) for item in answers]
+            calls = [(get(item.id) if isinstance(item, wire.Granted) else pop(item.id, None),
+                      item) for item in answers]
         for call, item in calls:
-            if call is not None:  # else its request gave up meanwhile
+            if call is None:  # its request gave up meanwhile
+                continue
+            if isinstance(item, wire.Granted):
+                call.grant()
+            else:
                 call.settle(item)
 
     def _flush(self, sock: zmq.Socket) -> None:
@@ -363,8 +414,8 @@ class Link:
         while self._unsent:
             count = _burst(self._unsent)
             frames = [frame for _, frame in self._unsent[:count]]
-            data = wire.encode(frames[0] if count == 1 else
-                               wire.Submits(cast("list[wire.Submit]", frames)))
+            data = wire.encode(frames[0] if count == 1 else wire.Submits(
+                cast("list[wire.Reserve | wire.Submit]", frames)))
             try:
                 sock.send(data, _NOBLOCK)
             except zmq.Again:
@@ -381,7 +432,8 @@ class Link:
             return
         self._unsent = [(queued, frame) for queued, frame in self._unsent if queued >= until]
         with self._lock:
-            calls = [self._calls.pop(f.id, None) for f in late if isinstance(f, wire.Submit)]
+            calls = [self._calls.pop(f.id, None) for f in late
+                     if isinstance(f, (wire.Reserve, wire.Submit))]
         for call in calls:
             if call is not None:
                 call.settle(error=_gone(_NOT_CONNECTED))
@@ -458,10 +510,14 @@ def _gone(message: str) -> EngineGone:
 
 
 def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
-    """How many of the first ``queued`` frames go in one: a run of ``Submit``s whose ids,
-    pixels and encoding fit ``_BURST_BYTES`` (at least one), or one other frame."""
+    """How many of the first ``queued`` frames go in one: a run of ``Reserve``s and
+    ``Submit``s whose ids, pixels and encoding fit ``_BURST_BYTES`` (at least one), or one
+    other frame."""
     size = 0
     for n, (_, frame) in enumerate(queued):
+        if isinstance(frame, wire.Reserve):
+            size += _SUBMIT_BYTES + 4 * (len(frame.tenant or "") + len(frame.flow or ""))
+            continue
         if not isinstance(frame, wire.Submit):
             return max(n, 1)
         size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
@@ -485,14 +541,21 @@ def _drain_pipe(fd: int) -> None:
 class RemotePort:
     """The engine process as ``EngineClient``'s port: admission and batching happen there.
 
-    Tenants' quotas are charged there too, on arrival, after this process tokenized the
-    request. So that a tenant over a rate quota does not cost its fronts the tokenizing of
-    every refused request, the engine's refusal says how long the quota stays spent
-    (``Failed.empty_s``), and ``admit`` refuses the tenant's requests here, with the same
-    error and the Retry-After left, for that long but at most ``_RECHECK_S``: the engine
-    decides again at least that often, since a reload of the keys file or a refund (a
-    parked request of the tenant withdrawn) can free the quota sooner than it said. So one
-    refused request a second per front is tokenized, not all of them.
+    ``admit`` reserves the request's room in the engine's admission before it is tokenized,
+    as one process reserves it (``Reserve``, docs/batching.md): a request of more than
+    ``_TELL_INPUTS`` inputs or ``_TELL_TOKENS`` tokens waits for the engine's grant (a
+    refusal costs it no tokenizing), a smaller one tokenizes meanwhile and its ids wait in
+    the engine for the grant. ``submit`` sends the ids under that reservation, ``cancel``
+    gives back a reservation whose request ends before (a 400 in tokenizing, its client
+    gone, its deadline past).
+
+    Tenants' quotas are charged there, on the reservation. So that a tenant over a rate
+    quota does not cost its fronts a round trip a request, the engine's refusal says how
+    long the quota stays spent (``Failed.empty_s``), and ``admit`` refuses the tenant's
+    requests here, with the same error and the Retry-After left, for that long but at most
+    ``_RECHECK_S``: the engine decides again at least that often, since a reload of the keys
+    file or a refund (a parked request of the tenant withdrawn) can free the quota sooner
+    than it said.
     """
 
     def __init__(self, link: Link) -> None:
@@ -515,9 +578,11 @@ class RemotePort:
     def queue_limit(self) -> int:
         return self.link.queue_limit
 
-    def admit(self, work: Work, tokens: int) -> None:
-        """The engine admits (on arrival, with the exact tokens); here, only whether it is
-        there to ask: 503 while it is loading, gone or draining."""
+    def admit(self, work: Work, tokens: int) -> _Call:
+        """Room for ``work`` (about ``tokens``) reserved in the engine, before it is
+        tokenized; its refusal raised here (413, 429, 503, 504; 499 when the client leaves
+        meanwhile) where the request waits for the grant. 503 while the engine is loading,
+        gone or draining."""
         state = self.state
         if state == "draining":
             raise shutting_down({"Retry-After": "1"})
@@ -526,6 +591,35 @@ class RemotePort:
                               code=state, headers={"Retry-After": "1"})
         if work.tenant is not None and self._spent:
             self._refuse_if_spent(work.tenant)
+        assert work.deadline is not None
+        tell = work.count > _TELL_INPUTS or tokens > _TELL_TOKENS
+        frame = wire.Reserve(self.link.next_id(), work.kind, work.count, tokens,
+                             timeout=work.deadline - time.monotonic(),
+                             flow=None if work.flow is None else repr(work.flow),
+                             tenant=work.tenant, front=os.getpid(), tell=tell)
+        call = self.link.send_call(frame, work.disconnected)
+        with self._cond:
+            self._in_flight += 1
+        if tell:
+            try:
+                self._await_grant(call, work)
+            except BaseException:
+                self.cancel(call)
+                raise
+        return call
+
+    def _await_grant(self, call: _Call, work: Work) -> None:
+        """Until the engine grants ``call``'s reservation; its refusal raised, 504 at the
+        deadline, 499 when the client leaves."""
+        assert work.deadline is not None
+        while not call.wait_granted(min(_TICK_S, work.deadline - time.monotonic())):
+            if time.monotonic() > work.deadline:
+                raise deadline_error()
+            if work.disconnected is not None and work.disconnected():
+                raise ClientDisconnected("the client disconnected", code="client_disconnected")
+        if call.wait(0):  # answered instead of granted: a refusal, the engine gone
+            self._note_spent(call.answer if call.error is None else None, work)
+            embedded(call.result(), work.kind)  # raises it
 
     def _refuse_if_spent(self, tenant: str) -> None:
         """The engine's last refusal of ``tenant``'s rate quota again, while it holds."""
@@ -541,23 +635,30 @@ class RemotePort:
         error.headers["Retry-After"] = str(max(1, math.ceil(until - now)))
         raise error
 
-    def cancel(self, ticket: None) -> None:
-        """Nothing is reserved on this side."""
+    def cancel(self, call: _Call) -> None:
+        """A reservation whose request ends before its ids were sent, given back (``Cancel``:
+        the engine frees its room); a no-op once they were."""
+        if call.submitted:
+            return
+        call.submitted = True  # once
+        if self.link.forget(call) and call.cancelled_at is None:  # else the link did
+            self.link.post(wire.Cancel(call.id))
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
 
-    def submit(self, work: Work, ticket: None) -> Pending:
+    def submit(self, work: Work, call: _Call) -> Pending:
         assert work.deadline is not None
         rows: list[Any] = work.ids
         images: dict[str, Any] = {}
         if work.kind == IMAGE:  # the pixels beside the ids
             rows, images = wire.pack_pixels(rows)
         ids, lengths, seconds = wire.pack_ids(rows)
-        frame = wire.Submit(self.link.next_id(), work.kind, ids, lengths, seconds,
+        frame = wire.Submit(call.id, work.kind, ids, lengths, seconds,
                             raw=work.raw, timeout=work.deadline - time.monotonic(),
                             flow=None if work.flow is None else repr(work.flow),
-                            tenant=work.tenant, front=os.getpid(), **images)
-        call = self.link.send_call(frame, work.disconnected)
-        with self._cond:
-            self._in_flight += 1
+                            tenant=work.tenant, front=os.getpid(), reserved=True, **images)
+        self.link.send_ids(call, frame)
         give_up = work.deadline + ANSWER_GRACE_S
         return Pending(lambda: self._wait(call, work, give_up))
 
@@ -579,16 +680,20 @@ class RemotePort:
                 break
             call.wait(None)  # set, or being set: it was no longer listed
             frame = call.result()
-            if isinstance(frame, wire.Failed) and frame.empty_s > 0 \
-                    and work.tenant is not None:
-                now = time.monotonic()
-                self._spent[work.tenant] = (now + min(frame.empty_s, _RECHECK_S),
-                                            now + frame.empty_s, frame)
+            self._note_spent(frame, work)
             return embedded(frame, work.kind)
         finally:
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify_all()
+
+    def _note_spent(self, frame: Any, work: Work) -> None:
+        """A refusal of ``work``'s tenant's rate quota, kept to refuse its next requests
+        here while the quota stays spent (``_refuse_if_spent``)."""
+        if isinstance(frame, wire.Failed) and frame.empty_s > 0 and work.tenant is not None:
+            now = time.monotonic()
+            self._spent[work.tenant] = (now + min(frame.empty_s, _RECHECK_S),
+                                        now + frame.empty_s, frame)
 
     def shutdown(self, timeout: float) -> ShutdownReport:
         """Refuse new work (503); wait up to ``timeout`` for this front's requests in the

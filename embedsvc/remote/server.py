@@ -1,10 +1,14 @@
 """The engine process's loop: one ``Runner`` served on a ZeroMQ socket to every front.
 
 One thread (the loop) owns the ROUTER socket. At each wake-up it reads the frames that are
-there and takes their requests (``Submit``, several in a ``Submits``) as one burst: checked
-one by one, admitted by one call without blocking (``Admission.request_many``, each in turn
-as if alone: a request that does not fit waits in the same FIFO as in one process, parked
-here until its grant), and queued for the batcher by one append with a callback each. It
+there and takes their requests as one burst. A front reserves a request's room before it
+tokenizes it (``Reserve``), as one process does: the reservations of a burst are admitted
+by one call without blocking (``Admission.request_many``, each in turn as if alone: one
+that does not fit waits in the same FIFO as in one process, parked here until its grant),
+a refusal answered at once, a grant when the front asked to be told. Then come the
+requests' ids (``Submit``, several in a ``Submits``): each checked, its reservation settled
+at the exact tokens, and queued for the batcher by one append with a callback each (a
+submit whose reservation is still parked waits with it). It
 writes the answers when the batcher's thread (or the watchdog's) says their jobs are done:
 those threads only append to a queue and write one byte to a pipe the loop polls, so a
 batch's answers cost one wake-up, not one per request, and the answers a turn has for one
@@ -32,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -58,11 +62,14 @@ _FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose p
 class _Request:
     peer: bytes
     id: int
-    work: Work
+    work: Work | None  # None: reserved, its ids not yet here (``Reserve``)
     ticket: Ticket | None = None
     job: Job | None = None
     gone: bool = False
     result: Embedded | ApiError | None = None  # /embed_all's, computed in its own thread
+    front: int | None = None  # the pid of the front it came from
+    deadline: float = math.inf
+    tell: bool = False  # a reservation that answers ``Granted``
 
 
 @dataclass
@@ -112,8 +119,10 @@ class EngineServer:
         self._ready: deque[_Request] = deque()  # granted while parked
         self._done: deque[_Request] = deque()  # finished jobs, and /embed_all's answers
         self._parked: dict[tuple[bytes, int], _Request] = {}
+        self._reserved: dict[tuple[bytes, int], _Request] = {}  # room held, ids not yet here
         self._running: dict[tuple[bytes, int], _Request] = {}
-        self._outbox: dict[bytes, list[wire.Answer | wire.Failed]] = {}  # answers, by front
+        # answers and grants, by front
+        self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
         self._next_front_sweep = 0.0
@@ -124,7 +133,7 @@ class EngineServer:
 
     @property
     def in_flight(self) -> int:
-        return len(self._parked) + len(self._running)
+        return len(self._parked) + len(self._reserved) + len(self._running)
 
     def run(self, stop: threading.Event) -> None:
         """The loop, until ``stop`` is set and nothing admitted is left unanswered."""
@@ -169,28 +178,39 @@ class EngineServer:
     # -- frames in ----------------------------------------------------------------------------
 
     def _read(self) -> None:
-        """Read what is there (at most _READ_BATCH frames): every request among them is
-        admitted and queued as one burst; a control frame (a cancel, a ping) first has the
-        requests read before it submitted, so that it finds them."""
-        burst: list[tuple[bytes, wire.Submit]] = []
+        """Read what is there (at most _READ_BATCH frames): the reservations and requests
+        among them are taken as one burst; a control frame (a cancel, a ping) first has the
+        burst read before it taken, so that it finds them."""
+        burst: list[tuple[bytes, wire.Reserve | wire.Submit]] = []
         for _ in range(_READ_BATCH):
             try:
                 parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             frame = self._decoded(parts)
-            if isinstance(frame, wire.Submit):
+            if isinstance(frame, (wire.Submit, wire.Reserve)):
                 burst.append((parts[0], frame))
             elif isinstance(frame, wire.Submits):
                 burst.extend((parts[0], item) for item in frame.items)
             elif frame is not None:
-                self._submit(burst)
+                self._take(burst)
                 burst = []
                 try:
                     self._dispatch(parts[0], frame)
                 except ValueError as exc:  # contents the frame's type cannot hold
                     self._refuse_frame(f"{type(frame).__name__}: {exc}")
-        self._submit(burst)
+        self._take(burst)
+
+    def _take(self, burst: list[tuple[bytes, wire.Reserve | wire.Submit]]) -> None:
+        """A burst's reservations, then its requests (a front sends a request's ids after
+        its reservation, so the reservation of any submit here is taken first)."""
+        if not burst:
+            return
+        reserves = [(peer, f) for peer, f in burst if isinstance(f, wire.Reserve)]
+        if reserves:
+            self._reserve(reserves)
+            burst = [(peer, f) for peer, f in burst if isinstance(f, wire.Submit)]
+        self._submit(cast("list[tuple[bytes, wire.Submit]]", burst))
 
     def _decoded(self, parts: list[bytes]) -> Any:
         """The frame of ``parts`` (the sender, its payload); None, said in one line, when
@@ -247,26 +267,108 @@ class EngineServer:
             del self._fronts[peer]
         return sorted({f.pid for f in self._fronts.values()})
 
-    def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
-        """Check, admit and queue the requests of ``burst`` as one unit: one admission call
-        (``Admission.request_many``: each in turn, as if one after another) and one append
-        to the batcher's queue (one wake-up of its thread) for all."""
-        reqs = []
+    def _reserve(self, burst: list[tuple[bytes, wire.Reserve]]) -> None:
+        """Room for requests a front has not yet tokenized, admitted as one burst (one
+        ``Admission.request_many``): a refusal answered now, a grant when asked for."""
+        reqs, asks = [], []
         for peer, frame in burst:
             try:
-                work = self._work(frame)
-                self.runner.check(work)
+                deadline = self._reservation(frame)
             except ApiError as exc:
                 self._reply(peer, failed(frame.id, exc))
                 continue
-            req = _Request(peer, frame.id, work)
+            req = _Request(peer, frame.id, None, front=frame.front or None, deadline=deadline,
+                           tell=frame.tell)
+            reqs.append(req)
+            asks.append(Ask(frame.inputs, frame.tokens, deadline, frame.flow, frame.tenant,
+                            partial(self._granted, req)))
+        if not reqs:
+            return
+        for req, ticket in zip(reqs, self.runner.admission.request_many(asks), strict=True):
+            if isinstance(ticket, ApiError):
+                self._reply(req.peer, failed(req.id, ticket))
+                continue
+            req.ticket = ticket
+            if ticket.open:
+                self._hold(req)
+            else:
+                self._parked[(req.peer, req.id)] = req
+
+    def _reservation(self, frame: wire.Reserve) -> float:
+        """The deadline of a reservation that can be admitted; a 400 for one that cannot
+        (a kind this model does not serve is refused before any tokenizing, as in one
+        process)."""
+        if frame.kind not in WORK_KINDS:
+            raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}",
+                                 code="invalid_frame")
+        if not math.isfinite(frame.timeout):
+            raise InvalidRequest("a deadline that is not a number of seconds",
+                                 code="invalid_frame")
+        if not 0 < frame.inputs <= self.runner.settings.max_inputs_per_request:
+            raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
+                                 code="invalid_frame")
+        self.runner.check(Work(frame.kind, ()))
+        return time.monotonic() + max(0.0, frame.timeout)
+
+    def _hold(self, req: _Request) -> None:
+        """A granted reservation waits for its ids; a front waiting to be told hears now."""
+        self._reserved[(req.peer, req.id)] = req
+        if req.tell:
+            self._reply(req.peer, wire.Granted(req.id))
+
+    def _give_back(self, req: _Request) -> None:
+        """The room of a reservation whose request will not run (refused on its ids, its
+        client or front gone, its deadline past), open or still parked."""
+        key = (req.peer, req.id)
+        if self._reserved.pop(key, None) is not None:
+            assert req.ticket is not None
+            self.runner.admission.cancel(req.ticket)
+        elif self._parked.get(key) is req:
+            assert req.ticket is not None
+            if self.runner.admission.withdraw(req.ticket):
+                del self._parked[key]
+
+    def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
+        """Check, admit and queue the requests of ``burst`` as one unit: one admission call
+        (``Admission.request_many``: each in turn, as if one after another) and one append
+        to the batcher's queue (one wake-up of its thread) for all. A reserved request is
+        admitted already: its ids join its reservation (queued now if it is granted)."""
+        reqs, start = [], []
+        for peer, frame in burst:
+            held = None
+            if frame.reserved:
+                key = (peer, frame.id)
+                held = self._reserved.get(key) or self._parked.get(key)
+                if held is None:  # refused, withdrawn or swept: its Failed has gone
+                    continue
+            try:
+                work = self._work(frame)
+                self.runner.check(work)
+                if held is not None and held.ticket is not None \
+                        and len(work.ids) != held.ticket.inputs:
+                    raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
+                                         f"{held.ticket.inputs}", code="invalid_frame")
+            except ApiError as exc:
+                if held is not None:
+                    self._give_back(held)
+                self._reply(peer, failed(frame.id, exc))
+                continue
+            if held is not None:
+                held.work = work
+                work.disconnected = partial(_is_gone, held)
+                if self._reserved.pop((peer, frame.id), None) is not None:
+                    start.append(held)  # a parked one starts at its grant
+                continue
+            req = _Request(peer, frame.id, work, front=work.front)
             work.disconnected = partial(_is_gone, req)
             reqs.append(req)
+        self._start(start)
         if not reqs:
             return
         tickets = self.runner.admission.request_many([
             Ask(r.work.count, sum(map(len, r.work.ids)), r.work.deadline or 0.0, r.work.flow,
-                r.work.tenant, partial(self._granted, r)) for r in reqs])
+                r.work.tenant, partial(self._granted, r)) for r in reqs if r.work is not None])
+        start = []
         start = []
         for req, ticket in zip(reqs, tickets, strict=True):
             if isinstance(ticket, ApiError):
@@ -312,11 +414,17 @@ class EngineServer:
                     deadline=time.monotonic() + max(0.0, frame.timeout))
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
-        """The front's client left: a parked request goes now (499); a queued one loses its
-        inputs at the watchdog's next look (``Batcher.cancel_due``), then answers 499."""
-        req = self._parked.get((peer, request_id)) or self._running.get((peer, request_id))
+        """The front's client left: a reservation or a parked request goes now (499); a
+        queued one loses its inputs at the watchdog's next look (``Batcher.cancel_due``),
+        then answers 499."""
+        key = (peer, request_id)
+        req = self._parked.get(key) or self._running.get(key) or self._reserved.get(key)
         if req is not None:
             req.gone = True
+        if key in self._reserved:
+            self._give_back(self._reserved[key])
+            self._reply(peer, failed(request_id, _gone()))
+            return
         parked = self._parked.get((peer, request_id))
         if parked is not None and parked.ticket is not None and \
                 self.runner.admission.withdraw(parked.ticket):
@@ -329,6 +437,7 @@ class EngineServer:
         """Admitted requests to the model: the batched ones queued together."""
         batched = []
         for req in reqs:
+            assert req.work is not None
             self._running[(req.peer, req.id)] = req
             if kind_of(req.work).batched:
                 batched.append(req)
@@ -339,7 +448,7 @@ class EngineServer:
             return
         works = []
         for req in batched:
-            assert req.ticket is not None  # admitted: ``_submit`` set it
+            assert req.ticket is not None and req.work is not None  # admitted, submitted
             works.append((req.work, req.ticket, partial(self._finished, req)))
         try:
             jobs = self.runner.submit_many(works)
@@ -354,6 +463,7 @@ class EngineServer:
     def _embed_all(self, req: _Request) -> None:
         """/embed_all's per-token work, in a thread of its own (it takes the device between
         batches, as in one process), its admission held meanwhile."""
+        assert req.work is not None
         try:
             out: Embedded | ApiError = self.runner.embed_all(req.work)
         except ApiError as exc:
@@ -413,6 +523,8 @@ class EngineServer:
             ticket = req.ticket
             if ticket is not None and ticket.refused is not None:
                 self._reply(req.peer, failed(req.id, ticket.refused))
+            elif req.work is None:  # a reservation: its ids come later
+                self._hold(req)
             else:
                 start.append(req)
         if start:
@@ -425,6 +537,7 @@ class EngineServer:
             self._reply(req.peer, self._answer(req))
 
     def _answer(self, req: _Request) -> wire.Answer | wire.Failed:
+        assert req.work is not None
         result = req.result
         if result is None:
             job = req.job
@@ -454,33 +567,39 @@ class EngineServer:
         if now < self._next_front_sweep:  # once a second: it walks every request in flight
             return
         self._next_front_sweep = now + 1.0
-        pending = [r for r in (*self._parked.values(), *self._running.values())
-                   if not r.gone and r.work.front]
+        pending = [r for r in (*self._parked.values(), *self._reserved.values(),
+                               *self._running.values()) if not r.gone and r.front]
         if not pending:
             return
         heard: dict[int, float] = {}
         for front in self._fronts.values():
             heard[front.pid] = max(front.seen, heard.get(front.pid, front.seen))
-        dead = {pid for pid in {r.work.front for r in pending if r.work.front is not None}
+        dead = {pid for pid in {r.front for r in pending if r.front is not None}
                 if now - heard.get(pid, 0.0) > _FRONT_SILENT_S and not _alive(pid)}
         for req in pending:
-            if req.work.front in dead:
+            if req.front in dead:
                 req.gone = True
         for pid in sorted(dead):
             log.warning("front pid %d is gone: the work of its requests is dropped", pid)
 
     def _sweep_parked(self) -> None:
-        """Parked requests past their deadline get 504, those whose client left 499."""
+        """Parked requests and reservations whose ids never came, past their deadline, get
+        504, those whose client (or front) left 499."""
         now = time.monotonic()
-        for key, req in list(self._parked.items()):
-            late = req.work.deadline is not None and now > req.work.deadline
+        for key, req in [*self._parked.items(), *self._reserved.items()]:
+            due = req.deadline if req.work is None or req.work.deadline is None \
+                else req.work.deadline
+            late = now > due
             if not (late or req.gone) or req.ticket is None:
                 continue
-            if self.runner.admission.withdraw(req.ticket):
-                del self._parked[key]
+            if key in self._reserved or self.runner.admission.withdraw(req.ticket):
+                if key in self._reserved:
+                    self._give_back(req)
+                else:
+                    del self._parked[key]
                 self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
 
-    def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed) -> None:
+    def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed | wire.Granted) -> None:
         """An answer to a request, sent with the others of its front at the end of the
         loop's turn (``_flush``)."""
         self._outbox.setdefault(peer, []).append(frame)

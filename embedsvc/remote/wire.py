@@ -1,11 +1,12 @@
 """What travels on the engine's socket: typed frames (msgspec Structs, MessagePack).
 
-A front sends ``Hello`` (and gets the engine's ``Card``), ``Submit`` (one ``Work``'s model
-side: the kind, the token ids, the options) or ``Submits`` (several in one frame),
-``Cancel`` (its client left), ``Ping`` and ``Snapshot`` (its metrics); the engine answers
-``Answer`` (a kind's arrays) or ``Failed`` for a submit, or ``Answers`` (several of either
-in one frame), ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a ``Snapshot``
-that asks for the merged metrics back). Ids,
+A front sends ``Hello`` (and gets the engine's ``Card``), ``Reserve`` (room for a request,
+before it is tokenized; ``Granted`` back when it asked to be told), ``Submit`` (one
+``Work``'s model side: the kind, the token ids, the options) or ``Submits`` (several of
+either in one frame), ``Cancel`` (its client left), ``Ping`` and ``Snapshot`` (its metrics);
+the engine answers ``Answer`` (a kind's arrays) or ``Failed`` for a request, or ``Answers``
+(several in one frame), ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
+``Snapshot`` that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
 into exactly these types or refused: nothing on the socket is ever unpickled or executed.
 
@@ -42,10 +43,38 @@ class Hello(Frame):
     pid: Pid
 
 
+class Reserve(Frame):
+    """Room for one request in the engine's admission, asked before the front tokenizes it,
+    as one process reserves it (docs/batching.md): its kind (one this model does not serve
+    is refused now), its inputs, its tokens as estimated, the seconds left before its
+    deadline, its flow and tenant. ``tell``: answer ``Granted`` once the room is reserved,
+    and the front tokenizes only then; otherwise only a refusal is answered (``Failed``),
+    and the ``Submit`` that follows waits in the engine until its room is granted."""
+
+    id: int
+    kind: str
+    inputs: Size
+    tokens: Size
+    timeout: float = 30.0
+    flow: str | None = None
+    tenant: str | None = None
+    front: Pid = 0
+    tell: bool = False
+
+
+class Granted(Frame):
+    """A ``Reserve`` that asked to be told has its room."""
+
+    id: int
+
+
 class Submit(Frame):
     """One ``Work`` for the model: its wrapped ids (flat int32, and each input's length;
     ``seconds``: where a pair's second segment starts, for scorers), its options, and the
-    seconds left before its deadline (clocks are not compared across processes)."""
+    seconds left before its deadline (clocks are not compared across processes).
+    ``reserved``: its room was asked by the ``Reserve`` of the same id (a front's always
+    is); where that was refused or withdrawn, its ``Failed`` has gone and the submit is
+    dropped. Without it the engine admits the request on arrival."""
 
     id: int
     kind: str
@@ -62,6 +91,7 @@ class Submit(Frame):
     images: bytes = b""
     pixels: bytes = b""
     image_shape: tuple[Size, ...] = ()
+    reserved: bool = False
 
 
 class Cancel(Frame):
@@ -146,22 +176,23 @@ class Exposition(Frame):
 
 
 class Submits(Frame):
-    """A burst of one front's ``Submit``s in one frame: what its request threads submitted
-    while one send was under way (one wake-up and one decode in the engine for all)."""
+    """A burst of one front's ``Reserve``s and ``Submit``s in one frame, in the order its
+    request threads queued them while one send was under way (one wake-up and one decode in
+    the engine for all)."""
 
-    items: list[Submit]
+    items: list[Reserve | Submit]
 
 
 class Answers(Frame):
-    """The answers to one front that one turn of the engine's loop has (every request of
-    that front that a batch finished, say), in one frame: one send, one wake-up of the
-    front's reader."""
+    """What one turn of the engine's loop has for one front (the answers of every request
+    of that front that a batch finished, the grants of its reservations), in one frame:
+    one send, one wake-up of the front's reader."""
 
-    items: list[Answer | Failed]
+    items: list[Answer | Failed | Granted]
 
 
-ToEngine = Hello | Submit | Submits | Cancel | Ping | Snapshot | Scrape
-ToFront = Card | Pong | Answer | Failed | Answers | Exposition
+ToEngine = Hello | Reserve | Submit | Submits | Cancel | Ping | Snapshot | Scrape
+ToFront = Card | Pong | Answer | Failed | Granted | Answers | Exposition
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

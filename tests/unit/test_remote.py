@@ -472,15 +472,19 @@ def test_a_sockets_directory_made_by_someone_else_is_never_used(monkeypatch):
         shutil.rmtree(short)
 
 
-def _swallowing(server, monkeypatch) -> tuple[list[wire.Submit], list[int]]:
-    """The engine takes every request and answers none: the submits it took, and the ids
-    of the cancels it got."""
-    taken: list[wire.Submit] = []
+def _swallowing(server, monkeypatch) -> tuple[list[wire.Reserve | wire.Submit], list[int]]:
+    """The engine takes every request and answers none: the reservations and submits it
+    took, and the ids of the cancels it got."""
+    taken: list[wire.Reserve | wire.Submit] = []
     cancelled: list[int] = []
-    monkeypatch.setattr(server, "_submit",
+    monkeypatch.setattr(server, "_take",
                         lambda burst: taken.extend(frame for _, frame in burst))
     monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
     return taken, cancelled
+
+
+def _submits(frames: list) -> int:
+    return sum(isinstance(f, wire.Submit) for f in frames)
 
 
 def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monkeypatch):
@@ -496,7 +500,8 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
         front.ready().run(Work(EMBED, ["never answered"], deadline=started + 0.5))
     assert time.monotonic() - started >= 0.8  # its deadline and the grace, not sooner
-    assert len(taken) == 1 and isinstance(taken[0], wire.Submit)
+    assert [type(frame) for frame in taken] == [wire.Reserve, wire.Submit], taken
+    assert taken[0].id == taken[1].id and taken[1].reserved
     assert _soon(lambda: cancelled == [taken[0].id]), cancelled
     monkeypatch.undo()  # the engine answers again, on the same port
     out = front.ready().run(Work(EMBED, ["answered"], deadline=time.monotonic() + 5))
@@ -566,8 +571,10 @@ def test_requests_queued_while_the_link_sends_share_one_frame_and_get_their_own_
     held.set()
     for thread in threads:
         thread.join(10)
-    sizes = [len(f.items) if isinstance(f, wire.Submits) else 1 for f in frames]
-    assert sum(sizes) == len(texts) and len(frames) < len(texts), sizes
+    sizes = [sum(isinstance(i, wire.Submit) for i in f.items) if isinstance(f, wire.Submits)
+             else 1 for f in frames]  # each request's ids: its reservation went before
+    sizes = [size for size in sizes if size]
+    assert sum(sizes) == len(texts) and len(sizes) < len(texts), sizes
     for text in texts:
         np.testing.assert_allclose(rows[text], encoder.expected(text), rtol=1e-6)
 
@@ -599,7 +606,7 @@ def test_a_lost_engine_fails_every_waiting_request_at_once_from_the_link(
                 errors.append(exc)
 
         threads = _in_threads(request, list(range(6)))
-        assert _soon(lambda: len(taken) == 6), taken
+        assert _soon(lambda: _submits(taken) == 6), taken
         stop.set()  # nothing admitted: the engine's loop ends and its socket closes
         for thread in threads:
             thread.join(10)
@@ -617,7 +624,9 @@ def test_a_departed_clients_request_is_cancelled_in_the_engine_then_499(served, 
     work = Work(EMBED, ["gone"], deadline=time.monotonic() + 30, disconnected=lambda: True)
     with pytest.raises(ClientDisconnected):
         front.ready().run(work)
-    assert [f.id for f in taken] == cancelled
+    # its room was reserved, then given back: it was never tokenized, so no ids were sent
+    assert _soon(lambda: len(cancelled) == 1), (taken, cancelled)
+    assert [type(f) for f in taken] == [wire.Reserve] and cancelled == [taken[0].id], taken
 
 
 def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeypatch):
@@ -670,7 +679,7 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
             errors.append(exc)
 
     (thread,) = _in_threads(request, [0])
-    assert _soon(lambda: len(taken) == 1)
+    assert _soon(lambda: _submits(taken) == 1)
     front._link.close()
     thread.join(10)
     assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
@@ -718,3 +727,77 @@ def test_a_departed_clients_cancel_goes_after_its_submit_in_the_same_turn():
         assert sock.sent[1].id == submit.id
     finally:
         link.close()
+
+
+def _next(sock, timeout_ms: int = 5000) -> list:
+    """The items of the engine's next frame to this socket."""
+    assert sock.poll(timeout_ms), "no frame from the engine"
+    frame = wire.decode_to_front(sock.recv())
+    return list(frame.items) if isinstance(frame, wire.Answers) else [frame]
+
+
+def test_a_reservation_holds_room_before_its_ids_come_and_they_are_computed_under_it(pair):
+    """Room is reserved before a request is tokenized, as in one process: a ``Reserve`` that
+    asks is told ``Granted`` and holds its inputs in the engine's admission; its ``Submit``
+    (reserved) is computed under it, its room given back with the answer."""
+    engine, front, encoder = pair
+    admission = engine.runner.admission
+    ids = front.ready().tokens(["reserved first"])
+    with _dealer(front) as sock:
+        sock.send(wire.encode(wire.Reserve(5, "embed", 1, 30, timeout=5.0, tell=True)))
+        assert [type(f) for f in _next(sock)] == [wire.Granted]
+        assert admission.used_inputs == 1  # held while the front tokenizes
+        sock.send(wire.encode(wire.Submit(5, "embed", *wire.pack_ids(ids), timeout=5.0,
+                                          reserved=True)))
+        (answer,) = _next(sock)
+        assert isinstance(answer, wire.Answer) and answer.id == 5, answer
+        row = embedded(answer, EMBED).vectors[0]
+        np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected("reserved first"),
+                                   rtol=1e-6)
+    assert _soon(lambda: admission.used_inputs == 0)
+
+
+def test_a_reservation_given_back_or_refused_frees_its_room_and_its_ids_are_dropped(pair):
+    """A front whose request ends before its ids are sent (its client left, a 400 while
+    tokenizing) cancels the reservation: its room is freed at once, 499. A refused one
+    (more inputs than a request may have) is answered at once, and ids sent under it are
+    dropped, not admitted on arrival; ids that are not the inputs reserved are a 400, and
+    the room is freed."""
+    engine, front, _ = pair
+    admission = engine.runner.admission
+    ids = front.ready().tokens(["dropped"])
+    with _dealer(front) as sock:
+        sock.send(wire.encode(wire.Reserve(1, "embed", 2, 20, timeout=5.0, tell=True)))
+        assert [type(f) for f in _next(sock)] == [wire.Granted]
+        sock.send(wire.encode(wire.Cancel(1)))
+        (gone,) = _next(sock)
+        assert isinstance(gone, wire.Failed) and gone.status == 499, gone
+        assert admission.used_inputs == 0
+        too_many = engine.runner.settings.max_inputs_per_request + 1
+        sock.send(wire.encode(wire.Reserve(2, "embed", too_many, too_many, timeout=5.0,
+                                           tell=True)))
+        (refused,) = _next(sock)
+        assert isinstance(refused, wire.Failed) and refused.status == 400, refused
+        sock.send(wire.encode(wire.Submit(2, "embed", *wire.pack_ids(ids), timeout=5.0,
+                                          reserved=True)))
+        assert not sock.poll(500), "ids under a refused reservation were computed"
+        sock.send(wire.encode(wire.Reserve(3, "embed", 3, 30, timeout=5.0, tell=True)))
+        assert [type(f) for f in _next(sock)] == [wire.Granted]
+        sock.send(wire.encode(wire.Submit(3, "embed", *wire.pack_ids(ids), timeout=5.0,
+                                          reserved=True)))  # 1 input where 3 were reserved
+        (mismatch,) = _next(sock)
+        assert isinstance(mismatch, wire.Failed) and mismatch.status == 400, mismatch
+    assert admission.used_inputs == 0
+
+
+def test_a_reservation_whose_ids_never_come_ends_at_its_deadline(pair):
+    """A front that reserved and then went silent (a bug, a frame lost) holds the room
+    until the reservation's deadline only: then 504, and the room is free."""
+    engine, front, _ = pair
+    admission = engine.runner.admission
+    with _dealer(front) as sock:
+        sock.send(wire.encode(wire.Reserve(9, "embed", 4, 40, timeout=0.3)))
+        assert _soon(lambda: admission.used_inputs == 4)
+        (late,) = _next(sock, 3000)
+        assert isinstance(late, wire.Failed) and late.status == 504 and late.id == 9, late
+    assert admission.used_inputs == 0
