@@ -114,7 +114,7 @@ class _Call:
     request's client left), ``cancelled_at``: the link's, for a departed client."""
 
     __slots__ = ("id", "disconnected", "cancelled_at", "held_at", "answer", "error", "_unset",
-                 "submitted", "_ungranted")
+                 "submitted", "_granted")
 
     def __init__(self, request_id: int, disconnected: Callable[[], bool] | None = None,
                  tell: bool = False) -> None:
@@ -129,11 +129,9 @@ class _Call:
         # the link settles a call once (whoever takes it off the link's lists settles it)
         self._unset = threading.Lock()
         self._unset.acquire()
-        # a reservation that asked to be told: held until granted (or settled: refused)
-        self._ungranted: threading.Lock | None = None
-        if tell:
-            self._ungranted = threading.Lock()
-            self._ungranted.acquire()
+        # a reservation that asked to be told: set when granted (or settled: refused);
+        # an Event, since both may come, and only requests large enough to wait have one
+        self._granted = threading.Event() if tell else None
 
     def settle(self, answer: Any = None, error: ApiError | None = None) -> None:
         self.answer, self.error = answer, error
@@ -141,21 +139,13 @@ class _Call:
         self.grant()  # a waiter for the grant hears the refusal
 
     def grant(self) -> None:
-        lock = self._ungranted
-        if lock is not None and lock.locked():
-            with contextlib.suppress(RuntimeError):  # granted and settled at once
-                lock.release()
+        if self._granted is not None:
+            self._granted.set()
 
     def wait_granted(self, timeout: float) -> bool:
         """Whether the engine granted the reservation, or answered otherwise, within
         ``timeout`` seconds."""
-        lock = self._ungranted
-        if lock is None:
-            return True
-        if lock.acquire(timeout=max(0.0, timeout)):
-            lock.release()  # open for every later look
-            return True
-        return False
+        return self._granted is None or self._granted.wait(max(0.0, timeout))
 
     def wait(self, timeout: float | None) -> bool:
         """Whether it was settled within ``timeout`` seconds (None: however long)."""
@@ -229,7 +219,10 @@ class Link:
     def send_call(self, frame: wire.Reserve | wire.Submit,
                   disconnected: Callable[[], bool] | None) -> _Call:
         """``frame`` (a request's first: its reservation) on its way, and its future; 503
-        while no engine answers."""
+        while no engine answers. A reservation that does not wait for its grant goes with
+        the next frame the link sends (its request's ids at the latest), not in a wake-up of
+        its own: one frame and one wake-up of the engine for the two where requests are
+        few."""
         tell = isinstance(frame, wire.Reserve) and frame.tell
         call = _Call(frame.id, disconnected, tell)
         with self._lock:
@@ -239,7 +232,8 @@ class Link:
             # queued with the listing: a Cancel the link queues for a call it sees listed
             # goes after its Submit, never before (the engine ignores a Cancel of no request)
             self._outbox.append((time.monotonic(), frame))
-        self._signal()
+        if tell or not isinstance(frame, wire.Reserve):
+            self._signal()
         return call
 
     def send_ids(self, call: _Call, frame: wire.Submit) -> None:
