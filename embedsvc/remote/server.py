@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
@@ -178,39 +178,39 @@ class EngineServer:
     # -- frames in ----------------------------------------------------------------------------
 
     def _read(self) -> None:
-        """Read what is there (at most _READ_BATCH frames): the reservations and requests
-        among them are taken as one burst; a control frame (a cancel, a ping) first has the
-        burst read before it taken, so that it finds them."""
-        burst: list[tuple[bytes, wire.Reserve | wire.Submit]] = []
+        """Read what is there (at most _READ_BATCH frames): the reservations among them are
+        taken as one burst, then the requests' ids as another (a front sends a request's ids
+        after its reservation, so the reservation of any submit read here is taken first);
+        a control frame (a cancel, a ping) first has what was read before it taken, so that
+        it finds it."""
+        reserves: list[tuple[bytes, wire.Reserve]] = []
+        submits: list[tuple[bytes, wire.Submit]] = []
         for _ in range(_READ_BATCH):
             try:
                 parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             frame = self._decoded(parts)
-            if isinstance(frame, (wire.Submit, wire.Reserve)):
-                burst.append((parts[0], frame))
-            elif isinstance(frame, wire.Submits):
-                burst.extend((parts[0], item) for item in frame.items)
+            if isinstance(frame, wire.Submits):
+                for item in frame.items:
+                    if isinstance(item, wire.Submit):
+                        submits.append((parts[0], item))
+                    else:
+                        reserves.append((parts[0], item))
+            elif isinstance(frame, wire.Submit):
+                submits.append((parts[0], frame))
+            elif isinstance(frame, wire.Reserve):
+                reserves.append((parts[0], frame))
             elif frame is not None:
-                self._take(burst)
-                burst = []
+                self._reserve(reserves)
+                self._submit(submits)
+                reserves, submits = [], []
                 try:
                     self._dispatch(parts[0], frame)
                 except ValueError as exc:  # contents the frame's type cannot hold
                     self._refuse_frame(f"{type(frame).__name__}: {exc}")
-        self._take(burst)
-
-    def _take(self, burst: list[tuple[bytes, wire.Reserve | wire.Submit]]) -> None:
-        """A burst's reservations, then its requests (a front sends a request's ids after
-        its reservation, so the reservation of any submit here is taken first)."""
-        if not burst:
-            return
-        reserves = [(peer, f) for peer, f in burst if isinstance(f, wire.Reserve)]
-        if reserves:
-            self._reserve(reserves)
-            burst = [(peer, f) for peer, f in burst if isinstance(f, wire.Submit)]
-        self._submit(cast("list[tuple[bytes, wire.Submit]]", burst))
+        self._reserve(reserves)
+        self._submit(submits)
 
     def _decoded(self, parts: list[bytes]) -> Any:
         """The frame of ``parts`` (the sender, its payload); None, said in one line, when
@@ -270,6 +270,8 @@ class EngineServer:
     def _reserve(self, burst: list[tuple[bytes, wire.Reserve]]) -> None:
         """Room for requests a front has not yet tokenized, admitted as one burst (one
         ``Admission.request_many``): a refusal answered now, a grant when asked for."""
+        if not burst:
+            return
         reqs, asks = [], []
         for peer, frame in burst:
             try:

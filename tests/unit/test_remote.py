@@ -477,8 +477,8 @@ def _swallowing(server, monkeypatch) -> tuple[list[wire.Reserve | wire.Submit], 
     took, and the ids of the cancels it got."""
     taken: list[wire.Reserve | wire.Submit] = []
     cancelled: list[int] = []
-    monkeypatch.setattr(server, "_take",
-                        lambda burst: taken.extend(frame for _, frame in burst))
+    for step in ("_reserve", "_submit"):
+        monkeypatch.setattr(server, step, lambda burst: taken.extend(f for _, f in burst))
     monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
     return taken, cancelled
 
