@@ -335,7 +335,7 @@ class EngineServer:
         (``Admission.request_many``: each in turn, as if one after another) and one append
         to the batcher's queue (one wake-up of its thread) for all. A reserved request is
         admitted already: its ids join its reservation (queued now if it is granted)."""
-        reqs, start = [], []
+        reqs, asks, start = [], [], []
         for peer, frame in burst:
             held = None
             if frame.reserved:
@@ -364,12 +364,12 @@ class EngineServer:
             req = _Request(peer, frame.id, work, front=work.front)
             work.disconnected = partial(_is_gone, req)
             reqs.append(req)
+            asks.append(Ask(work.count, sum(map(len, work.ids)), work.deadline or 0.0,
+                            work.flow, work.tenant, partial(self._granted, req)))
         self._start(start)
         if not reqs:
             return
-        tickets = self.runner.admission.request_many([
-            Ask(r.work.count, sum(map(len, r.work.ids)), r.work.deadline or 0.0, r.work.flow,
-                r.work.tenant, partial(self._granted, r)) for r in reqs if r.work is not None])
+        tickets = self.runner.admission.request_many(asks)
         start = []
         start = []
         for req, ticket in zip(reqs, tickets, strict=True):
@@ -594,12 +594,13 @@ class EngineServer:
             late = now > due
             if not (late or req.gone) or req.ticket is None:
                 continue
-            if key in self._reserved or self.runner.admission.withdraw(req.ticket):
-                if key in self._reserved:
-                    self._give_back(req)
-                else:
-                    del self._parked[key]
-                self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
+            if key in self._reserved:
+                self._give_back(req)
+            elif self.runner.admission.withdraw(req.ticket):
+                del self._parked[key]
+            else:  # granted meanwhile: it starts
+                continue
+            self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
 
     def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed | wire.Granted) -> None:
         """An answer to a request, sent with the others of its front at the end of the
