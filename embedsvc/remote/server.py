@@ -337,29 +337,15 @@ class EngineServer:
         admitted already: its ids join its reservation (queued now if it is granted)."""
         reqs, asks, start = [], [], []
         for peer, frame in burst:
-            held = None
             if frame.reserved:
-                key = (peer, frame.id)
-                held = self._reserved.get(key) or self._parked.get(key)
-                if held is None:  # refused, withdrawn or swept: its Failed has gone
-                    continue
-            try:
-                work = self._work(frame)
-                self.runner.check(work)
-                if held is not None and held.ticket is not None \
-                        and len(work.ids) != held.ticket.inputs:
-                    raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
-                                         f"{held.ticket.inputs}", code="invalid_frame")
-            except ApiError as exc:
+                held = self._join(peer, frame)
                 if held is not None:
-                    self._give_back(held)
-                self._reply(peer, failed(frame.id, exc))
+                    start.append(held)
                 continue
-            if held is not None:
-                held.work = work
-                work.disconnected = partial(_is_gone, held)
-                if self._reserved.pop((peer, frame.id), None) is not None:
-                    start.append(held)  # a parked one starts at its grant
+            try:
+                work = self._checked(frame)
+            except ApiError as exc:
+                self._reply(peer, failed(frame.id, exc))
                 continue
             req = _Request(peer, frame.id, work, front=work.front)
             work.disconnected = partial(_is_gone, req)
@@ -371,7 +357,6 @@ class EngineServer:
             return
         tickets = self.runner.admission.request_many(asks)
         start = []
-        start = []
         for req, ticket in zip(reqs, tickets, strict=True):
             if isinstance(ticket, ApiError):
                 self._reply(req.peer, failed(req.id, ticket))
@@ -382,6 +367,33 @@ class EngineServer:
             else:
                 self._parked[(req.peer, req.id)] = req
         self._start(start)
+
+    def _join(self, peer: bytes, frame: wire.Submit) -> _Request | None:
+        """A reserved request's ids, joined to its reservation: the request when its room
+        is granted (to start now); None when it is still parked (it starts at its grant),
+        or was refused, withdrawn or swept (its ``Failed`` has gone: the ids are dropped), or
+        its ids are refused (400, its room given back)."""
+        key = (peer, frame.id)
+        held = self._reserved.get(key) or self._parked.get(key)
+        if held is None or held.ticket is None:
+            return None
+        try:
+            work = self._checked(frame)
+            if len(work.ids) != held.ticket.inputs:
+                raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
+                                     f"{held.ticket.inputs}", code="invalid_frame")
+        except ApiError as exc:
+            self._give_back(held)
+            self._reply(peer, failed(frame.id, exc))
+            return None
+        held.work = work
+        work.disconnected = partial(_is_gone, held)
+        return held if self._reserved.pop(key, None) is not None else None
+
+    def _checked(self, frame: wire.Submit) -> Work:
+        work = self._work(frame)
+        self.runner.check(work)
+        return work
 
     def _work(self, frame: wire.Submit) -> Work:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
