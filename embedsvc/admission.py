@@ -123,7 +123,10 @@ class Admission:
         # ticket's first input (what it puts ahead of another flow's work at equal tags)
         self._opened: dict[Hashable, list[int]] = {}  # flow -> [tokens, first inputs' tokens]
         self._opened_first = 0
-        self._cond = threading.Condition()
+        # taken with ``with self._lock`` (a C call, where ``with self._cond`` made two Python
+        # calls: a dozen a request); the condition's own calls hold it
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._closed = False
         self._rates: deque[float] = deque(maxlen=_BEST_OF)  # tokens/s of the last batches
         self._inputs_ema = 0.0  # inputs and seconds of recent batches: inputs/s = ratio
@@ -221,11 +224,11 @@ class Admission:
         """``_enter_many`` for one ticket: opened or put in line, or its refusal raised."""
         bound = self.queue_most() if self.queue_most is not None else None
         if bound is not None or self.queue is None:
-            with self._cond:
+            with self._lock:
                 if self._enter_locked(ticket, notify, bound, final=bound is None):
                     return
         ahead = self.queue(ticket.flow) if self.queue is not None else None
-        with self._cond:
+        with self._lock:
             self._enter_locked(ticket, notify, ahead, final=True)
 
     def _enter_many(self, tickets: list[Ticket],
@@ -238,7 +241,7 @@ class Admission:
         i = 0
         while i < len(tickets):
             bound = self.queue_most() if self.queue_most is not None else None
-            with self._cond:
+            with self._lock:
                 while i < len(tickets) and (bound is not None or self.queue is None):
                     try:
                         if not self._enter_locked(tickets[i], notify[i], bound,
@@ -250,7 +253,7 @@ class Admission:
             if i < len(tickets):
                 ahead = self.queue(tickets[i].flow) if self.queue is not None else None
                 try:
-                    with self._cond:
+                    with self._lock:
                         self._enter_locked(tickets[i], notify[i], ahead, final=True)
                 except ApiError as exc:
                     refused.append((i, exc))
@@ -286,12 +289,12 @@ class Admission:
     def withdraw(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of the FIFO (its deadline passed, its client left);
         False if it was granted or refused meanwhile."""
-        with self._cond:
+        with self._lock:
             return self._take_back(ticket)
 
     def settle(self, ticket: Ticket, tokens: int) -> None:
         """The batcher takes the reservation over, at its exact token count."""
-        with self._cond:
+        with self._lock:
             if ticket.open:
                 self._close(ticket)
                 self.used_tokens += tokens - ticket.tokens
@@ -304,7 +307,7 @@ class Admission:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
         if not ticket.open:  # settled or cancelled: it never opens again, no lock needed
             return
-        with self._cond:
+        with self._lock:
             if ticket.open:
                 self._close(ticket)
                 self._free(ticket.inputs, ticket.tokens)
@@ -313,7 +316,7 @@ class Admission:
 
     def release(self, inputs: int, tokens: int, tenant: str | None = None) -> None:
         """Inputs the batcher has answered or dropped (of ``tenant``'s)."""
-        with self._cond:
+        with self._lock:
             self._free(inputs, tokens)
         if self.quotas is not None:
             self.quotas.give_back(tenant, inputs)
@@ -323,14 +326,14 @@ class Admission:
         if seconds <= 0:  # below the clock's resolution: no rate to learn from it
             return
         w = _RATE_WEIGHT if self._seconds_ema else 1.0
-        with self._cond:
+        with self._lock:
             self._rates.append(tokens / seconds)
             self._inputs_ema += w * (inputs - self._inputs_ema)
             self._seconds_ema += w * (seconds - self._seconds_ema)
 
     def close(self) -> None:
         """Refuse new requests (draining) and send the waiting ones away with 503."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             while self._waiting:
                 ticket = self._waiting.popleft()
@@ -438,7 +441,7 @@ class Admission:
     def _wait_granted(self, ticket: Ticket, disconnected: Callable[[], bool] | None) -> None:
         """Block until ``ticket`` is granted; withdrawn at its deadline (504), when its
         client leaves (499) or refused when draining (503)."""
-        with self._cond:
+        with self._lock:
             while not ticket.open:
                 if ticket.refused is not None:
                     raise ticket.refused

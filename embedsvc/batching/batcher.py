@@ -71,14 +71,15 @@ class DeviceLock:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken as such: ``with`` on a Condition costs two calls
+        self._cond = threading.Condition(self._lock)
         self._held = False
         self._waiting: list[tuple[float, int]] = []  # a heap of (tag, ticket)
         self._tickets = itertools.count()
         self.virtual = 0.0
 
     def acquire(self, blocking: bool = True, timeout: float = -1, tag: float = 0.0) -> bool:
-        with self._cond:
+        with self._lock:
             if not self._held and not self._waiting:
                 self._take(tag)
                 return True
@@ -105,7 +106,7 @@ class DeviceLock:
         self.virtual = max(self.virtual, tag)
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
             if not self._held:
                 raise RuntimeError("release of a device lock that is not held")
             self._held = False
@@ -264,7 +265,8 @@ class Batcher:
         self.metrics = metrics or Metrics()
         self.device_lock = device_lock or DeviceLock()
         self.name = name
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # taken as such: ``with`` on a Condition costs two calls
+        self._cond = threading.Condition(self._lock)
         self._pending: list[_Item] = []
         self._earliest_deadline = math.inf  # no queued job is due before this
         self._flows: dict[Hashable, float] = {}  # flow -> the end of its work's tags
@@ -342,7 +344,7 @@ class Batcher:
         queues every request one wake-up read at once. Woken at each, the thread took each
         batch as soon as it could and formed batches of two or three inputs, paying a
         batch's cost and two thread switches for each. 503 for all when stopping."""
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 for _, ticket in jobs:
                     self.admission.cancel(ticket)
@@ -385,7 +387,7 @@ class Batcher:
         and a light client waits for about one batch, whatever a heavy one sends. Without a
         flow, work starts at the virtual time now.
         """
-        with self._cond:
+        with self._lock:
             return self._start_tag(flow, tokens)
 
     def _start_tag(self, flow: Hashable | None, tokens: int) -> float:
@@ -418,7 +420,7 @@ class Batcher:
         is ahead of it, however much a heavy client has queued; a client with work queued
         has that work, and others' up to where its own ends, ahead of its next request.
         """
-        with self._cond:
+        with self._lock:
             now = self.device_lock.virtual
             start = now if flow is None else max(now, self._flows.get(flow, now))
             ahead = 0
@@ -450,14 +452,14 @@ class Batcher:
         Called periodically (the service's watchdog), so that a waiting request thread needs
         no timeout of its own: a timed wait costs measurably more CPU than a plain one.
         """
-        with self._cond:
+        with self._lock:
             cancelled = self._cancel_late(time.monotonic())
             watched = list({id(it.job): it.job for it in self._pending
                             if it.job.disconnected is not None}.values())
         for job in watched:
             if job.disconnected():  # type: ignore[misc]
                 gone = ClientDisconnected("the client disconnected", code="client_disconnected")
-                with self._cond:
+                with self._lock:
                     if not job.done:
                         self._cancel(job, gone)
                         cancelled += 1
@@ -487,7 +489,7 @@ class Batcher:
 
     def restart(self) -> bool:
         """Start a new thread if the last one died; the queue is kept. True if it did so."""
-        with self._cond:
+        with self._lock:
             if self.alive or self._stopping or self._thread is None:
                 return False
             self.start()
@@ -504,7 +506,7 @@ class Batcher:
         """
         deadline = time.monotonic() + timeout
         self.admission.close()
-        with self._cond:
+        with self._lock:
             computed_before = self._computed
             while self.admitted and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -521,7 +523,7 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         clean = not self.alive
-        with self._cond:
+        with self._lock:
             if not clean:  # the requests on the stuck batch will never be answered
                 cut = {id(it.job): it.job for it in self._current
                        if not it.answered and id(it.job) not in leftover}
@@ -550,7 +552,7 @@ class Batcher:
                     return
                 if batch:
                     self._compute(batch)
-                    with self._cond:
+                    with self._lock:
                         self._current = []
                         self._current_tokens = 0
                         self._in_flight = 0
@@ -562,7 +564,7 @@ class Batcher:
                     heap.trim()
         except BaseException:  # noqa: BLE001 - the thread must not vanish silently
             log.exception("the batcher thread died; failing the batch it was computing")
-            with self._cond:
+            with self._lock:
                 # Dead before the requests hear it: whoever got the 500 finds /health
                 # unhealthy, and a restart (under this lock) waits until this thread is done.
                 self._died = True
@@ -577,7 +579,7 @@ class Batcher:
         """Compute what is queued in the calling thread, batch after batch, as the thread
         would (``here``: the caller that queues calls it after queueing)."""
         while True:
-            with self._cond:
+            with self._lock:
                 if self._stopping:
                     return
                 self._cancel_late(time.monotonic())
@@ -587,7 +589,7 @@ class Batcher:
             try:
                 self._compute(batch)
             finally:
-                with self._cond:
+                with self._lock:
                     self._current = []
                     self._current_tokens = 0
                     self._in_flight = 0
@@ -596,7 +598,7 @@ class Batcher:
         """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""
         if self.here:  # the caller computes: wait for nothing but the time to trim or end
             return None if self._stopped.wait(_TRIM_IDLE_S) else []
-        with self._cond:
+        with self._lock:
             while True:
                 if self._stopping:
                     return None
@@ -727,7 +729,7 @@ class Batcher:
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
         """Each job its rows; the batch's admission is given back before any job hears, so
         a request that has its answer holds no reservation (nor does ``_fail_items``')."""
-        with self._cond:
+        with self._lock:
             seen: set[int] = set()
             finished: list[Job] = []
             views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
@@ -757,7 +759,7 @@ class Batcher:
 
     def _fail_batch(self, batch: list[_Item], message: str) -> None:
         self.metrics.batch_failures.inc()
-        with self._cond:
+        with self._lock:
             self._fail_items(batch, message, "batch_failed")
 
     # -- bookkeeping, under self._cond --------------------------------------------------------
