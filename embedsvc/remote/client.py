@@ -493,16 +493,23 @@ class Link:
 
     def _engine_gone(self) -> None:
         """The one place a request learns the engine is gone: every future in it fails
-        now, each with its own 503 ``engine_gone``."""
-        self._fail_all(lambda: _gone(_ENGINE_GONE))
+        now, each with its own 503 ``engine_gone``. Each is cancelled too, after its frames:
+        an engine only silent for a while reads them when it runs again, and a reservation
+        whose ids will now never come would hold its room until its deadline."""
+        now = time.monotonic()
+        for request_id in self._fail_all(lambda: _gone(_ENGINE_GONE)):
+            self._outbox.append((now, wire.Cancel(request_id)))
 
-    def _fail_all(self, error: Callable[[], ApiError]) -> None:
+    def _fail_all(self, error: Callable[[], ApiError]) -> list[int]:
+        """Every future failed with ``error``; the ids of the requests among them."""
         with self._lock:
+            ids = list(self._calls)
             calls = [*self._calls.values(), *(call for _, call in self._askers)]
             self._calls.clear()
             self._askers.clear()
         for call in calls:
             call.settle(error=error())
+        return ids
 
 
 def _gone(message: str) -> EngineGone:
