@@ -465,7 +465,7 @@ class EngineServer:
         batches, as in one process), its admission held meanwhile."""
         assert req.work is not None
         try:
-            out: Embedded | ApiError = self.runner.embed_all(req.work)
+            out: Embedded | ApiError = self.runner.embed_all(req.work, req.ticket)
         except ApiError as exc:
             out = exc
         except Exception:  # noqa: BLE001 - answered as the batch failure it is

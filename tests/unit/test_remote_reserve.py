@@ -8,7 +8,8 @@ import time
 
 from embedsvc.errors import EngineGone
 from embedsvc.remote import client as client_module
-from embedsvc.work import EMBED, Work
+from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
+from embedsvc.work import EMBED, TOKENS, Work
 from tests.unit.test_remote import _in_threads, _soon, serving
 
 
@@ -49,3 +50,21 @@ def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_
         assert _soon(lambda: admission.used_inputs == 0, 3), \
             (admission.used_inputs, server._reserved)
         assert admission.used_tokens == 0
+
+
+def test_embed_all_charges_its_tenant_its_exact_tokens(tmp_path, registry):
+    """/embed_all is admitted at the model's limit for each input (what it may produce), and
+    its tenant charged that estimate before tokenizing, as every request is; once tokenized
+    the charge is the exact count (docs/operations.md, quotas), in one process as through
+    the engine. Left at the estimate, three one-word inputs cost 48 tokens of a 60-a-minute
+    quota, and the next such request was refused for most of a minute."""
+    with serving(tmp_path, registry) as (engine, front, _, server, _stop):
+        for service in (engine, front):  # one process; a front and the engine process
+            ring = Keyring.of([Tenant("t", b"", Limits(tokens_per_minute=60))])
+            engine.runner.admission.quotas = quotas = Quotas(ring)
+            for _ in range(2):
+                out = service.ready().run(Work(TOKENS, ["a", "b", "c"], tenant="t",
+                                               deadline=time.monotonic() + 5))
+                assert out.tokens == 9
+            usage = quotas._usage.get("t")
+            assert usage is not None and usage.tokens >= 60 - 18 - 1 and usage.in_flight == 0
