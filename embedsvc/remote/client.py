@@ -522,14 +522,13 @@ def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
     other frame."""
     size = 0
     for n, (_, frame) in enumerate(queued):
-        if isinstance(frame, wire.Reserve):
-            size += _SUBMIT_BYTES + 4 * (len(frame.tenant or "") + len(frame.flow or ""))
-            continue
-        if not isinstance(frame, wire.Submit):
+        if isinstance(frame, wire.Submit):
+            size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
+                + len(frame.pixels) + len(frame.images)
+        elif not isinstance(frame, wire.Reserve):
             return max(n, 1)
-        size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
-            + len(frame.pixels) + len(frame.images) + _SUBMIT_BYTES \
-            + 4 * (len(frame.tenant or "") + len(frame.flow or ""))  # UTF-8's most a char
+        # its encoding beside its arrays: the names, at UTF-8's most bytes a character
+        size += _SUBMIT_BYTES + 4 * (len(frame.tenant or "") + len(frame.flow or ""))
         if n and size > _BURST_BYTES:
             return n
     return len(queued)
