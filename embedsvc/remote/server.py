@@ -325,8 +325,9 @@ class EngineServer:
             self.runner.admission.cancel(req.ticket)
         elif self._parked.get(key) is req:
             assert req.ticket is not None
-            if self.runner.admission.withdraw(req.ticket):
-                del self._parked[key]
+            del self._parked[key]  # a grant on its way finds it gone (``_start_granted``)
+            if not self.runner.admission.withdraw(req.ticket):  # granted (or refused) already
+                self.runner.admission.cancel(req.ticket)
 
     def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
         """Check, admit and queue the requests of ``burst`` as one unit: one admission call

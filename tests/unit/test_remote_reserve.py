@@ -7,8 +7,14 @@ import threading
 import time
 
 from embedsvc.errors import EngineGone
+from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
 from embedsvc.remote import client as client_module
 from embedsvc.remote import wire
+from embedsvc.remote.place import engine_address, private_dir
+from embedsvc.remote.server import EngineServer
+from embedsvc.service import Service
+from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
 from tests.unit.test_remote import _in_threads, _soon, serving
@@ -85,3 +91,34 @@ def test_a_burst_of_many_reservations_stays_within_the_engines_frame_limit():
     frame = wire.encode(wire.Submits([f for _, f in queued[:count]]))
     assert 1 < count < len(queued)
     assert len(frame) <= wire.max_frame_bytes(inputs=1, tokens=3), (count, len(frame))
+
+
+def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room_at_once(
+        tmp_path, registry):
+    """Ids that are not the inputs reserved are a 400 and free the reservation's room, also
+    where the reservation was parked and its grant came (another request's room freed) in
+    the same turn of the engine's loop, before the loop took the grant: the grant must not
+    hold the room again until the deadline, then answer the request a second time."""
+    engine = Service(Settings(), encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    admission = engine.runner.admission
+    try:  # the loop's steps, driven in their order within one turn
+        full = admission.limit
+        server._reserve([(b"front", wire.Reserve(1, "embed", full, full, timeout=20))])
+        server._reserve([(b"front", wire.Reserve(2, "embed", 2, 6, timeout=20))])
+        assert (b"front", 2) in server._parked
+        admission.cancel(server._reserved.pop((b"front", 1)).ticket)  # room: 2 is granted
+        one_input = wire.pack_ids([[1, 5, 2]])  # under a reservation of two
+        server._submit([(b"front", wire.Submit(2, "embed", *one_input, timeout=20,
+                                               reserved=True))])
+        server._start_granted()
+        server._sweep_parked()
+        assert admission.used_inputs == 0 and admission.used_tokens == 0, server._reserved
+        assert [(f.id, f.status) for f in server._outbox[b"front"]] == [(2, 400)]
+        assert not server.in_flight
+    finally:
+        server.close()
+        engine.drain(1)
