@@ -303,6 +303,14 @@ class Admission:
         if self.quotas is not None and ticket.tenant is not None:
             self.quotas.settle(ticket.tenant, ticket.estimate, tokens)
 
+    def tokenized(self, ticket: Ticket, tokens: int) -> None:
+        """The exact tokens of a reservation held open while its work runs outside the
+        batcher (/embed_all's): its tenant is charged them in place of the estimate, as
+        ``settle`` charges queued work; its room stays as reserved until ``cancel``."""
+        if self.quotas is not None and ticket.tenant is not None:
+            self.quotas.settle(ticket.tenant, ticket.estimate, tokens)
+        ticket.estimate = tokens
+
     def cancel(self, ticket: Ticket) -> None:
         """Free a reservation the batcher never took (an error while tokenizing); idempotent."""
         if not ticket.open:  # settled or cancelled: it never opens again, no lock needed

@@ -106,14 +106,17 @@ class Runner:
         """The answer to ``work`` from its raw rows."""
         return kind_of(work).finish(self.encoder, work, rows)
 
-    def embed_all(self, work: Work) -> Embedded:
+    def embed_all(self, work: Work, ticket: Ticket | None = None) -> Embedded:
         """Per-token vectors of ``work.ids``, in the calling thread, in slices of at most one
         input at the model's limit, each holding the device between two batches at its
         turn (so another client waits for one input's compute, not for a batch of them);
-        dropped when the client leaves or the deadline passes."""
+        dropped when the client leaves or the deadline passes. ``ticket``, its admission,
+        held meanwhile, is charged the exact tokens now (``Admission.tokenized``)."""
         encode_tokens = self.encoder.encode_tokens  # type: ignore[attr-defined]
         assert work.deadline is not None
         ids = work.ids
+        if ticket is not None:
+            self.admission.tokenized(ticket, sum(map(len, ids)))
         tag = self.batcher.start_tag(work.flow, sum(map(len, ids)))
         rows: list[np.ndarray] = []
         limits = self.batcher.limits
@@ -186,7 +189,7 @@ class LocalPort:
 
     def submit(self, work: Work, ticket: Ticket) -> Pending:
         if not kind_of(work).batched:
-            done = self.runner.embed_all(work)  # in this thread; the ticket is held meanwhile
+            done = self.runner.embed_all(work, ticket)  # in this thread, the ticket held
             return Pending(lambda: done)
         job = self.runner.submit(work, ticket)
         return Pending(lambda: self._answer(work, job))

@@ -487,16 +487,23 @@ class Link:
 
     def _engine_gone(self) -> None:
         """The one place a request learns the engine is gone: every future in it fails
-        now, each with its own 503 ``engine_gone``."""
-        self._fail_all(lambda: _gone(_ENGINE_GONE))
+        now, each with its own 503 ``engine_gone``. Each is cancelled too, after its frames:
+        an engine only silent for a while reads them when it runs again, and a reservation
+        whose ids will now never come would hold its room until its deadline."""
+        now = time.monotonic()
+        for request_id in self._fail_all(lambda: _gone(_ENGINE_GONE)):
+            self._outbox.append((now, wire.Cancel(request_id)))
 
-    def _fail_all(self, error: Callable[[], ApiError]) -> None:
+    def _fail_all(self, error: Callable[[], ApiError]) -> list[int]:
+        """Every future failed with ``error``; the ids of the requests among them."""
         with self._lock:
+            ids = list(self._calls)
             calls = [*self._calls.values(), *(call for _, call in self._askers)]
             self._calls.clear()
             self._askers.clear()
         for call in calls:
             call.settle(error=error())
+        return ids
 
 
 def _gone(message: str) -> EngineGone:
@@ -509,14 +516,13 @@ def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
     other frame."""
     size = 0
     for n, (_, frame) in enumerate(queued):
-        if isinstance(frame, wire.Reserve):
-            size += _SUBMIT_BYTES + 4 * (len(frame.tenant or "") + len(frame.flow or ""))
-            continue
-        if not isinstance(frame, wire.Submit):
+        if isinstance(frame, wire.Submit):
+            size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
+                + len(frame.pixels) + len(frame.images)
+        elif not isinstance(frame, wire.Reserve):
             return max(n, 1)
-        size += len(frame.ids) + len(frame.lengths) + len(frame.seconds) \
-            + len(frame.pixels) + len(frame.images) + _SUBMIT_BYTES \
-            + 4 * (len(frame.tenant or "") + len(frame.flow or ""))  # UTF-8's most a char
+        # its encoding beside its arrays: the names, at UTF-8's most bytes a character
+        size += _SUBMIT_BYTES + 4 * (len(frame.tenant or "") + len(frame.flow or ""))
         if n and size > _BURST_BYTES:
             return n
     return len(queued)

@@ -327,8 +327,9 @@ class EngineServer:
             self.runner.admission.cancel(req.ticket)
         elif self._parked.get(key) is req:
             assert req.ticket is not None
-            if self.runner.admission.withdraw(req.ticket):
-                del self._parked[key]
+            del self._parked[key]  # a grant on its way finds it gone (``_start_granted``)
+            if not self.runner.admission.withdraw(req.ticket):  # granted (or refused) already
+                self.runner.admission.cancel(req.ticket)
 
     def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
         """Check, admit and queue the requests of ``burst`` as one unit: one admission call
@@ -479,7 +480,7 @@ class EngineServer:
         batches, as in one process), its admission held meanwhile."""
         assert req.work is not None
         try:
-            out: Embedded | ApiError = self.runner.embed_all(req.work)
+            out: Embedded | ApiError = self.runner.embed_all(req.work, req.ticket)
         except ApiError as exc:
             out = exc
         except Exception:  # noqa: BLE001 - answered as the batch failure it is

@@ -1,0 +1,124 @@
+"""Reservations under --workers (remote/: ``Reserve`` before a front tokenizes): every path
+a request can end by gives its room in the engine's admission back, and is answered once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from embedsvc.errors import EngineGone
+from embedsvc.metrics import Metrics
+from embedsvc.model.fake import FakeEncoder
+from embedsvc.remote import client as client_module
+from embedsvc.remote import wire
+from embedsvc.remote.place import engine_address, private_dir
+from embedsvc.remote.server import EngineServer
+from embedsvc.service import Service
+from embedsvc.settings import Settings
+from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
+from embedsvc.work import EMBED, TOKENS, Work
+from tests.unit.test_remote import _in_threads, _soon, serving
+
+
+def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_back(
+        tmp_path, registry, monkeypatch):
+    """An engine silent past ``LOST_AFTER_S`` (its loop held up) is taken for gone: the
+    front answers its requests 503 and forgets them. The engine, once it runs again, reads
+    their reservations: they must not hold its room until their deadlines for ids that will
+    never come."""
+    monkeypatch.setattr(client_module, "LOST_AFTER_S", 1.0)
+    with serving(tmp_path, registry) as (engine, front, _, server, _stop):
+        admission = engine.runner.admission
+        held, resume = threading.Event(), threading.Event()
+        take = server._take
+
+        def held_up(burst):  # the engine's loop stops answering as the reservation comes
+            if burst and not held.is_set():
+                held.set()
+                resume.wait(10)
+            take(burst)
+
+        monkeypatch.setattr(server, "_take", held_up)
+        errors: list[Exception] = []
+
+        def request(_: int) -> None:  # 9 inputs: it waits for its grant before tokenizing
+            try:
+                front.ready().run(Work(EMBED, [f"text {i}" for i in range(9)],
+                                       deadline=time.monotonic() + 30))
+            except Exception as exc:  # noqa: BLE001 - the test reads what it got
+                errors.append(exc)
+
+        (thread,) = _in_threads(request, [0])
+        assert held.wait(5)
+        thread.join(5)
+        assert [type(e) for e in errors] == [EngineGone], errors
+        resume.set()
+        assert _soon(lambda: front.state == "ready", 5)
+        assert _soon(lambda: admission.used_inputs == 0, 3), \
+            (admission.used_inputs, server._reserved)
+        assert admission.used_tokens == 0
+
+
+def test_embed_all_charges_its_tenant_its_exact_tokens(tmp_path, registry):
+    """/embed_all is admitted at the model's limit for each input (what it may produce), and
+    its tenant charged that estimate before tokenizing, as every request is; once tokenized
+    the charge is the exact count (docs/operations.md, quotas), in one process as through
+    the engine. Left at the estimate, three one-word inputs cost 48 tokens of a 60-a-minute
+    quota, and the next such request was refused for most of a minute."""
+    with serving(tmp_path, registry) as (engine, front, _, server, _stop):
+        for service in (engine, front):  # one process; a front and the engine process
+            ring = Keyring.of([Tenant("t", b"", Limits(tokens_per_minute=60))])
+            engine.runner.admission.quotas = quotas = Quotas(ring)
+            for _ in range(2):
+                out = service.ready().run(Work(TOKENS, ["a", "b", "c"], tenant="t",
+                                               deadline=time.monotonic() + 5))
+                assert out.tokens == 9
+            usage = quotas._usage.get("t")
+            assert usage is not None and usage.tokens >= 60 - 18 - 1 and usage.in_flight == 0
+
+
+def test_a_burst_of_many_reservations_stays_within_the_engines_frame_limit():
+    """The link's burst cap holds for a run of ``Reserve``s as for ``Submit``s: thousands of
+    requests reserving at once (a front of many threads) went out as one frame, past the
+    engine's limit where requests are small, and the engine closed the front's connection
+    (every request of the front 503)."""
+    queued = [(0.0, wire.Reserve(i, "embed", 1, 3, timeout=29.5,
+                                 tenant="tenant-with-a-name-of-forty-characters!!",
+                                 flow="('tenant-with-a-name-of-forty-characters!!', 1)",
+                                 front=4194304))
+              for i in range(1, 8001)]
+    count = client_module._burst(queued)
+    frame = wire.encode(wire.Submits([f for _, f in queued[:count]]))
+    assert 1 < count < len(queued)
+    assert len(frame) <= wire.max_frame_bytes(inputs=1, tokens=3), (count, len(frame))
+
+
+def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room_at_once(
+        tmp_path, registry):
+    """Ids that are not the inputs reserved are a 400 and free the reservation's room, also
+    where the reservation was parked and its grant came (another request's room freed) in
+    the same turn of the engine's loop, before the loop took the grant: the grant must not
+    hold the room again until the deadline, then answer the request a second time."""
+    engine = Service(Settings(), encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    admission = engine.runner.admission
+    try:  # the loop's steps, driven in their order within one turn
+        full = admission.limit
+        server._reserve([(b"front", wire.Reserve(1, "embed", full, full, timeout=20))])
+        server._reserve([(b"front", wire.Reserve(2, "embed", 2, 6, timeout=20))])
+        assert (b"front", 2) in server._parked
+        admission.cancel(server._reserved.pop((b"front", 1)).ticket)  # room: 2 is granted
+        one_input = wire.pack_ids([[1, 5, 2]])  # under a reservation of two
+        server._submit([(b"front", wire.Submit(2, "embed", *one_input, timeout=20,
+                                               reserved=True))])
+        server._start_granted()
+        server._sweep_parked()
+        assert admission.used_inputs == 0 and admission.used_tokens == 0, server._reserved
+        assert [(f.id, f.status) for f in server._outbox[b"front"]] == [(2, 400)]
+        assert not server.in_flight
+    finally:
+        server.close()
+        engine.drain(1)
