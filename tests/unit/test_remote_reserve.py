@@ -30,15 +30,15 @@ def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_
     with serving(tmp_path, registry) as (engine, front, _, server, _stop):
         admission = engine.runner.admission
         held, resume = threading.Event(), threading.Event()
-        take = server._take
+        reserve = server._reserve
 
         def held_up(burst):  # the engine's loop stops answering as the reservation comes
             if burst and not held.is_set():
                 held.set()
                 resume.wait(10)
-            take(burst)
+            reserve(burst)
 
-        monkeypatch.setattr(server, "_take", held_up)
+        monkeypatch.setattr(server, "_reserve", held_up)
         errors: list[Exception] = []
 
         def request(_: int) -> None:  # 9 inputs: it waits for its grant before tokenizing
