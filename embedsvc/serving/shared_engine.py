@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,8 @@ WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worke
 _PID_FILE = "engine.pid"
 _LOCK_FILE = "engine.lock"
 _WEIGHED = "memory.checked"  # the models' memory was weighed for this master
+# How long a worker that stands down leaves its master to reap the worker that gave up
+_STAND_DOWN_S = 2.0
 
 
 def gunicorn_workers() -> int | None:
@@ -177,13 +180,19 @@ def _give_up(root: Path, master_pid: int, line: str) -> None:
 
 
 def _stand_down(master_pid: int) -> None:
-    """Under gunicorn, after another worker gave up: exit now, and not as a failed boot
-    (see ``_give_up``). Waiting for the master's SIGTERM could take until its graceful
-    timeout: a worker warming in post_worker_init does not stop before it is warm."""
+    """Under gunicorn, after another worker gave up: exit, and not as a failed boot (see
+    ``_give_up``), once the master has had time to reap that worker and halt. Exiting at
+    once, this worker could be reaped first and replaced, and its replacement made the
+    engine's directory anew and started another engine (a CI run). The master's SIGTERM
+    usually ends the wait: a worker warming in post_worker_init exits on it at once
+    (gunicorn_worker.py), a serving one stops as gunicorn stops it."""
     if master_pid == os.getpid():
         return
     log.info("worker %d stops with its master: the service could not start", os.getpid())
     flush_logs()
+    until = time.monotonic() + _STAND_DOWN_S
+    while time.monotonic() < until and alive(master_pid):
+        time.sleep(0.05)
     os._exit(0)
 
 

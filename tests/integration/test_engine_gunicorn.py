@@ -130,7 +130,7 @@ def test_every_worker_answers_the_service_state_and_counters_never_go_backwards(
                 "embedsvc_requests_total", (("route", "/embed"), ("status", "200")))]
 
 
-LATE = ["gunicorn", "-c", "tests/integration/gunicorn_late_worker.conf.py", "-w", "2", "-b",
+LATE = ["gunicorn", "-c", "tests/integration/late_worker_gunicorn_conf.py", "-w", "2", "-b",
         "127.0.0.1:0", "--timeout", "10", "embedsvc:app"]
 
 

@@ -1,6 +1,8 @@
-"""deploy/gunicorn.conf.py, except that every worker after the first warms only once its
-master has told it to stop (or after a minute): the interleaving in which the first worker's
-failed boot halts the master while another worker is still warming."""
+"""A gunicorn config file (``gunicorn -c``, not a test module): deploy/gunicorn.conf.py,
+except that every worker after the first warms only once its master has told it to stop
+(or after a minute): the interleaving in which the first worker's failed boot halts the
+master while another worker is still warming. Importing it reads deploy's settings and
+defines the hook, nothing more (pytest's doctest collection imports it)."""
 
 import runpy
 import time
