@@ -238,6 +238,7 @@ class EngineServer:
                                        self.fronts(), self._holding(peer)))
         elif isinstance(frame, wire.Hello):
             self._seen(peer, frame.pid)
+            self._drop_earlier_connections(peer, frame.pid)
             self._send(peer, wire.Card(pid=os.getpid(), state=self.state(),
                                        queue_limit=self.runner.admission.limit, **self.card))
         elif isinstance(frame, wire.Snapshot):  # a Scrape too: it carries the asker's own
@@ -247,6 +248,15 @@ class EngineServer:
             if isinstance(frame, wire.Scrape):
                 own = self.metrics.families(os.getpid())
                 self._send(peer, wire.Exposition(self.snapshots.merged(own, self.fronts())))
+
+    def _drop_earlier_connections(self, peer: bytes, pid: int) -> None:
+        """A front that says hello on a new connection has failed every request it had on
+        an earlier one (its link answers them 503 when it loses the engine, and a cancel
+        from the new connection cannot name them): they go as a departed client's, their
+        room freed at the next sweep, their queued inputs dropped."""
+        for req in (*self._parked.values(), *self._reserved.values(), *self._running.values()):
+            if req.front == pid and req.peer != peer:
+                req.gone = True
 
     def _holding(self, peer: bytes) -> list[int]:
         """The ids of ``peer``'s requests in the engine (``Pong.holding``)."""

@@ -3,6 +3,7 @@ a request can end by gives its room in the engine's admission back, and is answe
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -17,7 +18,7 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
-from tests.unit.test_remote import _in_threads, _soon, serving
+from tests.unit.test_remote import _dealer, _in_threads, _next, _soon, serving
 
 
 def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_back(
@@ -122,3 +123,25 @@ def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room
     finally:
         server.close()
         engine.drain(1)
+
+
+def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
+        tmp_path, registry):
+    """A front whose connection to a live engine dropped (its socket closed for a frame
+    past the engine's limit, say) fails its requests and says hello again on a new one: the
+    reservations of the old connection, which no cancel from the new one can name, are
+    freed at once instead of at their deadlines (the front lives: no sweep of dead fronts
+    frees them)."""
+    alive = os.getppid()  # a live process that is not this test's own front
+    with serving(tmp_path, registry) as (engine, front, _, _, _):
+        admission = engine.runner.admission
+        with _dealer(front) as old, _dealer(front) as new:
+            old.send(wire.encode(wire.Hello(alive)))
+            assert [type(f) for f in _next(old)] == [wire.Card]
+            old.send(wire.encode(wire.Reserve(1, "embed", 3, 30, timeout=30.0, front=alive,
+                                              tell=True)))
+            assert [type(f) for f in _next(old)] == [wire.Granted]
+            assert admission.used_inputs == 3
+            new.send(wire.encode(wire.Hello(alive)))
+            assert [type(f) for f in _next(new)] == [wire.Card]
+            assert _soon(lambda: admission.used_inputs == 0, 4), admission.used_inputs
