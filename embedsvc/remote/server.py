@@ -294,28 +294,14 @@ class EngineServer:
             reqs.append(req)
             asks.append(Ask(frame.inputs, frame.tokens, deadline, frame.flow, frame.tenant,
                             partial(self._granted, req)))
-        if not reqs:
-            return
-        for req, ticket in zip(reqs, self.runner.admission.request_many(asks), strict=True):
-            if isinstance(ticket, ApiError):
-                self._reply(req.peer, failed(req.id, ticket))
-                continue
-            req.ticket = ticket
-            if ticket.open:
-                self._hold(req)
-            else:
-                self._parked[(req.peer, req.id)] = req
+        for req in self._admit(reqs, asks):
+            self._hold(req)
 
     def _reservation(self, frame: wire.Reserve) -> float:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
         (a kind this model does not serve is refused before any tokenizing, as in one
         process)."""
-        if frame.kind not in WORK_KINDS:
-            raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}",
-                                 code="invalid_frame")
-        if not math.isfinite(frame.timeout):
-            raise InvalidRequest("a deadline that is not a number of seconds",
-                                 code="invalid_frame")
+        _check_frame(frame)
         if not 0 < frame.inputs <= self.runner.settings.max_inputs_per_request:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
@@ -363,21 +349,24 @@ class EngineServer:
             reqs.append(req)
             asks.append(Ask(work.count, sum(map(len, work.ids)), work.deadline or 0.0,
                             work.flow, work.tenant, partial(self._granted, req)))
-        self._start(start)
+        self._start(start + self._admit(reqs, asks))  # one append to the batcher's queue
+
+    def _admit(self, reqs: list[_Request], asks: list[Ask]) -> list[_Request]:
+        """``reqs`` admitted by one call (``asks``, theirs): those with room now; the others
+        parked in the FIFO until their grant, or answered their refusal."""
         if not reqs:
-            return
-        tickets = self.runner.admission.request_many(asks)
-        start = []
-        for req, ticket in zip(reqs, tickets, strict=True):
+            return []
+        opened = []
+        for req, ticket in zip(reqs, self.runner.admission.request_many(asks), strict=True):
             if isinstance(ticket, ApiError):
                 self._reply(req.peer, failed(req.id, ticket))
                 continue
             req.ticket = ticket
             if ticket.open:
-                start.append(req)
+                opened.append(req)
             else:
                 self._parked[(req.peer, req.id)] = req
-        self._start(start)
+        return opened
 
     def _join(self, peer: bytes, frame: wire.Submit) -> _Request | None:
         """A reserved request's ids, joined to its reservation: the request when its room
@@ -409,12 +398,7 @@ class EngineServer:
     def _work(self, frame: wire.Submit) -> Work:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
         never a failed batch that takes other requests down with it."""
-        if frame.kind not in WORK_KINDS:
-            raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}",
-                                 code="invalid_frame")
-        if not math.isfinite(frame.timeout):
-            raise InvalidRequest("a deadline that is not a number of seconds",
-                                 code="invalid_frame")
+        _check_frame(frame)
         try:
             ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
         except ValueError as exc:
@@ -655,6 +639,14 @@ def failed(request_id: int, exc: ApiError) -> wire.Failed:
                        exc.param, dict(exc.headers),
                        exc.empty_s if isinstance(exc, QuotaExceeded) else 0.0,
                        type(exc).__name__)
+
+
+def _check_frame(frame: wire.Reserve | wire.Submit) -> None:
+    """A 400 for a kind of work that no kind is, or a deadline that is not a number."""
+    if frame.kind not in WORK_KINDS:
+        raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}", code="invalid_frame")
+    if not math.isfinite(frame.timeout):
+        raise InvalidRequest("a deadline that is not a number of seconds", code="invalid_frame")
 
 
 def _gone() -> ClientDisconnected:

@@ -78,22 +78,6 @@ def test_embed_all_charges_its_tenant_its_exact_tokens(tmp_path, registry):
             assert usage is not None and usage.tokens >= 60 - 18 - 1 and usage.in_flight == 0
 
 
-def test_a_burst_of_many_reservations_stays_within_the_engines_frame_limit():
-    """The link's burst cap holds for a run of ``Reserve``s as for ``Submit``s: thousands of
-    requests reserving at once (a front of many threads) went out as one frame, past the
-    engine's limit where requests are small, and the engine closed the front's connection
-    (every request of the front 503)."""
-    queued = [(0.0, wire.Reserve(i, "embed", 1, 3, timeout=29.5,
-                                 tenant="tenant-with-a-name-of-forty-characters!!",
-                                 flow="('tenant-with-a-name-of-forty-characters!!', 1)",
-                                 front=4194304))
-              for i in range(1, 8001)]
-    count = client_module._burst(queued)
-    frame = wire.encode(wire.Submits([f for _, f in queued[:count]]))
-    assert 1 < count < len(queued)
-    assert len(frame) <= wire.max_frame_bytes(inputs=1, tokens=3), (count, len(frame))
-
-
 def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room_at_once(
         tmp_path, registry):
     """Ids that are not the inputs reserved are a 400 and free the reservation's room, also
