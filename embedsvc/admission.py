@@ -276,9 +276,10 @@ class Admission:
         if not opens and ahead is not None:  # room first, then its turn in the queue
             ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
         now = time.monotonic()
-        if not final and self.predicted_wait(ahead) > ticket.deadline - now:
+        wait = self.predicted_wait(ahead)
+        if not final and wait > ticket.deadline - now:
             return False
-        self._refuse_if_late(ticket, now, ahead)
+        self._refuse_if_late(ticket, now, wait)
         if opens:
             self._open(ticket)
         else:  # in line behind others, or no room
@@ -408,8 +409,9 @@ class Admission:
         if self._closed:
             raise shutting_down()
 
-    def _refuse_if_late(self, ticket: Ticket, now: float, ahead: int | None) -> None:
-        wait = self.predicted_wait(ahead)
+    def _refuse_if_late(self, ticket: Ticket, now: float, wait: float) -> None:
+        """429 when ``ticket`` would reach the model ``wait`` seconds from ``now``, after
+        its deadline."""
         budget = ticket.deadline - now
         if wait <= budget:
             return

@@ -301,7 +301,7 @@ class EngineClient:
 
     def estimate(self, inputs: Inputs) -> int:
         """Tokens ``inputs`` will hold with special tokens, for admission before tokenizing."""
-        most = self.info.max_input_tokens
+        most = self.text.info.max_input_tokens
         special = self.text.special_tokens
         if isinstance(inputs[0], str):
             return sum(min(most, len(t) // _CHARS_PER_TOKEN + 1 + special) for t in inputs)
@@ -316,7 +316,7 @@ class EngineClient:
         while the client is there (499)."""
         text = self.text
         special = text.special_tokens
-        room = self.info.max_input_tokens - special
+        room = self.text.info.max_input_tokens - special
         truncate = self.settings.auto_truncate if truncate is None else truncate
         if isinstance(inputs[0], str):
             # Not truncating: one token past the room is enough to know an input is too long.

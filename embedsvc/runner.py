@@ -36,7 +36,7 @@ from .metrics import Metrics
 from .model.encoder import Encoder, ModelInfo
 from .settings import Settings
 from .work import Disconnected, Embedded, Pending, ShutdownReport, Work
-from .work_kinds import kind_of
+from .work_kinds import WORK_KINDS, kind_of
 
 _LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
 
@@ -104,7 +104,7 @@ class Runner:
 
     def finish(self, work: Work, rows: np.ndarray) -> Embedded:
         """The answer to ``work`` from its raw rows."""
-        return kind_of(work).finish(self.encoder, work, rows)
+        return WORK_KINDS[work.kind].finish(self.encoder, work, rows)  # checked in ``check``
 
     def embed_all(self, work: Work, ticket: Ticket | None = None) -> Embedded:
         """Per-token vectors of ``work.ids``, in the calling thread, in slices of at most one
@@ -188,7 +188,7 @@ class LocalPort:
         return self.runner.shutdown(timeout)
 
     def submit(self, work: Work, ticket: Ticket) -> Pending:
-        if not kind_of(work).batched:
+        if not WORK_KINDS[work.kind].batched:  # checked in ``admit``
             done = self.runner.embed_all(work, ticket)  # in this thread, the ticket held
             return Pending(lambda: done)
         job = self.runner.submit(work, ticket)

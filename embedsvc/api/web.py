@@ -74,12 +74,12 @@ class Call:
 
     def run(self, work: Work) -> Embedded:
         """``work``'s answer from the engine (its rows, in input order)."""
-        return self.engine_client().run(work)
+        return (self._client or self.engine_client()).run(work)
 
     @property
     def info(self) -> ModelInfo:
         """The served model (waits for it as ``engine_client`` does)."""
-        return self.engine_client().info
+        return (self._client or self.engine_client()).info
 
     def engine_client(self) -> EngineClient:
         """The handle on the engine, waiting for the model up to this request's deadline (else
