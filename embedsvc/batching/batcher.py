@@ -214,6 +214,18 @@ def _submission(job: Job) -> int:
     return job.seq
 
 
+def _fits_one_batch(lengths: Sequence[int], max_items: int, max_tokens: int) -> bool:
+    """Whether ``plan_batch`` takes every queued input, whichever it must hold: they fit
+    the caps and their padding is free. Along the sorted queue both the padded tokens and
+    the padding only grow, so a whole queue within the caps and _FREE_PADDING is one run.
+    The common case (a queue that a batch empties), without the sort and the turn."""
+    count = len(lengths)
+    if count > max_items:
+        return False
+    padded = max(lengths) * count
+    return padded <= max_tokens and padded - sum(lengths) <= _FREE_PADDING
+
+
 def plan_batch(lengths: Sequence[int], max_items: int, max_tokens: int, first: int = 0,
                tags: Sequence[float] | None = None) -> list[int]:
     """Pick the next batch from queued inputs of these lengths, holding input ``first``.
@@ -645,16 +657,19 @@ class Batcher:
         return min(self._partly, key=_submission, default=None)
 
     def _take(self) -> list[_Item]:
-        lengths = [len(it.ids) for it in self._pending]
-        tags = [it.tag for it in self._pending]
-        chosen = plan_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens,
-                            self._turn(tags), tags)
-        if len(chosen) == len(self._pending):
-            batch, self._pending = self._pending, []
+        pending = self._pending
+        lengths = [len(it.ids) for it in pending]
+        tags = [it.tag for it in pending]
+        if _fits_one_batch(lengths, self.limits.max_batch_size, self.limits.max_batch_tokens):
+            batch, self._pending = pending, []  # what plan_batch would choose, whoever's turn
+            self._current_tokens = sum(lengths)
         else:
+            chosen = plan_batch(lengths, self.limits.max_batch_size,
+                                self.limits.max_batch_tokens, self._turn(tags), tags)
             picked = set(chosen)
-            batch = [self._pending[i] for i in sorted(chosen)]
-            self._pending = [it for i, it in enumerate(self._pending) if i not in picked]
+            batch = [pending[i] for i in sorted(chosen)]
+            self._pending = [it for i, it in enumerate(pending) if i not in picked]
+            self._current_tokens = sum(map(lengths.__getitem__, chosen))
         now = time.monotonic()
         taken: dict[Job, list[int]] = {}  # each job's tokens and inputs in this batch
         for it in batch:
@@ -673,7 +688,6 @@ class Batcher:
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
-        self._current_tokens = sum(map(lengths.__getitem__, chosen))
         self._current_tag = min(tags)
         return batch
 

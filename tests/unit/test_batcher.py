@@ -5,7 +5,13 @@ import time
 import numpy as np
 import pytest
 
-from embedsvc.batching.batcher import Batcher, BatchLimits, ShutdownReport, plan_batch
+from embedsvc.batching.batcher import (
+    Batcher,
+    BatchLimits,
+    ShutdownReport,
+    _fits_one_batch,
+    plan_batch,
+)
 from embedsvc.errors import (
     BatchFailed,
     ClientDisconnected,
@@ -130,6 +136,27 @@ def test_plan_batch_takes_the_run_of_the_input_whose_turn_it_is():
     lengths = [100, 5, 6, 98, 7, 101, 5]
     assert sorted(plan_batch(lengths, 8, 10_000, first=4)) == [1, 2, 4, 6]
     assert sorted(plan_batch(lengths, 8, 10_000, first=3)) == [0, 3, 5]
+
+
+def test_a_queue_taken_whole_without_planning_is_what_the_plan_takes():
+    """``_take``'s shortcut: where ``_fits_one_batch`` says so, ``plan_batch`` takes every
+    input whichever must be held; and it says so for most queues a batch can empty."""
+    rng = np.random.default_rng(7)
+    shortcuts = 0
+    for _ in range(3000):
+        count = int(rng.integers(1, 40))
+        lengths = [int(n) for n in rng.integers(3, int(rng.choice([12, 40, 300])), size=count)]
+        items, tokens = int(rng.choice([8, 32, 256])), int(rng.choice([400, 2000, 16384]))
+        if not _fits_one_batch(lengths, items, tokens):
+            continue
+        shortcuts += 1
+        tags = [float(t) for t in rng.permutation(count)]
+        for first in {0, count - 1, int(rng.integers(count))}:
+            assert sorted(plan_batch(lengths, items, tokens, first, tags)) == list(range(count))
+    assert shortcuts > 500
+    assert not _fits_one_batch([10] * 9, 8, 10_000)  # over the item cap
+    assert not _fits_one_batch([5, 300], 8, 10_000)  # 295 tokens of padding
+    assert not _fits_one_batch([50], 1, 10)  # over the token budget: plan_batch runs it alone
 
 
 def test_a_request_split_over_batches_takes_turns_with_later_ones(metrics):
