@@ -18,10 +18,10 @@ rules, exactly as in one process.
 
 A frame that does not decode, or ids that do not fit the model, are refused there: a
 malformed frame (one whose contents its type cannot hold: a front's metrics with a name,
-type or value a scrape could not render, ids that do not add up) is dropped with one log
-line, a frame larger than the largest request can
-make (``wire.max_frame_bytes``) closes its sender's connection (ZeroMQ's ``MAXMSGSIZE``),
-and the loop goes on.
+type or value a scrape could not render, ids that do not add up; a request under an id its
+connection has in the engine already) is dropped with one log line, a frame larger than
+the largest request can make (``wire.max_frame_bytes``) closes its sender's connection
+(ZeroMQ's ``MAXMSGSIZE``), and the loop goes on.
 """
 
 from __future__ import annotations
@@ -283,7 +283,10 @@ class EngineServer:
         if not burst:
             return
         reqs, asks = [], []
+        taken: set[tuple[bytes, int]] = set()
         for peer, frame in burst:
+            if not self._fresh(peer, frame, taken):
+                continue
             try:
                 deadline = self._reservation(frame)
             except ApiError as exc:
@@ -296,6 +299,20 @@ class EngineServer:
                             partial(self._granted, req)))
         for req in self._admit(reqs, asks):
             self._hold(req)
+
+    def _fresh(self, peer: bytes, frame: wire.Reserve | wire.Submit,
+               taken: set[tuple[bytes, int]]) -> bool:
+        """Whether ``frame`` opens a request under an id its sender has no other request
+        under (in the engine, or earlier in this burst, ``taken``); a frame that reuses one
+        is dropped as malformed. Taken in, it replaced the first request in the tables
+        while the first's ticket stayed open: its room was never given back."""
+        key = (peer, frame.id)
+        if key in taken or key in self._reserved or key in self._parked \
+                or key in self._running:
+            self._refuse_frame(f"{type(frame).__name__} {frame.id}: an id in use")
+            return False
+        taken.add(key)
+        return True
 
     def _reservation(self, frame: wire.Reserve) -> float:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
@@ -333,11 +350,14 @@ class EngineServer:
         to the batcher's queue (one wake-up of its thread) for all. A reserved request is
         admitted already: its ids join its reservation (queued now if it is granted)."""
         reqs, asks, start = [], [], []
+        taken: set[tuple[bytes, int]] = set()
         for peer, frame in burst:
             if frame.reserved:
                 held = self._join(peer, frame)
                 if held is not None:
                     start.append(held)
+                continue
+            if not self._fresh(peer, frame, taken):
                 continue
             try:
                 work = self._checked(frame)

@@ -129,3 +129,32 @@ def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
             new.send(wire.encode(wire.Hello(alive)))
             assert [type(f) for f in _next(new)] == [wire.Card]
             assert _soon(lambda: admission.used_inputs == 0, 4), admission.used_inputs
+
+
+def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_comes_back(
+        tmp_path, registry):
+    """A front numbers its requests once each; a frame that opens a second request under
+    an id its connection has in the engine (a buggy or hostile local sender) is dropped as
+    malformed. Taken in, it replaced the first in the engine's tables while the first's
+    ticket stayed open: cancelling the id freed one reservation's room, and the other's was
+    held for good (3 and 2 inputs here), so every later request had that much less."""
+    with serving(tmp_path, registry) as (engine, front, _, server, _stop):
+        admission = engine.runner.admission
+        with _dealer(front) as sock:
+            for _ in range(2):  # the same id twice, in two frames: one grant
+                sock.send(wire.encode(wire.Reserve(1, "embed", 3, 30, timeout=30.0,
+                                                   tell=True)))
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            # and twice in one frame, then an unreserved request under a held id
+            twice = wire.Reserve(2, "embed", 2, 20, timeout=30.0)
+            ids = wire.pack_ids([[1, 5, 2]])
+            sock.send(wire.encode(wire.Submits([twice, twice])))
+            sock.send(wire.encode(wire.Submit(1, "embed", *ids, timeout=30.0)))
+            assert _soon(lambda: server._malformed == 3, 3), server._malformed
+            assert admission.used_inputs == 5
+            for request_id in (1, 2):
+                sock.send(wire.encode(wire.Cancel(request_id)))
+                assert [(f.id, f.status) for f in _next(sock)] == [(request_id, 499)]
+            assert not sock.poll(300), "a dropped frame was answered"
+        assert admission.used_inputs == 0 and admission.used_tokens == 0
+        assert not server.in_flight
