@@ -158,3 +158,32 @@ def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_come
             assert not sock.poll(300), "a dropped frame was answered"
         assert admission.used_inputs == 0 and admission.used_tokens == 0
         assert not server.in_flight
+
+
+def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
+        tmp_path, registry):
+    """An engine process that drains alone (a SIGTERM of its own or of the whole process
+    group) sends the reservations parked in its FIFO away with 503; the front, which serves
+    on while a new engine starts, must pass on when to come back, as its own 503s say. It
+    came without Retry-After."""
+    with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
+        admission = engine.runner.admission
+        with _dealer(front) as sock:
+            sock.send(wire.encode(wire.Reserve(1, "embed", admission.limit, 10, timeout=30.0,
+                                               tell=True)))  # all the room
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            errors: list[Exception] = []
+
+            def request(_: int) -> None:  # 9 inputs: it waits for its grant, parked
+                try:
+                    front.ready().run(Work(EMBED, [f"parked {i}" for i in range(9)],
+                                           deadline=time.monotonic() + 30))
+                except Exception as exc:  # noqa: BLE001 - the test reads what it got
+                    errors.append(exc)
+
+            (thread,) = _in_threads(request, [0])
+            assert _soon(lambda: admission.waiting == 1, 5)
+            admission.close()  # the engine's drain begins
+            thread.join(5)
+        assert [(e.status, e.code) for e in errors] == [(503, "draining")], errors
+        assert errors[0].headers["Retry-After"] == "1"
