@@ -323,7 +323,7 @@ class EngineServer:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
         self.runner.check(Work(frame.kind, ()))
-        return time.monotonic() + max(0.0, frame.timeout)
+        return self._deadline(frame)
 
     def _hold(self, req: _Request) -> None:
         """A granted reservation waits for its ids; a front waiting to be told hears now."""
@@ -440,7 +440,15 @@ class EngineServer:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front,
-                    deadline=time.monotonic() + max(0.0, frame.timeout))
+                    deadline=self._deadline(frame))
+
+    def _deadline(self, frame: wire.Reserve | wire.Submit) -> float:
+        """When ``frame``'s request stops waiting: in the seconds its front says are left,
+        and never later than REQUEST_TIMEOUT_S from now, which is all a front's ever are.
+        Taken as sent, a reservation whose ids never came held its room for as long as
+        its sender said (a year, for good)."""
+        left = min(max(0.0, frame.timeout), self.runner.settings.request_timeout_s)
+        return time.monotonic() + left
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
         """The front's client left: a reservation or a parked request goes now (499); a

@@ -187,3 +187,29 @@ def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
             thread.join(5)
         assert [(e.status, e.code) for e in errors] == [(503, "draining")], errors
         assert errors[0].headers["Retry-After"] == "1"
+
+
+def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_timeout(
+        tmp_path, registry):
+    """A front's reservation says the seconds left before its request's deadline, which are
+    never more than REQUEST_TIMEOUT_S; one that says more (a buggy or hostile local sender)
+    and never sends its ids holds its room until REQUEST_TIMEOUT_S at most, then gets 504.
+    Taken as sent, a timeout of a year held the room for good."""
+    settings = Settings(request_timeout_s=0.5)
+    engine = Service(settings, encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    admission = engine.runner.admission
+    year = 365 * 24 * 3600.0
+    try:  # the loop's steps, driven in their order
+        server._reserve([(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year))])
+        assert admission.used_inputs == 3
+        time.sleep(0.6)
+        server._sweep_parked()
+        assert [(f.id, f.status) for f in server._outbox.get(b"front", [])] == [(1, 504)]
+        assert admission.used_inputs == 0 and not server.in_flight
+    finally:
+        server.close()
+        engine.drain(1)
