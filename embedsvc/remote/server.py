@@ -125,6 +125,10 @@ class EngineServer:
         self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
+        # the most seconds a request waits here, whatever its frame says (a front's say at
+        # most this): taken as sent, a reservation whose ids never came held its room for
+        # as long as its sender said (a year, for good)
+        self._most_s = runner.settings.request_timeout_s
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
@@ -323,7 +327,7 @@ class EngineServer:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
         self.runner.check(Work(frame.kind, ()))
-        return self._deadline(frame)
+        return time.monotonic() + min(max(0.0, frame.timeout), self._most_s)
 
     def _hold(self, req: _Request) -> None:
         """A granted reservation waits for its ids; a front waiting to be told hears now."""
@@ -440,15 +444,7 @@ class EngineServer:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front,
-                    deadline=self._deadline(frame))
-
-    def _deadline(self, frame: wire.Reserve | wire.Submit) -> float:
-        """When ``frame``'s request stops waiting: in the seconds its front says are left,
-        and never later than REQUEST_TIMEOUT_S from now, which is all a front's ever are.
-        Taken as sent, a reservation whose ids never came held its room for as long as
-        its sender said (a year, for good)."""
-        left = min(max(0.0, frame.timeout), self.runner.settings.request_timeout_s)
-        return time.monotonic() + left
+                    deadline=time.monotonic() + min(max(0.0, frame.timeout), self._most_s))
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
         """The front's client left: a reservation or a parked request goes now (499); a
