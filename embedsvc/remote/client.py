@@ -56,6 +56,9 @@ _SNAPSHOT_S = 1.0
 # this is for one that hangs, and is long enough for a front whose interpreter is busy
 # (building its tokenizer from the card held it 1.7 s once) not to mistake its own pause.
 LOST_AFTER_S = 3.0
+# A gap longer than this between two of the link's looks at the engine is this process's own
+# pause (SIGSTOP, a host that did not schedule it, its interpreter held): not the engine's silence
+_STALL_S = 0.5
 _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engine's 499
 # How long past its deadline, or past the engine's last pong that listed it as held, a
 # request waits for the engine's answer: the engine answers 504 at the deadline itself (its
@@ -198,6 +201,7 @@ class Link:
             os.set_blocking(fd, False)
         self._signalled = False
         self._heard_at = 0.0
+        self._looked_at = time.monotonic()  # the link's last look at the engine (``_tick``)
         self._next_ping = self._next_snapshot = self._next_tick = 0.0
         self._next_keep = time.monotonic() + LOST_AFTER_S
         self._carded = threading.Event()
@@ -339,6 +343,7 @@ class Link:
             self._flush(sock)
 
     def _tick(self, sock: zmq.Socket, now: float) -> None:
+        self._discount_stall(now)
         if self.card is not None and self.state != "loading" \
                 and now - self._heard_at > LOST_AFTER_S:
             self._lost(f"no answer for {LOST_AFTER_S}s")
@@ -355,6 +360,16 @@ class Link:
             self._next_snapshot = now + _SNAPSHOT_S
             _send(sock, wire.Snapshot(os.getpid(), *self._snapshot()))
         self._sweep_departed(now)
+
+    def _discount_stall(self, now: float) -> None:
+        """The time this process did not run is not counted as the engine's silence: no
+        ping went out meanwhile, and what the engine sent is still unread. Counted, a front
+        stopped for longer than ``LOST_AFTER_S`` took a live engine for gone the moment it
+        ran again, and answered 503 the requests the engine was computing for it."""
+        stalled = now - self._looked_at - _STALL_S
+        if stalled > 0:
+            self._heard_at += stalled
+        self._looked_at = now
 
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_READ_BATCH):

@@ -18,10 +18,10 @@ rules, exactly as in one process.
 
 A frame that does not decode, or ids that do not fit the model, are refused there: a
 malformed frame (one whose contents its type cannot hold: a front's metrics with a name,
-type or value a scrape could not render, ids that do not add up) is dropped with one log
-line, a frame larger than the largest request can
-make (``wire.max_frame_bytes``) closes its sender's connection (ZeroMQ's ``MAXMSGSIZE``),
-and the loop goes on.
+type or value a scrape could not render, ids that do not add up; a request under an id its
+connection has in the engine already) is dropped with one log line, a frame larger than
+the largest request can make (``wire.max_frame_bytes``) closes its sender's connection
+(ZeroMQ's ``MAXMSGSIZE``), and the loop goes on.
 """
 
 from __future__ import annotations
@@ -128,6 +128,10 @@ class EngineServer:
         self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
+        # the most seconds a request waits here, whatever its frame says (a front's say at
+        # most this): taken as sent, a reservation whose ids never came held its room for
+        # as long as its sender said (a year, for good)
+        self._most_s = runner.settings.request_timeout_s
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
@@ -288,7 +292,10 @@ class EngineServer:
         if not burst:
             return
         reqs, asks = [], []
+        taken: set[tuple[bytes, int]] = set()
         for peer, frame in burst:
+            if not self._fresh(peer, frame, taken):
+                continue
             try:
                 deadline = self._reservation(frame)
             except ApiError as exc:
@@ -302,6 +309,20 @@ class EngineServer:
         for req in self._admit(reqs, asks):
             self._hold(req)
 
+    def _fresh(self, peer: bytes, frame: wire.Reserve | wire.Submit,
+               taken: set[tuple[bytes, int]]) -> bool:
+        """Whether ``frame`` opens a request under an id its sender has no other request
+        under (in the engine, or earlier in this burst, ``taken``); a frame that reuses one
+        is dropped as malformed. Taken in, it replaced the first request in the tables
+        while the first's ticket stayed open: its room was never given back."""
+        key = (peer, frame.id)
+        if key in taken or key in self._reserved or key in self._parked \
+                or key in self._running:
+            self._refuse_frame(f"{type(frame).__name__} {frame.id}: an id in use")
+            return False
+        taken.add(key)
+        return True
+
     def _reservation(self, frame: wire.Reserve) -> float:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
         (a kind this model does not serve is refused before any tokenizing, as in one
@@ -311,7 +332,7 @@ class EngineServer:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
         self.runner.check(Work(frame.kind, ()))
-        return time.monotonic() + max(0.0, frame.timeout)
+        return time.monotonic() + min(max(0.0, frame.timeout), self._most_s)
 
     def _hold(self, req: _Request) -> None:
         """A granted reservation waits for its ids; a front waiting to be told hears now."""
@@ -338,11 +359,14 @@ class EngineServer:
         to the batcher's queue (one wake-up of its thread) for all. A reserved request is
         admitted already: its ids join its reservation (queued now if it is granted)."""
         reqs, asks, start = [], [], []
+        taken: set[tuple[bytes, int]] = set()
         for peer, frame in burst:
             if frame.reserved:
                 held = self._join(peer, frame)
                 if held is not None:
                     start.append(held)
+                continue
+            if not self._fresh(peer, frame, taken):
                 continue
             try:
                 work = self._checked(frame)
@@ -425,7 +449,7 @@ class EngineServer:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front,
-                    deadline=time.monotonic() + max(0.0, frame.timeout))
+                    deadline=time.monotonic() + min(max(0.0, frame.timeout), self._most_s))
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
         """The front's client left: a reservation or a parked request goes now (499); a

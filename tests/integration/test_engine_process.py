@@ -24,6 +24,7 @@ import pytest
 import zmq
 
 from embedsvc.model.fake import FakeEncoder
+from embedsvc.remote import client as client_module
 
 from .. import loopback
 from .servers import FAKE_EMBEDSVC, Server, assert_monotonic, counter_series, running
@@ -225,6 +226,28 @@ def test_a_killed_engine_answers_every_request_in_it_503_then_a_new_one_serves(t
             assert_vectors(resp, texts)
     assert any(a[0] > recovered and a[3].status_code == 200 for a in answers)
     assert "the engine process (pid" in server.output()
+
+
+def test_a_front_stopped_longer_than_the_links_silence_limit_still_gets_its_answer(tmp_path):
+    """A front whose process does not run for a while (SIGSTOP here; a paused container, a
+    host that did not schedule it) sends no pings meanwhile: the engine's silence is only
+    its own. Its request, computing in the live engine, must get its rows once it runs
+    again; the front counted the pause as the engine's silence, took the engine for gone
+    the moment it ran again, and answered 503 ``engine_gone``."""
+    with workers(tmp_path, 2, 5.0) as server, \
+            loopback.Client(base_url=server.url, timeout=30) as client:
+        front = client.get("/info").json()["pid"]  # the keep-alive connection's front
+        answer: list = []
+        thread = threading.Thread(target=lambda: answer.append(
+            client.post("/embed", json={"inputs": ["a stopped front"]})))
+        thread.start()
+        time.sleep(0.5)  # in the engine's 5 s batch
+        os.kill(front, signal.SIGSTOP)
+        time.sleep(client_module.LOST_AFTER_S + 1)
+        os.kill(front, signal.SIGCONT)
+        thread.join(30)
+    assert_vectors(answer[0], ["a stopped front"])
+    assert "is gone" not in server.output()
 
 
 def test_counters_never_go_backwards_over_scrapes_through_four_fronts(tmp_path):

@@ -185,8 +185,22 @@ def test_a_waiter_still_waiting_at_its_deadline_gets_504():
 def test_draining_refuses_new_requests_with_503():
     a = gate()
     a.close()
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable) as info:
         a.admit(1, 1, later())
+    assert info.value.headers["Retry-After"] == "1"
+
+
+def test_draining_refuses_the_waiting_requests_with_503_and_retry_after():
+    """A drain sends the requests waiting in the FIFO away with a 503 that says when to come
+    back, as a new request's 503 does: in an engine process that drains alone, the fronts
+    serve on and its supervisor starts another engine."""
+    a = gate()
+    a.admit(4, 4, later())  # the room, all of it
+    waiting = a.request(1, 1, later())
+    assert waiting.waiting
+    a.close()
+    assert waiting.refused is not None and waiting.refused.status == 503
+    assert waiting.refused.headers["Retry-After"] == "1"
 
 
 def test_more_inputs_than_max_queue_is_413_not_an_eternal_wait():

@@ -129,3 +129,87 @@ def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
             new.send(wire.encode(wire.Hello(alive)))
             assert [type(f) for f in _next(new)] == [wire.Card]
             assert _soon(lambda: admission.used_inputs == 0, 4), admission.used_inputs
+
+
+def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_comes_back(
+        tmp_path, registry):
+    """A front numbers its requests once each; a frame that opens a second request under
+    an id its connection has in the engine (a buggy or hostile local sender) is dropped as
+    malformed. Taken in, it replaced the first in the engine's tables while the first's
+    ticket stayed open: cancelling the id freed one reservation's room, and the other's was
+    held for good (3 and 2 inputs here), so every later request had that much less."""
+    with serving(tmp_path, registry) as (engine, front, _, server, _stop):
+        admission = engine.runner.admission
+        with _dealer(front) as sock:
+            for _ in range(2):  # the same id twice, in two frames: one grant
+                sock.send(wire.encode(wire.Reserve(1, "embed", 3, 30, timeout=30.0,
+                                                   tell=True)))
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            # and twice in one frame, then an unreserved request under a held id
+            twice = wire.Reserve(2, "embed", 2, 20, timeout=30.0)
+            ids = wire.pack_ids([[1, 5, 2]])
+            sock.send(wire.encode(wire.Submits([twice, twice])))
+            sock.send(wire.encode(wire.Submit(1, "embed", *ids, timeout=30.0)))
+            assert _soon(lambda: server._malformed == 3, 3), server._malformed
+            assert admission.used_inputs == 5
+            for request_id in (1, 2):
+                sock.send(wire.encode(wire.Cancel(request_id)))
+                assert [(f.id, f.status) for f in _next(sock)] == [(request_id, 499)]
+            assert not sock.poll(300), "a dropped frame was answered"
+        assert admission.used_inputs == 0 and admission.used_tokens == 0
+        assert not server.in_flight
+
+
+def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
+        tmp_path, registry):
+    """An engine process that drains alone (a SIGTERM of its own or of the whole process
+    group) sends the reservations parked in its FIFO away with 503; the front, which serves
+    on while a new engine starts, must pass on when to come back, as its own 503s say. It
+    came without Retry-After."""
+    with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
+        admission = engine.runner.admission
+        with _dealer(front) as sock:
+            sock.send(wire.encode(wire.Reserve(1, "embed", admission.limit, 10, timeout=30.0,
+                                               tell=True)))  # all the room
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            errors: list[Exception] = []
+
+            def request(_: int) -> None:  # 9 inputs: it waits for its grant, parked
+                try:
+                    front.ready().run(Work(EMBED, [f"parked {i}" for i in range(9)],
+                                           deadline=time.monotonic() + 30))
+                except Exception as exc:  # noqa: BLE001 - the test reads what it got
+                    errors.append(exc)
+
+            (thread,) = _in_threads(request, [0])
+            assert _soon(lambda: admission.waiting == 1, 5)
+            admission.close()  # the engine's drain begins
+            thread.join(5)
+        assert [(e.status, e.code) for e in errors] == [(503, "draining")], errors
+        assert errors[0].headers["Retry-After"] == "1"
+
+
+def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_timeout(
+        tmp_path, registry):
+    """A front's reservation says the seconds left before its request's deadline, which are
+    never more than REQUEST_TIMEOUT_S; one that says more (a buggy or hostile local sender)
+    and never sends its ids holds its room until REQUEST_TIMEOUT_S at most, then gets 504.
+    Taken as sent, a timeout of a year held the room for good."""
+    settings = Settings(request_timeout_s=0.5)
+    engine = Service(settings, encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    admission = engine.runner.admission
+    year = 365 * 24 * 3600.0
+    try:  # the loop's steps, driven in their order
+        server._reserve([(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year))])
+        assert admission.used_inputs == 3
+        time.sleep(0.6)
+        server._sweep_parked()
+        assert [(f.id, f.status) for f in server._outbox.get(b"front", [])] == [(1, 504)]
+        assert admission.used_inputs == 0 and not server.in_flight
+    finally:
+        server.close()
+        engine.drain(1)
