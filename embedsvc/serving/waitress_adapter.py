@@ -324,6 +324,12 @@ class Channel(HTTPChannel):
     def _answer_error(self, request: HTTPRequestParser, error: Error) -> None:
         """Queue ``request`` to be answered ``error`` (JsonErrorTask), the connection closing."""
         with self.requests_lock:
+            # A request thread may have just answered an error and marked the connection
+            # closing, after the loop found it readable: what this read brought (the rest of
+            # a refused body) is dropped, as waitress's own received() drops it, not answered
+            # a second time on the same connection.
+            if self.will_close or self.close_when_flushed:
+                return
             request.error = error
             request.completed = True
             self.request = None

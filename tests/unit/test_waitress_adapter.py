@@ -220,3 +220,34 @@ def test_a_connection_reads_ahead_at_most_one_body_in_a_temporary_file():
             assert chunk, answers
             answers += chunk
         client.close()
+
+
+def test_the_rest_of_a_refused_body_read_as_the_refusal_closes_gets_no_second_answer(
+        monkeypatch):
+    """A 413 at the head, its request thread done (the connection closing), and one more read
+    of the body in the same loop turn: those bytes begin no request, and are dropped, not
+    answered a 400 after the 413 on the same connection (seen about once in 100 such
+    uploads under `embedsvc serve`, one process or --workers 2)."""
+    server = waitress_adapter.create(answering(b"ok"), host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    queued: list = []
+    monkeypatch.setattr(server, "add_task", queued.append)  # the request thread, run below
+    ours, theirs = socket.socketpair()
+    try:
+        channel = waitress_adapter.Channel(server, ours, ("127.0.0.1", 1), server.adj, map={})
+        channel.received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        assert queued == [channel] and channel.requests[0].error.code == 413
+        channel.service()  # as the request thread: the 413 written, the connection closing
+        assert channel.close_when_flushed and channel.requests == []
+        channel.received(b" " * 50)  # the body's next bytes, in a read already under way
+        assert channel.requests == [] and queued == [channel]
+        channel.handle_write()
+        answer = b""
+        while chunk := theirs.recv(65536):
+            answer += chunk
+        assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 413")
+    finally:
+        theirs.close()
+        ours.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
