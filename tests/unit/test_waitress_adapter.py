@@ -251,3 +251,22 @@ def test_the_rest_of_a_refused_body_read_as_the_refusal_closes_gets_no_second_an
         ours.close()
         waitress_adapter.close(server)
         server.task_dispatcher.shutdown(timeout=1)
+
+
+def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_closed():
+    """Content-Length beside Transfer-Encoding: chunked is how a request is smuggled past a
+    proxy that reads the length: 400, as gunicorn answers it, and the connection closed
+    (RFC 9112, 6.1), so the bytes after the chunked body are never read as a request."""
+    body = b'{"input": "a"}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(chunked + smuggled))
+    with serving(answering(b"ok")) as server, connect(server) as sock:
+        sock.sendall(head + chunked + smuggled)
+        answer = b""
+        while chunk := sock.recv(65536):  # closed by the server, else the timeout fails it
+            answer += chunk
+    assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 400")
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "bad_request" and "Transfer-Encoding" in error["message"]
