@@ -67,9 +67,9 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
                   "check_client_disconnected", "handle_close", "error_task_class",
                   "total_outbufs_len", "will_close", "close_when_flushed", "request",
                   "last_activity", "_flush_some", "write_soon",
-                  "_flush_outbufs_below_high_watermark", "parser_class"),
+                  "_flush_outbufs_below_high_watermark", "parser_class", "send_continue"),
     HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv",
-                        "parse_header", "chunked"),
+                        "parse_header", "chunked", "expect_continue"),
     OverflowableBuffer: ("overflowed",),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
@@ -221,6 +221,16 @@ class Channel(HTTPChannel):
             if after.headers_finished and self.body_since is None:
                 self.body_since = now
         return result
+
+    def send_continue(self) -> None:
+        # waitress marks the request not completed as it sends 100 Continue, even one it
+        # refused at its head (413 past MAX_BODY_BYTES): that one would wait for the body it
+        # refused, then answer 408 at the body's deadline. It is answered now, without 100.
+        request = self.request
+        if request is not None and request.error is not None:
+            request.expect_continue = False
+            return
+        super().send_continue()
 
     def handle_read(self) -> None:
         # waitress closes the whole connection when a read returns nothing, so a client that

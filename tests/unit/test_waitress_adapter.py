@@ -270,3 +270,18 @@ def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_cl
     assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 400")
     error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
     assert error["code"] == "bad_request" and "Transfer-Encoding" in error["message"]
+
+
+def test_an_upload_refused_at_its_head_gets_413_at_once_not_100_continue():
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MiB) with a Content-Length
+    past MAX_BODY_BYTES: 413 at once. waitress sent 100 Continue and took the refused request
+    back to wait for its body: 408 at the body's deadline, or 413 only after MAX_BODY_BYTES
+    of an upload it had already refused."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n"
+    with serving(answering(b"ok")) as server, connect(server) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.") == 1
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
