@@ -83,8 +83,19 @@ def _inputs(req: TypedEmbeddingsRequest) -> list[Any]:
         return [_message(m, i) for i, m in enumerate(req.messages)]
     inputs = as_list(req.input)
     if req.modality == "image":
-        return [ImageRef(item, "input") if type(item) is str else item for item in inputs]
+        return [_image(item) for item in inputs]
     return inputs
+
+
+def _image(item: Any) -> Any:
+    """An item of ``input`` under ``modality: image``: a string is an image; token ids are
+    refused, not embedded as text the client did not send."""
+    if type(item) is str:
+        return ImageRef(item, "input")
+    if type(item) is list:
+        raise InvalidRequest("with 'modality': 'image', 'input' holds images (base64 data "
+                             "URIs), not token ids", param="input", code="invalid_input")
+    return item
 
 
 def _message(message: Any, i: int) -> str | ImageRef:

@@ -49,7 +49,7 @@ from typing import Any
 from waitress.adjustments import Adjustments
 from waitress.buffers import OverflowableBuffer
 from waitress.channel import HTTPChannel
-from waitress.parser import HTTPRequestParser
+from waitress.parser import HTTPRequestParser, ParsingError
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
 from waitress.utilities import BadRequest, Error
@@ -67,8 +67,9 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
                   "check_client_disconnected", "handle_close", "error_task_class",
                   "total_outbufs_len", "will_close", "close_when_flushed", "request",
                   "last_activity", "_flush_some", "write_soon",
-                  "_flush_outbufs_below_high_watermark"),
-    HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv"),
+                  "_flush_outbufs_below_high_watermark", "parser_class", "send_continue"),
+    HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv",
+                        "parse_header", "chunked", "expect_continue"),
     OverflowableBuffer: ("overflowed",),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
@@ -142,10 +143,24 @@ class JsonErrorTask(ErrorTask):
         self.channel.server.on_error(self.request, err.code)
 
 
+class Parser(HTTPRequestParser):
+    """waitress's request parser, refusing a head with both Content-Length and a chunked
+    Transfer-Encoding (400), as gunicorn does: waitress reads the chunks and takes what
+    follows them for the next request, which a proxy that goes by the length sent as this
+    request's body (request smuggling; RFC 9112, 6.1)."""
+
+    def parse_header(self, header_plus: bytes) -> None:
+        super().parse_header(header_plus)
+        if self.chunked and "CONTENT_LENGTH" in self.headers:
+            raise ParsingError("Content-Length and Transfer-Encoding: chunked together; "
+                               "send one of them")
+
+
 class Channel(HTTPChannel):
     """One client connection, with head and body deadlines and half-close handling."""
 
     error_task_class = JsonErrorTask
+    parser_class = Parser
     request: HTTPRequestParser | None  # the request being read (waitress's own attribute)
 
     def __init__(self, server: Any, sock: Any, addr: Any, adj: Any, map: Any = None) -> None:
@@ -206,6 +221,16 @@ class Channel(HTTPChannel):
             if after.headers_finished and self.body_since is None:
                 self.body_since = now
         return result
+
+    def send_continue(self) -> None:
+        # waitress marks the request not completed as it sends 100 Continue, even one it
+        # refused at its head (413 past MAX_BODY_BYTES): that one would wait for the body it
+        # refused, then answer 408 at the body's deadline. It is answered now, without 100.
+        request = self.request
+        if request is not None and request.error is not None:
+            request.expect_continue = False
+            return
+        super().send_continue()
 
     def handle_read(self) -> None:
         # waitress closes the whole connection when a read returns nothing, so a client that
@@ -324,6 +349,12 @@ class Channel(HTTPChannel):
     def _answer_error(self, request: HTTPRequestParser, error: Error) -> None:
         """Queue ``request`` to be answered ``error`` (JsonErrorTask), the connection closing."""
         with self.requests_lock:
+            # A request thread may have just answered an error and marked the connection
+            # closing, after the loop found it readable: what this read brought (the rest of
+            # a refused body) is dropped, as waitress's own received() drops it, not answered
+            # a second time on the same connection.
+            if self.will_close or self.close_when_flushed:
+                return
             request.error = error
             request.completed = True
             self.request = None

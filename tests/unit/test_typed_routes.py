@@ -193,3 +193,15 @@ def test_an_empty_messages_list_is_named_as_sent(client, fake):
                          "invalid_request_error", "messages")
     assert error["code"] == "empty_input" and "'messages' must not be empty" in error["message"]
     assert_still_serving(client, fake)
+
+
+def test_token_ids_sent_as_images_are_refused_not_embedded_as_text(client, fake):
+    """Infinity's ``modality: image`` says every item of ``input`` is an image: token ids
+    there are a 400, as a string that is no image is, not a text vector of those ids."""
+    for ids in ([5, 6], [[5, 6]], [[5], [6]]):
+        error = assert_error(client.post("/v1/embeddings",
+                                         json={"input": ids, "modality": "image"}),
+                             400, "invalid_request_error", "input")
+        assert error["code"] == "invalid_input" and "not token ids" in error["message"]
+    assert client.post("/v1/embeddings", json={"input": [5, 6]}).status_code == 200
+    assert_still_serving(client, fake)

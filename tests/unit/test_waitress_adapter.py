@@ -220,3 +220,68 @@ def test_a_connection_reads_ahead_at_most_one_body_in_a_temporary_file():
             assert chunk, answers
             answers += chunk
         client.close()
+
+
+def test_the_rest_of_a_refused_body_read_as_the_refusal_closes_gets_no_second_answer(
+        monkeypatch):
+    """A 413 at the head, its request thread done (the connection closing), and one more read
+    of the body in the same loop turn: those bytes begin no request, and are dropped, not
+    answered a 400 after the 413 on the same connection (seen about once in 100 such
+    uploads under `embedsvc serve`, one process or --workers 2)."""
+    server = waitress_adapter.create(answering(b"ok"), host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    queued: list = []
+    monkeypatch.setattr(server, "add_task", queued.append)  # the request thread, run below
+    ours, theirs = socket.socketpair()
+    try:
+        channel = waitress_adapter.Channel(server, ours, ("127.0.0.1", 1), server.adj, map={})
+        channel.received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        assert queued == [channel] and channel.requests[0].error.code == 413
+        channel.service()  # as the request thread: the 413 written, the connection closing
+        assert channel.close_when_flushed and channel.requests == []
+        channel.received(b" " * 50)  # the body's next bytes, in a read already under way
+        assert channel.requests == [] and queued == [channel]
+        channel.handle_write()
+        answer = b""
+        while chunk := theirs.recv(65536):
+            answer += chunk
+        assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 413")
+    finally:
+        theirs.close()
+        ours.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
+def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_closed():
+    """Content-Length beside Transfer-Encoding: chunked is how a request is smuggled past a
+    proxy that reads the length: 400, as gunicorn answers it, and the connection closed
+    (RFC 9112, 6.1), so the bytes after the chunked body are never read as a request."""
+    body = b'{"input": "a"}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(chunked + smuggled))
+    with serving(answering(b"ok")) as server, connect(server) as sock:
+        sock.sendall(head + chunked + smuggled)
+        answer = b""
+        while chunk := sock.recv(65536):  # closed by the server, else the timeout fails it
+            answer += chunk
+    assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 400")
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "bad_request" and "Transfer-Encoding" in error["message"]
+
+
+def test_an_upload_refused_at_its_head_gets_413_at_once_not_100_continue():
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MiB) with a Content-Length
+    past MAX_BODY_BYTES: 413 at once. waitress sent 100 Continue and took the refused request
+    back to wait for its body: 408 at the body's deadline, or 413 only after MAX_BODY_BYTES
+    of an upload it had already refused."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n"
+    with serving(answering(b"ok")) as server, connect(server) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.") == 1
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
