@@ -40,16 +40,7 @@ def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_
             reserve(burst)
 
         monkeypatch.setattr(server, "_reserve", held_up)
-        errors: list[Exception] = []
-
-        def request(_: int) -> None:  # 9 inputs: it waits for its grant before tokenizing
-            try:
-                front.ready().run(Work(EMBED, [f"text {i}" for i in range(9)],
-                                       deadline=time.monotonic() + 30))
-            except Exception as exc:  # noqa: BLE001 - the test reads what it got
-                errors.append(exc)
-
-        (thread,) = _in_threads(request, [0])
+        thread, errors = _waiting_for_a_grant(front)
         assert held.wait(5)
         thread.join(5)
         assert [type(e) for e in errors] == [EngineGone], errors
@@ -58,6 +49,22 @@ def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_
         assert _soon(lambda: admission.used_inputs == 0, 3), \
             (admission.used_inputs, server._reserved)
         assert admission.used_tokens == 0
+
+
+def _waiting_for_a_grant(front: Service) -> tuple[threading.Thread, list[Exception]]:
+    """A request of 9 inputs (it waits for its grant before tokenizing) through ``front``,
+    in a thread of its own, and the list that gets what it raises."""
+    errors: list[Exception] = []
+
+    def request(_: int) -> None:
+        try:
+            front.ready().run(Work(EMBED, [f"text {i}" for i in range(9)],
+                                   deadline=time.monotonic() + 30))
+        except Exception as exc:  # noqa: BLE001 - the test reads what it got
+            errors.append(exc)
+
+    (thread,) = _in_threads(request, [0])
+    return thread, errors
 
 
 def test_embed_all_charges_its_tenant_its_exact_tokens(tmp_path, registry):
@@ -172,16 +179,7 @@ def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
             sock.send(wire.encode(wire.Reserve(1, "embed", admission.limit, 10, timeout=30.0,
                                                tell=True)))  # all the room
             assert [type(f) for f in _next(sock)] == [wire.Granted]
-            errors: list[Exception] = []
-
-            def request(_: int) -> None:  # 9 inputs: it waits for its grant, parked
-                try:
-                    front.ready().run(Work(EMBED, [f"parked {i}" for i in range(9)],
-                                           deadline=time.monotonic() + 30))
-                except Exception as exc:  # noqa: BLE001 - the test reads what it got
-                    errors.append(exc)
-
-            (thread,) = _in_threads(request, [0])
+            thread, errors = _waiting_for_a_grant(front)  # parked: no room
             assert _soon(lambda: admission.waiting == 1, 5)
             admission.close()  # the engine's drain begins
             thread.join(5)
