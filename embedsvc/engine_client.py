@@ -259,17 +259,23 @@ class EngineClient:
 
     # -- what does not reach the model --------------------------------------------------------
 
-    def pieces(self, texts: Sequence[str], *, deadline: float | None = None,
-               disconnected: Disconnected = None) -> list[list[Piece]]:
+    def pieces(self, texts: Sequence[str], *, special: bool = True,
+               deadline: float | None = None, disconnected: Disconnected = None
+               ) -> list[list[Piece]]:
         """The tokens the model sees for each text (POST /tokenize), admitted on the host's
-        budget: they never reach the device, so its rate does not refuse them."""
+        budget: they never reach the device, so its rate does not refuse them. ``special``:
+        with the special tokens the model's template puts around the text (TEI's
+        ``add_special_tokens``)."""
         deadline = deadline or time.monotonic() + self.settings.request_timeout_s
         self.check(texts)
         with self._admitted(len(texts), self.estimate(texts), deadline, disconnected):
             out: list[list[Piece]] = []
             for chunk in self._chunks(texts, deadline, disconnected):
                 out.extend(self.text.pieces(chunk))
+        if special:
             return out
+        head, tail = len(self._prefix), len(self._suffix)  # the template's, around each text
+        return [row[head:len(row) - tail] for row in out]
 
     def decode(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True, *,
                deadline: float | None = None, disconnected: Disconnected = None) -> list[str]:

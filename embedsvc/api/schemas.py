@@ -141,6 +141,12 @@ class TokenizeRequest(Request):
     """POST /tokenize, as text-embeddings-inference defines it."""
 
     inputs: TextsField = Field(description="Text or texts.")
+    add_special_tokens: StrictBool = Field(
+        True, description="With the special tokens the model's template puts around each "
+        "text ([CLS] and [SEP] for a BERT model); false: the text's own tokens only.")
+    prompt_name: StrictStr | None = Field(
+        None, description="Name of a prompt of the model, put before each text (as /embed "
+        "puts it); the offsets count in the prompted text.")
 
 
 # -- rerankers, classifiers, sparse encoders, similarity (tei.py, cohere.py) ---------------------

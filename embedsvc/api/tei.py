@@ -78,9 +78,10 @@ def decode(call: Call) -> Reply:
 def tokenize(call: Call) -> Reply:
     """POST /tokenize: the TEI shape, token id, text and offsets per token."""
     req = parse(TokenizeRequest, call)
-    texts = as_list(req.inputs)
-    pieces = call.engine_client().pieces(texts, deadline=call.deadline,  # the host: no device turn
-                                  disconnected=call.disconnected)
+    texts = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
+    pieces = call.engine_client().pieces(  # on the host's budget: no turn of the device
+        texts, special=req.add_special_tokens, deadline=call.deadline,
+        disconnected=call.disconnected)
     reply = json_reply([[vars(p) for p in row] for row in pieces])
     reply.inputs = len(texts)
     return reply

@@ -1,6 +1,7 @@
 """routes.py: each handler's request and response shapes, on the fake encoder."""
 
 import base64
+import dataclasses
 from urllib.parse import urljoin
 
 import numpy as np
@@ -240,3 +241,24 @@ def test_a_path_parameter_takes_the_rest_of_the_path_and_is_counted_by_its_route
     [param] = doc["paths"]["/v1/models/{model}"]["get"]["parameters"]
     assert param == {"name": "model", "in": "path", "required": True,
                      "schema": {"type": "string"}}
+
+
+def test_tokenize_takes_teis_add_special_tokens_and_prompt_name(fake, registry, tmp_path):
+    """TEI's /tokenize options: ``add_special_tokens: false`` gives the text's own tokens
+    only, ``prompt_name`` the tokens of the prompted text (as /embed prompts it); an unknown
+    prompt is a 400. Both were accepted and ignored: the special tokens always came."""
+    fake.info = dataclasses.replace(fake.info, prompts={"query": "query: "})
+    client = make_app(fake, registry, cache_dir=str(tmp_path)).test_client()
+    bare = client.post("/tokenize", json={"inputs": "hi there",
+                                          "add_special_tokens": False}).get_json()
+    assert [(t["text"], t["special"], t["start"]) for t in bare[0]] == \
+        [("hi", False, 0), ("there", False, 3)]
+    both = client.post("/tokenize", json={"inputs": ["hi", "a b"], "prompt_name": "query",
+                                          "add_special_tokens": True}).get_json()
+    assert [[t["text"] for t in row] for row in both] == \
+        [["[CLS]", "query:", "hi", "[SEP]"], ["[CLS]", "query:", "a", "b", "[SEP]"]]
+    assert both[0][2]["start"] == len("query: ")
+    assert_error(client.post("/tokenize", json={"inputs": "hi", "prompt_name": "nope"}), 400,
+                 "invalid_request_error", "prompt_name")
+    assert_error(client.post("/tokenize", json={"inputs": "hi", "add_special_tokens": "no"}),
+                 400, "invalid_request_error", "add_special_tokens")
