@@ -59,10 +59,6 @@ _RATE_WEIGHT = 0.2  # the weight of the newest batch in the measured inputs per 
 # lasted this many batches.
 _BEST_OF = 8
 _AUTO_CAP = 16  # MAX_QUEUE unset: at most this many times MAX_INPUTS_PER_REQUEST
-# A drain's refusal says when to come back, as a draining front's does: the engine process
-# drains alone too (a SIGTERM of its own, or of the whole process group), and its supervisor
-# starts another while the fronts serve on
-_DRAINING = {"Retry-After": "1"}
 
 
 @dataclass(slots=True, eq=False)
@@ -350,7 +346,7 @@ class Admission:
             self._closed = True
             while self._waiting:
                 ticket = self._waiting.popleft()
-                ticket.waiting, ticket.refused = False, shutting_down(dict(_DRAINING))
+                ticket.waiting, ticket.refused = False, shutting_down()
                 self._refund(ticket)
                 if ticket.notify is not None:
                     ticket.notify(ticket)
@@ -411,7 +407,7 @@ class Admission:
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise shutting_down(dict(_DRAINING))
+            raise shutting_down()
 
     def _refuse_if_late(self, ticket: Ticket, now: float, wait: float) -> None:
         """429 when ``ticket`` would reach the model ``wait`` seconds from ``now``, after

@@ -138,10 +138,12 @@ def body_too_large(limit: int, size: int | None = None) -> PayloadTooLarge:
                            code="body_too_large")
 
 
-def shutting_down(headers: dict[str, str] | None = None) -> Unavailable:
-    """The 503 of work that arrives while the server drains."""
-    return Unavailable("the server is shutting down; retry on another replica", code="draining",
-                       headers=headers)
+def shutting_down(message: str = "the server is shutting down; retry on another replica"
+                  ) -> Unavailable:
+    """The 503 of work refused because the server drains: it says when to come back, from
+    whichever part refused it (the HTTP server, a front, admission, the batcher): an engine
+    process also drains alone while its fronts serve on and a new one starts."""
+    return Unavailable(message, code="draining", headers={"Retry-After": "1"})
 
 
 def internal_error() -> ApiError:

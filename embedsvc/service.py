@@ -243,7 +243,7 @@ class Service:
             self._loaded.wait(timeout)
         state, client = self.state, self._client
         if state == "draining":
-            raise shutting_down({"Retry-After": "1"})
+            raise shutting_down()
         if state != "ready" or client is None:
             message = _LOADING if state == "loading" else (
                 "the model failed to load; the server log says why" if self.failure

@@ -37,7 +37,6 @@ from ..errors import (
     ClientDisconnected,
     DeadlineExceeded,
     DeviceOutOfMemory,
-    Unavailable,
     shutting_down,
 )
 from ..metrics import Metrics
@@ -527,8 +526,7 @@ class Batcher:
             # their inputs on the device now will be computed for nobody
             uncomputed = len(self._pending) + self._unanswered(lambda job: id(job) in leftover)
             for job in leftover.values():
-                self._cancel(job, Unavailable("the server shut down before this request ran",
-                                              code="draining"))
+                self._cancel(job, shutting_down("the server shut down before this request ran"))
             self._stopping = True
             self._stopped.set()
             self._cond.notify_all()

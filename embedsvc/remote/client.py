@@ -316,7 +316,7 @@ class Link:
             log.exception("the link to the engine failed")
             self._lost("the link failed")
         finally:  # closing: no request waits on a link that is gone
-            self._fail_all(lambda: shutting_down({"Retry-After": "1"}))
+            self._fail_all(lambda: shutting_down())
             sock.disable_monitor()
             events.close(linger=0)
             sock.close(linger=0)
@@ -600,7 +600,7 @@ class RemotePort:
         gone or draining."""
         state = self.state
         if state == "draining":
-            raise shutting_down({"Retry-After": "1"})
+            raise shutting_down()
         if state != "ready":
             raise Unavailable("the engine process is starting; retry in a few seconds",
                               code=state, headers={"Retry-After": "1"})

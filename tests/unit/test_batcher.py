@@ -291,8 +291,9 @@ def test_the_drain_report_counts_inputs_computed_and_failed_of_a_long_request(
     enc.finish.set()
     # the request (10 inputs) failed with 503; batches 4 and 5 were never computed for it
     assert reports[0] == ShutdownReport(completed=4, failed=10, clean=joining, uncomputed=2 + 2)
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable) as refused:
         job.result(1)
+    assert refused.value.code == "draining" and refused.value.headers["Retry-After"] == "1"
     b._thread.join(5)
 
 
