@@ -115,9 +115,10 @@ class Runner:
         encode_tokens = self.encoder.encode_tokens  # type: ignore[attr-defined]
         assert work.deadline is not None
         ids = work.ids
+        tokens = sum(map(len, ids))
         if ticket is not None:
-            self.admission.tokenized(ticket, sum(map(len, ids)))
-        tag = self.batcher.start_tag(work.flow, sum(map(len, ids)))
+            self.admission.tokenized(ticket, tokens)
+        tag = self.batcher.start_tag(work.flow, tokens)
         rows: list[np.ndarray] = []
         limits = self.batcher.limits
         turn = min(limits.max_batch_tokens, self.encoder.info.max_input_tokens)

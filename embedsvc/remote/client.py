@@ -316,7 +316,7 @@ class Link:
             log.exception("the link to the engine failed")
             self._lost("the link failed")
         finally:  # closing: no request waits on a link that is gone
-            self._fail_all(lambda: shutting_down())
+            self._fail_all(shutting_down)
             sock.disable_monitor()
             events.close(linger=0)
             sock.close(linger=0)

@@ -128,10 +128,7 @@ class EngineServer:
         self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._malformed = 0
-        # the most seconds a request waits here, whatever its frame says (a front's say at
-        # most this): taken as sent, a reservation whose ids never came held its room for
-        # as long as its sender said (a year, for good)
-        self._most_s = runner.settings.request_timeout_s
+        self._most_s = runner.settings.request_timeout_s  # see ``_checked_deadline``
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
@@ -327,12 +324,12 @@ class EngineServer:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
         (a kind this model does not serve is refused before any tokenizing, as in one
         process)."""
-        _check_frame(frame)
+        deadline = _checked_deadline(frame, self._most_s)
         if not 0 < frame.inputs <= self.runner.settings.max_inputs_per_request:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
         self.runner.check(Work(frame.kind, ()))
-        return time.monotonic() + min(max(0.0, frame.timeout), self._most_s)
+        return deadline
 
     def _hold(self, req: _Request) -> None:
         """A granted reservation waits for its ids; a front waiting to be told hears now."""
@@ -427,7 +424,7 @@ class EngineServer:
     def _work(self, frame: wire.Submit) -> Work:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
         never a failed batch that takes other requests down with it."""
-        _check_frame(frame)
+        deadline = _checked_deadline(frame, self._most_s)
         try:
             ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
         except ValueError as exc:
@@ -448,8 +445,7 @@ class EngineServer:
             except ValueError as exc:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
-                    tenant=frame.tenant, front=frame.front,
-                    deadline=time.monotonic() + min(max(0.0, frame.timeout), self._most_s))
+                    tenant=frame.tenant, front=frame.front, deadline=deadline)
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
         """The front's client left: a reservation or a parked request goes now (499); a
@@ -672,12 +668,16 @@ def failed(request_id: int, exc: ApiError) -> wire.Failed:
                        type(exc).__name__)
 
 
-def _check_frame(frame: wire.Reserve | wire.Submit) -> None:
-    """A 400 for a kind of work that no kind is, or a deadline that is not a number."""
+def _checked_deadline(frame: wire.Reserve | wire.Submit, most_s: float) -> float:
+    """The deadline here of a request's frame: the seconds it says, but never more than
+    ``most_s`` (REQUEST_TIMEOUT_S: a front's say at most that; taken as sent, a reservation
+    whose ids never came held its room for as long as its sender said). A 400 for a kind of
+    work that no kind is, or a deadline that is not a number."""
     if frame.kind not in WORK_KINDS:
         raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}", code="invalid_frame")
     if not math.isfinite(frame.timeout):
         raise InvalidRequest("a deadline that is not a number of seconds", code="invalid_frame")
+    return time.monotonic() + min(max(0.0, frame.timeout), most_s)
 
 
 def _gone() -> ClientDisconnected:
