@@ -275,9 +275,16 @@ class Channel(HTTPChannel):
         return sum(1 for request in held if request is not None
                    and request.body_rcv is not None and request.body_rcv.getbuf().overflowed)
 
+    # While a request thread is in write_soon, it holds the output lock and flushes its own
+    # answer (its send releases the GIL): the connection is not writable for the loop then,
+    # which would find the lock taken and poll again at once, a spin of about ten turns an
+    # answer that took the GIL from the writing thread each time. Only a thread waiting for
+    # the loop to take its output below the high-water mark needs the loop meanwhile.
     def writable(self) -> bool:
-        return bool(self.parked or self.total_outbufs_len or self.will_close
-                    or self.close_when_flushed)
+        return bool(self.parked or self.will_close or self.close_when_flushed
+                    or (self.total_outbufs_len
+                        and (not self.writing
+                             or self.total_outbufs_len > self.adj.outbuf_high_watermark)))
 
     def handle_write(self) -> None:
         super().handle_write()
@@ -294,6 +301,8 @@ class Channel(HTTPChannel):
             return int(super().write_soon(data))
         finally:
             self.writing = False
+            if self.total_outbufs_len:  # what the client did not take yet: the loop sends it
+                self.server.pull_trigger()
 
     def _flush_outbufs_below_high_watermark(self) -> None:
         # An answer written in parts waits here for its client, as in waitress. waitress also

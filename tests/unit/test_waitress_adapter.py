@@ -253,6 +253,49 @@ def test_the_rest_of_a_refused_body_read_as_the_refusal_closes_gets_no_second_an
         server.task_dispatcher.shutdown(timeout=1)
 
 
+def test_the_loop_leaves_an_answer_to_the_request_thread_flushing_it(monkeypatch):
+    """While a request thread flushes its answer in write_soon (holding the output lock, its
+    send releasing the GIL), the loop does not poll the connection for writing: it would find
+    the lock taken and turn again at once, about ten turns an answer under 32 clients. What
+    the client did not take is the loop's to send once the thread is out; a thread waiting
+    for the loop to take its output below the high-water mark has the loop meanwhile."""
+    server = waitress_adapter.create(answering(b"ok"), host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    pulls: list = []
+    monkeypatch.setattr(server, "pull_trigger", lambda *args: pulls.append(args))
+    ours, theirs = socket.socketpair()
+    try:
+        channel = waitress_adapter.Channel(server, ours, ("127.0.0.1", 1), server.adj, map={})
+        seen: list[bool] = []
+        sends = channel._flush_some
+
+        def flush(do_close: bool = True) -> bool:
+            seen.append(channel.writable())  # what the loop would see now
+            return sends(do_close=do_close)
+
+        monkeypatch.setattr(channel, "_flush_some", flush)
+        channel.write_soon(b"x" * 100)
+        assert seen == [False]
+        assert theirs.recv(200) == b"x" * 100 and not channel.writable() and pulls == []
+
+        def takes_nothing(do_close: bool = True) -> bool:
+            seen.append(channel.writable())
+            return False
+
+        monkeypatch.setattr(channel, "_flush_some", takes_nothing)
+        channel.write_soon(b"y" * 100)
+        assert seen == [False, False]
+        assert channel.writable() and pulls  # the loop is woken, and sends the rest
+        channel.writing = True
+        channel.total_outbufs_len = server.adj.outbuf_high_watermark + 1
+        assert channel.writable()
+    finally:
+        theirs.close()
+        ours.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
 def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_closed():
     """Content-Length beside Transfer-Encoding: chunked is how a request is smuggled past a
     proxy that reads the length: 400, as gunicorn answers it, and the connection closed
