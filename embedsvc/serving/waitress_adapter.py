@@ -279,12 +279,14 @@ class Channel(HTTPChannel):
     # answer (its send releases the GIL): the connection is not writable for the loop then,
     # which would find the lock taken and poll again at once, a spin of about ten turns an
     # answer that took the GIL from the writing thread each time. Only a thread waiting for
-    # the loop to take its output below the high-water mark needs the loop meanwhile.
+    # the loop to take its output below the high-water mark needs the loop meanwhile: it
+    # waits while the output is above the mark and is woken once it is below, so the loop
+    # sends at the mark itself too (else output left exactly at the mark waits for ever).
     def writable(self) -> bool:
         return bool(self.parked or self.will_close or self.close_when_flushed
                     or (self.total_outbufs_len
                         and (not self.writing
-                             or self.total_outbufs_len > self.adj.outbuf_high_watermark)))
+                             or self.total_outbufs_len >= self.adj.outbuf_high_watermark)))
 
     def handle_write(self) -> None:
         super().handle_write()

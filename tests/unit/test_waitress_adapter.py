@@ -286,9 +286,16 @@ def test_the_loop_leaves_an_answer_to_the_request_thread_flushing_it(monkeypatch
         channel.write_soon(b"y" * 100)
         assert seen == [False, False]
         assert channel.writable() and pulls  # the loop is woken, and sends the rest
+        # A thread waits in write_soon while its output is above the high-water mark, and
+        # the loop wakes it once the output is below: output left exactly at the mark is
+        # the loop's to send too, or the thread waits until the send timeout resets it.
         channel.writing = True
         channel.total_outbufs_len = server.adj.outbuf_high_watermark + 1
         assert channel.writable()
+        channel.total_outbufs_len = server.adj.outbuf_high_watermark
+        assert channel.writable()
+        channel.total_outbufs_len = server.adj.outbuf_high_watermark - 1
+        assert not channel.writable()
     finally:
         theirs.close()
         ours.close()
