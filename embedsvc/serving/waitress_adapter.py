@@ -281,7 +281,8 @@ class Channel(HTTPChannel):
     # answer that took the GIL from the writing thread each time. Only a thread waiting for
     # the loop to take its output below the high-water mark needs the loop meanwhile: it
     # waits while the output is above the mark and is woken once it is below, so the loop
-    # sends at the mark itself too (else output left exactly at the mark waits for ever).
+    # sends at the mark itself too (else output left exactly at the mark waits for the send
+    # timeout).
     def writable(self) -> bool:
         return bool(self.parked or self.will_close or self.close_when_flushed
                     or (self.total_outbufs_len
