@@ -398,7 +398,16 @@ class Server(TcpWSGIServer):
         super().__init__(app, adj=adj, _sock=sock, bind_socket=sock is None)
 
     def maintenance(self, now: float) -> None:
-        super().maintenance(now)  # idle kept-alive connections (channel_timeout)
+        # Idle kept-alive connections close after channel_timeout (IDLE_TIMEOUT_S), as in
+        # waitress, but not one whose answer is still leaving: waitress counts only its own
+        # sends as activity, and a client reading a large answer slowly leaves the kernel's
+        # send buffer full for longer than that (no send is possible meanwhile), so waitress
+        # closed it mid-answer. Output waiting is bounded by SEND_TIMEOUT_S below instead.
+        cutoff = now - self.adj.channel_timeout
+        for channel in self.active_channels.values():
+            if not channel.requests and not channel.total_outbufs_len \
+                    and channel.last_activity < cutoff:
+                channel.will_close = True
         mono = time.monotonic()
         for channel in list(self.active_channels.values()):
             if channel.stalled(mono, self.bounds):

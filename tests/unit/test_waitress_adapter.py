@@ -303,6 +303,31 @@ def test_the_loop_leaves_an_answer_to_the_request_thread_flushing_it(monkeypatch
         server.task_dispatcher.shutdown(timeout=1)
 
 
+def test_an_answer_still_leaving_is_not_closed_as_an_idle_connection():
+    """A client reading a large answer slowly keeps the kernel's send buffer full, so no send
+    succeeds for longer than the idle timeout: waitress took that for an idle connection and
+    closed it mid-answer (a 9.7 MB answer read through a 4 KiB receive buffer was cut at
+    6.3 MB). Only a connection with nothing to send is idle; SEND_TIMEOUT_S bounds the other."""
+    server = waitress_adapter.create(answering(b"ok"), host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        leaving, idle = (waitress_adapter.Channel(server, ours, ("127.0.0.1", 1), server.adj,
+                                                  map=server._map) for ours, _ in pairs)
+        long_ago = time.time() - 10 * server.adj.channel_timeout
+        leaving.last_activity = idle.last_activity = long_ago
+        leaving.total_outbufs_len = 4096  # an answer's rest, waiting for the client's window
+        server.maintenance(time.time())
+        assert not leaving.will_close
+        assert idle.will_close
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
 def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_closed():
     """Content-Length beside Transfer-Encoding: chunked is how a request is smuggled past a
     proxy that reads the length: 400, as gunicorn answers it, and the connection closed
