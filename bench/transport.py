@@ -2,9 +2,10 @@
 
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/transport.py --seconds 3 --rounds 3
 
-What embedsvc uses (pyzmq: a DEALER per front thread, one ROUTER in the engine, over
-``ipc://``) against the standard library's ``multiprocessing.connection`` over a Unix socket
-and a plain ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, all three carrying the same
+What embedsvc uses (``embedsvc.remote.stream``: length-prefixed frames over an ``AF_UNIX``
+``SOCK_STREAM`` socket) against what it used before (pyzmq: DEALER sockets, one ROUTER in the
+engine, over ``ipc://``), the standard library's ``multiprocessing.connection`` over a Unix
+socket and a plain ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, all four carrying the same
 ``embedsvc.remote.wire`` frames: the front builds a ``Submit`` of one sentence's ids (or 32
 sentences'), the engine decodes it and answers a ``Rows`` of 384 float32 per input. Each side
 follows the code's own pattern: the front sends, then waits in ticks (poll, then receive);
@@ -33,6 +34,7 @@ import select
 import socket
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -43,6 +45,7 @@ import numpy as np
 import zmq
 
 from embedsvc.remote import wire
+from embedsvc.remote.stream import Stream, connect
 
 WIDTH = 384
 TOKENS = 13  # one 10-word sentence of the benchmarks with its special tokens
@@ -136,6 +139,35 @@ def seqpacket_engine(address: str, conns: int, rows: bytes) -> None:
             client.sendall(out)
 
 
+def stream_engine(address: str, conns: int, rows: bytes) -> None:
+    """What embedsvc uses (remote/server.py): ``remote.stream`` connections (length-prefixed
+    frames over ``SOCK_STREAM``), every one registered once in one ``select.poll``, each
+    read taking every frame that has arrived."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(conns)
+    clients = {}
+    poller = select.poll()
+    for _ in range(conns):
+        client, _ = listener.accept()
+        stream = Stream(client)
+        clients[stream.fileno()] = stream
+        poller.register(stream.fileno(), select.POLLIN)
+    wake_r, _ = os.pipe()
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll(TICK_MS):
+            stream = clients[fd]
+            for payload in stream.read():
+                out = answer(payload, rows)
+                if out is None:
+                    return
+                stream.send(out)
+            while stream.pending:  # the front reads all it asked for: never long
+                select.select([], [stream], [], 1)
+                stream.flush()
+
+
 # -- the front side, in this process ----------------------------------------------------------
 
 
@@ -224,6 +256,31 @@ class SeqpacketFront(Front):
             sock.close()
 
 
+class StreamFront(Front):
+    def __init__(self, address: str, idle: int) -> None:
+        self.streams = [_retry(lambda: connect(address)) for _ in range(1 + idle)]
+        self.stream = self.streams[0]
+        self.poller = select.poll()
+        self.poller.register(self.stream.fileno(), select.POLLIN)
+        self.frames: deque[bytes] = deque()
+
+    def send(self, data: bytes) -> None:
+        self.stream.send(data)
+        while self.stream.pending:
+            select.select([], [self.stream], [], 1)
+            self.stream.flush()
+
+    def receive(self) -> bytes:
+        while not self.frames:
+            if self.poller.poll(TICK_MS):
+                self.frames.extend(self.stream.read())
+        return self.frames.popleft()
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+
 def _seqpacket(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(address)
@@ -255,6 +312,8 @@ TRANSPORTS = {
                       lambda d: str(d / "engine.sock")),
     "seqpacket": Transport("socket AF_UNIX SOCK_SEQPACKET", seqpacket_engine, SeqpacketFront,
                            lambda d: str(d / "engine.sock")),
+    "stream": Transport("remote.stream: AF_UNIX SOCK_STREAM, length-prefixed", stream_engine,
+                        StreamFront, lambda d: str(d / "engine.sock")),
 }
 
 

@@ -431,12 +431,13 @@ def frames_engine(directory: str, ready: Any) -> None:
 
 def frames_drive(address: str, sockets: int, depth: int, seconds: float, pid: int
                  ) -> tuple[float, dict[str, float]]:
-    """Keep ``depth`` single-input requests in flight on each of ``sockets`` DEALER sockets,
-    each socket's answers replaced by one frame of as many new requests (a ``Submits`` for
-    several); requests a second and the engine's CPU seconds a request by thread."""
-    import zmq
+    """Keep ``depth`` single-input requests in flight on each of ``sockets`` connections,
+    each connection's answers replaced by one frame of as many new requests (a ``Submits``
+    for several); requests a second and the engine's CPU seconds a request by thread."""
+    import select
 
     from embedsvc.remote import wire
+    from embedsvc.remote.stream import connect
 
     ids = wire.pack_ids([[101, *([7] * 11), 102]])  # a 10-word sentence's 13 tokens
     numbers = itertools.count(1)
@@ -445,27 +446,31 @@ def frames_drive(address: str, sockets: int, depth: int, seconds: float, pid: in
         items = [wire.Submit(next(numbers), "embed", *ids, timeout=30.0) for _ in range(n)]
         return wire.encode(items[0] if n == 1 else wire.Submits(items))
 
-    context = zmq.Context()
-    socks = [context.socket(zmq.DEALER) for _ in range(sockets)]
-    poller = zmq.Poller()
-    for sock in socks:
-        sock.connect(address)
-        poller.register(sock, zmq.POLLIN)
-        sock.send(frame(depth))
+    streams = {}
+    for _ in range(sockets):
+        stream = connect(address)
+        streams[stream.fileno()] = stream
+        stream.send(frame(depth))
+    poller = select.poll()
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
     answered, start, before = 0, 0.0, {}
     warm_until = time.monotonic() + 1.0
     try:
         while not start or time.monotonic() < start + seconds:
             if not start and time.monotonic() >= warm_until:
                 start, answered, before = time.monotonic(), 0, threads_cpu_s(pid)
-            for sock, _ in poller.poll(1000):
-                got = wire.decode_to_front(sock.recv())
-                n = len(got.items) if isinstance(got, wire.Answers) else 1
-                answered += n
-                sock.send(frame(n))
+            for fd, _ in poller.poll(1000):
+                stream = streams[fd]
+                for data in stream.read():
+                    got = wire.decode_to_front(data)
+                    n = len(got.items) if isinstance(got, wire.Answers) else 1
+                    answered += n
+                    stream.send(frame(n))
         after = threads_cpu_s(pid)
     finally:
-        context.destroy(linger=0)
+        for stream in streams.values():
+            stream.close()
     return answered / seconds, {role: (s - before.get(role, 0.0)) / answered
                                 for role, s in after.items()}
 

@@ -2,8 +2,8 @@
 liveness, and the one tracker of this front's requests in the engine) and ``RemotePort``
 (the engine as ``EngineClient``'s port).
 
-The front has one socket to the engine, and one thread owns it: the link's (a ZeroMQ socket
-is not thread-safe). A request thread lists its request's future (``_Call``) with the link
+The front has one connection to the engine (``stream.Stream``), and one thread owns it: the
+link's. A request thread lists its request's future (``_Call``) with the link
 as it queues its ``Reserve`` (room in the engine's admission, before it tokenizes), then
 queues its ``Submit`` and waits on the future alone, until its deadline. The link's thread
 sends what the request threads queued while it was busy as one ``Submits`` frame (they wake
@@ -11,8 +11,8 @@ it through a pipe only where no wake-up is pending yet), reads every answer (an 
 a ``Failed``, a ``Granted``, or each of an ``Answers``) and sets the future it answers,
 which wakes that request's thread and no other. It pings the engine every half second,
 sends this front's metrics every second, cancels the requests whose client left, and
-watches the connection:
-when the engine process is gone (its socket closes, it stops answering, another answers),
+watches the connection (connecting again until an engine listens):
+when the engine process is gone (its connection closes, it stops answering, another answers),
 it fails every future in it at once with 503 ``engine_gone`` and ``Retry-After``, and
 /health says ``loading`` until the supervisor's new engine answers a ``Hello`` with its card.
 """
@@ -24,14 +24,12 @@ import itertools
 import logging
 import math
 import os
+import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
-
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..admission import deadline_error
 from ..errors import (
@@ -46,6 +44,7 @@ from ..errors import (
 from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
 from ..work_kinds import WORK_KINDS
 from . import wire
+from .stream import Stream, connect
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ _CANCEL_GRACE_S = 1.0  # how long a departed client's request waits for the engi
 # sweep looks every 0.1 s) unless the request reached the model; past this, the front does
 ANSWER_GRACE_S = 2.0
 _CONNECT_S = 1.0  # how long a queued frame waits for the socket to connect
+_RETRY_S = 0.01  # how soon a link with frames waiting tries to connect again
 _RECHECK_S = 1.0  # the longest a tenant's spent quota is refused here without the engine
-_READ_BATCH = 512  # frames read before the link looks at its other work
 # The most bytes of ids and pixels one Submits frame carries: the engine closes the
 # connection of a frame past the largest one request can make, which is at least 1 MiB
 # (wire.max_frame_bytes' margin), and that would cost every request of this front
@@ -79,8 +78,7 @@ _SUBMIT_BYTES = 256
 # cost it more than its tokenizing) and the engine holds its ids until the grant.
 _TELL_INPUTS = 8
 _TELL_TOKENS = 1024
-# plain ints: zmq's flags are enums, whose arithmetic cost more than the rest of a read
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_IN, _OUT = select.POLLIN, select.POLLIN | select.POLLOUT
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
 _ENGINE_GONE = ("the engine process stopped while this request was in it; retry: a new one "
                 "is starting")
@@ -189,7 +187,9 @@ class Link:
         self.queue_limit = 0
         self.fronts: list[int] = []
         self._snapshot = snapshot
-        self._context = zmq.Context()
+        self._stream: Stream | None = None  # the link's thread's alone
+        self._polling_out = False  # whether the poll waits for it to be writable too
+        self._poller = select.poll()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the futures listed, the askers, the state's loss
         self._calls: dict[int, _Call] = {}
@@ -291,7 +291,6 @@ class Link:
         self.post(wire.Ping(os.getpid()))  # wakes the link's thread now
         if self._thread.is_alive():
             self._thread.join(2)
-        self._context.term()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -299,50 +298,68 @@ class Link:
     # -- the link's thread --------------------------------------------------------------------
 
     def _watch(self) -> None:
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no engine connected: a send fails at once
-        events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        poller = zmq.Poller()
-        for each in (sock, events, self._wake_r):
-            poller.register(each, zmq.POLLIN)
+        self._poller.register(self._wake_r, _IN)
         try:
-            sock.connect(self.address)
             while not self._stop.is_set():
-                # a frame the socket could not take yet is tried again soon
-                found = dict(poller.poll(1 if self._unsent else int(_TICK_S * 1000)))
-                self._turn(sock, events, found)
+                if self._stream is None:
+                    self._connect()
+                # frames wait for a connection: it is tried again soon
+                wait = _RETRY_S if self._stream is None and self._unsent else _TICK_S
+                self._turn(self._poller.poll(int(wait * 1000)))
         except Exception:  # noqa: BLE001 - the front must hear the engine is gone, not hang
             log.exception("the link to the engine failed")
             self._lost("the link failed")
         finally:  # closing: no request waits on a link that is gone
             self._fail_all(shutting_down)
-            sock.disable_monitor()
-            events.close(linger=0)
-            sock.close(linger=0)
+            if self._stream is not None:
+                self._stream.close()
 
-    def _turn(self, sock: zmq.Socket, events: zmq.Socket, found: dict[Any, int]) -> None:
-        if events in found:
-            event = recv_monitor_message(events)["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                self._lost("its socket closed")
-            elif event == zmq.EVENT_CONNECTED:
-                self._next_ping = self._next_tick = 0.0  # say hello now
-        if self._wake_r in found:
-            # drained, then cleared: a post in between finds the flag still set and writes
-            # nothing, and its frame is sent below; one after writes a byte the next poll sees
-            _drain_pipe(self._wake_r)
-            self._signalled = False
-        if sock in found:
-            self._read(sock)
+    def _connect(self) -> None:
+        """A connection to the engine, if one listens; the hello goes at once."""
+        try:
+            stream = connect(self.address)
+        except OSError:  # none yet (starting, or gone): the next turn tries again
+            return
+        self._stream, self._polling_out = stream, False
+        self._poller.register(stream.fileno(), _IN)
+        self._next_ping = self._next_tick = 0.0  # say hello now
+
+    def _disconnected(self) -> None:
+        stream = self._stream
+        assert stream is not None
+        self._poller.unregister(stream.fileno())
+        stream.close()
+        self._stream = None
+        self._lost("its socket closed")
+
+    def _turn(self, found: list[tuple[int, int]]) -> None:
+        stream = self._stream
+        for fd, event in found:
+            if fd == self._wake_r:
+                # drained, then cleared: a post in between finds the flag still set and
+                # writes nothing, and its frame is sent below; one after writes a byte the
+                # next poll sees
+                _drain_pipe(self._wake_r)
+                self._signalled = False
+            elif stream is not None and fd == stream.fileno():
+                if event & select.POLLOUT:
+                    stream.flush()
+                if event & ~select.POLLOUT:
+                    self._read(stream)
+        if stream is not None and stream.closed:
+            self._disconnected()
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + _TICK_S
-            self._tick(sock, now)
+            self._tick(now)
         if self._outbox or self._unsent:
-            self._flush(sock)
+            self._flush()
+        stream = self._stream
+        if stream is not None and stream.pending != self._polling_out:
+            self._polling_out = stream.pending
+            self._poller.modify(stream.fileno(), _OUT if stream.pending else _IN)
 
-    def _tick(self, sock: zmq.Socket, now: float) -> None:
+    def _tick(self, now: float) -> None:
         self._discount_stall(now)
         if self.card is not None and self.state != "loading" \
                 and now - self._heard_at > LOST_AFTER_S:
@@ -353,12 +370,12 @@ class Link:
             self._failed(self._keeper())
         if now >= self._next_ping:
             self._next_ping = now + _PING_S
-            _send(sock, wire.Ping(os.getpid()) if self.state != "loading"
-                  else wire.Hello(os.getpid()))
+            self._send(wire.Ping(os.getpid()) if self.state != "loading"
+                       else wire.Hello(os.getpid()))
         if self._snapshot is not None and now >= self._next_snapshot \
                 and self.state != "loading":
             self._next_snapshot = now + _SNAPSHOT_S
-            _send(sock, wire.Snapshot(os.getpid(), *self._snapshot()))
+            self._send(wire.Snapshot(os.getpid(), *self._snapshot()))
         self._sweep_departed(now)
 
     def _discount_stall(self, now: float) -> None:
@@ -371,12 +388,13 @@ class Link:
             self._heard_at += stalled
         self._looked_at = now
 
-    def _read(self, sock: zmq.Socket) -> None:
-        for _ in range(_READ_BATCH):
-            if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # cheaper than zmq.Again
-                return
-            data = sock.recv(_NOBLOCK)
+    def _read(self, stream: Stream) -> None:
+        frames = stream.read()
+        if not stream.closed:  # bytes came: the engine lives, though a frame is not whole
             self._heard_at = time.monotonic()
+        elif stream.broken is not None:  # closed, then the engine is looked for again
+            log.warning("the engine's connection sent what is not a frame (%s)", stream.broken)
+        for data in frames:
             try:
                 frame = wire.decode_to_front(data)
             except ValueError as exc:  # msgspec's DecodeError and ValidationError
@@ -384,6 +402,12 @@ class Link:
                             str(exc)[:200])
                 continue
             self._route(frame)
+
+    def _send(self, frame: wire.Frame) -> None:
+        """A frame of the link's own (a ping, a snapshot): dropped while not connected (the
+        next tick sends another)."""
+        if self._stream is not None:
+            self._stream.send(wire.encode(frame))
 
     def _route(self, frame: Any) -> None:
         """An answer to the future it answers; the engine's card and pongs to the link."""
@@ -414,22 +438,21 @@ class Link:
             else:
                 call.settle(item)
 
-    def _flush(self, sock: zmq.Socket) -> None:
+    def _flush(self) -> None:
         """What the request threads queued, in as few frames as fit: a run of ``Submit``s
-        as one ``Submits`` (one alone as itself). Frames the socket cannot take yet (it
-        is connecting) wait for the next turn, at most ``_CONNECT_S``."""
+        as one ``Submits`` (one alone as itself). While no engine is connected, frames wait
+        for one, at most ``_CONNECT_S``."""
         while self._outbox:
             self._unsent.append(self._outbox.popleft())
+        stream = self._stream
+        if stream is None:
+            self._expire_unsent()
+            return
         while self._unsent:
             count = _burst(self._unsent)
             frames = [frame for _, frame in self._unsent[:count]]
-            data = wire.encode(frames[0] if count == 1 else wire.Submits(
-                cast("list[wire.Reserve | wire.Submit]", frames)))
-            try:
-                sock.send(data, _NOBLOCK)
-            except zmq.Again:
-                self._expire_unsent()
-                return
+            stream.send(wire.encode(frames[0] if count == 1 else wire.Submits(
+                cast("list[wire.Reserve | wire.Submit]", frames))))
             del self._unsent[:count]
 
     def _expire_unsent(self) -> None:
@@ -541,11 +564,6 @@ def _burst(queued: list[tuple[float, wire.Frame]]) -> int:
         if n and size > _BURST_BYTES:
             return n
     return len(queued)
-
-
-def _send(sock: zmq.Socket, frame: wire.Frame) -> None:
-    with contextlib.suppress(zmq.Again):  # not connected (yet): the next tick tries again
-        sock.send(wire.encode(frame), zmq.NOBLOCK)
 
 
 def _drain_pipe(fd: int) -> None:

@@ -1,7 +1,9 @@
-"""The engine process's loop: one ``Runner`` served on a ZeroMQ socket to every front.
+"""The engine process's loop: one ``Runner`` served on a Unix socket to every front.
 
-One thread (the loop) owns the ROUTER socket. At each wake-up it reads the frames that are
-there and takes their requests as one burst. A front reserves a request's room before it
+One thread (the loop) owns the listening socket and every front's connection to it
+(``stream.Stream``: length-prefixed frames, no thread of their own). At each wake-up it reads
+the frames that are there, from every connection that has some, and takes their requests as
+one burst. A front reserves a request's room before it
 tokenizes it (``Reserve``), as one process does: the reservations of a burst are admitted
 by one call without blocking (``Admission.request_many``, each in turn as if alone: one
 that does not fit waits in the same FIFO as in one process, parked here until its grant),
@@ -20,25 +22,29 @@ A frame that does not decode, or ids that do not fit the model, are refused ther
 malformed frame (one whose contents its type cannot hold: a front's metrics with a name,
 type or value a scrape could not render, ids that do not add up; a request under an id its
 connection has in the engine already) is dropped with one log line, a frame larger than
-the largest request can make (``wire.max_frame_bytes``) closes its sender's connection
-(ZeroMQ's ``MAXMSGSIZE``), and the loop goes on.
+the largest request can make (``wire.max_frame_bytes``), or bytes that are not a frame,
+close the sender's connection with one log line as soon as the length is read, and the
+loop goes on. A connection that
+closes takes its requests with it: they are dropped as a departed client's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
+import select
+import socket
+import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
-
-import zmq
+from typing import Any
 
 from ..admission import Ask, Ticket, deadline_error
 from ..batching.batcher import Job
@@ -49,14 +55,14 @@ from ..runner import Runner
 from ..work import Embedded, Work
 from ..work_kinds import WORK_KINDS, kind_of
 from . import wire
+from .stream import Stream, socket_path
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.1  # how often parked requests are checked for their deadline and their client
-_READ_BATCH = 512  # frames read before the loop looks at its other work
-# plain ints: pyzmq's flag enums cost an enum call each time they are combined
-_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_BACKLOG = 128  # connections not yet accepted (one a front, and a scrape's at a time)
+_IN, _OUT = select.POLLIN, select.POLLIN | select.POLLOUT
+_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 _FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
 _FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose pid is gone died
 
@@ -98,9 +104,6 @@ class EngineServer:
         self.state = state
         self.metrics = metrics
         self.snapshots = Snapshots()
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
         info = runner.info
         # an image-text model's images arrive as float32 arrays of the one shape its
         # preprocessor gives (image/preprocess.py)
@@ -108,14 +111,19 @@ class EngineServer:
             Preprocessor.from_config(info.image).output_shape()
         image_bytes = 0 if self._image_shape is None else \
             4 * math.prod(self._image_shape) * runner.settings.max_images_per_request
-        self._socket.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(
-            runner.settings.max_inputs_per_request, info.max_input_tokens, image_bytes))
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a gone front is dropped
-        # no high-water mark: past one, a ROUTER drops a frame for a front that reads late
-        # without a word, and its request waited into a 504; what is sent to a front is
-        # bounded by what admission lets in (answers) and by what it asks (pongs, scrapes)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.bind(address)
+        self._frame_limit = wire.max_frame_bytes(
+            runner.settings.max_inputs_per_request, info.max_input_tokens, image_bytes)
+        self._listener = _listen(socket_path(address))
+        self._listener_fd = self._listener.fileno()
+        self._listener_ino = os.stat(socket_path(address)).st_ino
+        # each front's connection, by its peer name (a reply to a gone one is dropped); what
+        # waits to go to a front is bounded by what admission lets in (answers) and by what
+        # it asks (pongs, scrapes)
+        self._streams: dict[bytes, Stream] = {}
+        self._by_fd: dict[int, bytes] = {}
+        self._names = itertools.count(1)
+        self._poller = select.poll()
+        self._poller.register(self._listener_fd, _IN)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._signalled = False
@@ -141,9 +149,8 @@ class EngineServer:
 
     def run(self, stop: threading.Event) -> None:
         """The loop, until ``stop`` is set and nothing admitted is left unanswered."""
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = self._poller
+        poller.register(self._wake_r, _IN)
         next_tick = time.monotonic() + _TICK_S
         self._loop_thread = threading.get_ident()
         batcher = self.runner.batcher
@@ -152,12 +159,24 @@ class EngineServer:
         batcher.here = here
         try:
             while not (stop.is_set() and not self.in_flight):
-                events = dict(poller.poll(int(_TICK_S * 1000)))
+                events = poller.poll(int(_TICK_S * 1000))
                 woke = time.perf_counter()
-                if self._socket in events:
-                    self._read()
-                if self._wake_r in events:
-                    self._woken()
+                readable = []
+                for fd, event in events:
+                    if fd == self._wake_r:
+                        self._woken()
+                    elif fd == self._listener_fd:
+                        self._accept()
+                    else:
+                        peer = self._by_fd.get(fd)
+                        if peer is None:
+                            continue
+                        if event & select.POLLOUT:
+                            self._flushed(peer)
+                        if event & (_IN | _GONE):
+                            readable.append(peer)
+                if readable:
+                    self._read(readable)
                 self._start_granted()
                 if here:
                     batcher.compute_here()
@@ -173,59 +192,95 @@ class EngineServer:
             self.close()
 
     def close(self) -> None:
-        self._socket.close(linger=0)
-        self._context.term()
+        for peer in list(self._streams):
+            self._streams.pop(peer).close()
+        with contextlib.suppress(OSError):  # the socket's file, unless another engine's now
+            if os.stat(self._listener.getsockname()).st_ino == self._listener_ino:
+                os.unlink(self._listener.getsockname())
+        self._listener.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     # -- frames in ----------------------------------------------------------------------------
 
-    def _read(self) -> None:
-        """Read what is there (at most _READ_BATCH frames): the reservations among them are
-        taken as one burst, then the requests' ids as another (a front sends a request's ids
-        after its reservation, so the reservation of any submit read here is taken first);
-        a control frame (a cancel, a ping) first has what was read before it taken, so that
-        it finds it."""
+    def _accept(self) -> None:
+        """A front's new connection: a peer of its own, named for this engine's life."""
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # out of descriptors: the front retries its connection
+            log.warning("a front's connection to the engine was not accepted: %s", exc)
+            return
+        peer = b"%d" % next(self._names)
+        stream = Stream(sock, self._frame_limit)
+        self._streams[peer] = stream
+        self._by_fd[stream.fileno()] = peer
+        self._poller.register(stream.fileno(), _IN)
+
+    def _disconnect(self, peer: bytes) -> None:
+        """A front's connection closed (the front stopped or died, or a frame past the
+        limit): what it had in the engine has no one to answer, and goes as a departed
+        client's (its room freed at the next sweep, its queued inputs dropped)."""
+        stream = self._streams.pop(peer)
+        del self._by_fd[stream.fileno()]
+        self._poller.unregister(stream.fileno())
+        stream.close()
+        front = self._fronts.pop(peer, None)
+        self._outbox.pop(peer, None)
+        dropped = 0
+        for req in (*self._parked.values(), *self._reserved.values(), *self._running.values()):
+            if req.peer == peer and not req.gone:
+                req.gone = True
+                dropped += 1
+        if dropped:
+            log.warning("front pid %s is gone: the work of its requests is dropped",
+                        front.pid if front is not None else "unknown")
+
+    def _read(self, peers: list[bytes]) -> None:
+        """Read what is there on each of ``peers``' connections: the reservations among
+        the frames are taken as one burst, then the requests' ids as another (a front sends
+        a request's ids after its reservation, so the reservation of any submit read here is
+        taken first); a control frame (a cancel, a ping) first has what was read before it
+        taken, so that it finds it."""
         reserves: list[tuple[bytes, wire.Reserve]] = []
         submits: list[tuple[bytes, wire.Submit]] = []
-        sock = self._socket
-        for _ in range(_READ_BATCH):
-            if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # cheaper than raising zmq.Again
-                break
-            parts = [sock.recv(_NOBLOCK)]  # the sender; then its frame (a DEALER's: one part)
-            while sock.get(_RCVMORE):
-                parts.append(sock.recv(_NOBLOCK))
-            frame = self._decoded(parts)
-            if isinstance(frame, wire.Submits):
-                for item in frame.items:
-                    if isinstance(item, wire.Submit):
-                        submits.append((parts[0], item))
-                    else:
-                        reserves.append((parts[0], item))
-            elif isinstance(frame, wire.Submit):
-                submits.append((parts[0], frame))
-            elif isinstance(frame, wire.Reserve):
-                reserves.append((parts[0], frame))
-            elif frame is not None:
-                self._reserve(reserves)
-                self._submit(submits)
-                reserves, submits = [], []
-                try:
-                    self._dispatch(parts[0], frame)
-                except ValueError as exc:  # contents the frame's type cannot hold
-                    self._refuse_frame(f"{type(frame).__name__}: {exc}")
+        for peer in peers:
+            stream = self._streams[peer]
+            frames = stream.read()
+            if stream.broken is not None:
+                self._refuse_frame(f"{stream.broken}: its connection is closed")
+            for data in frames:
+                frame = self._decoded(data)
+                if isinstance(frame, wire.Submits):
+                    for item in frame.items:
+                        if isinstance(item, wire.Submit):
+                            submits.append((peer, item))
+                        else:
+                            reserves.append((peer, item))
+                elif isinstance(frame, wire.Submit):
+                    submits.append((peer, frame))
+                elif isinstance(frame, wire.Reserve):
+                    reserves.append((peer, frame))
+                elif frame is not None:
+                    self._reserve(reserves)
+                    self._submit(submits)
+                    reserves, submits = [], []
+                    try:
+                        self._dispatch(peer, frame)
+                    except ValueError as exc:  # contents the frame's type cannot hold
+                        self._refuse_frame(f"{type(frame).__name__}: {exc}")
         self._reserve(reserves)
         self._submit(submits)
+        for peer in peers:
+            if self._streams[peer].closed:
+                self._disconnect(peer)
 
-    def _decoded(self, parts: list[bytes]) -> Any:
-        """The frame of ``parts`` (the sender, its payload); None, said in one line, when
-        it is not one."""
-        if len(parts) != 2:
-            self._refuse_frame(f"a frame of {len(parts)} parts")
-            return None
+    def _decoded(self, data: bytes | bytearray) -> Any:
+        """The frame ``data`` holds; None, said in one line, when it is not one."""
         try:
-            return wire.decode_to_engine(parts[1])
+            return wire.decode_to_engine(data)
         except ValueError as exc:  # msgspec's DecodeError and ValidationError
             self._refuse_frame(str(exc))
             return None
@@ -641,18 +696,29 @@ class EngineServer:
 
     def _flush(self) -> None:
         """One frame per front for every answer this turn has for it: one send, one
-        wake-up of its reader, one pass of ZeroMQ's I/O thread for all of them."""
+        wake-up of its reader for all of them."""
         for peer, frames in self._outbox.items():
             self._send(peer, frames[0] if len(frames) == 1 else wire.Answers(frames))
         self._outbox.clear()
 
+    def _flushed(self, peer: bytes) -> None:
+        """The connection to ``peer`` can take more: what waits goes."""
+        stream = self._streams[peer]
+        stream.flush()
+        if not stream.pending:
+            self._poller.modify(stream.fileno(), _IN)
+
     def _send(self, peer: bytes, frame: wire.Frame) -> None:
-        try:
-            data = wire.encode(frame)
-            self._socket.send(peer, _SNDMORE_NOBLOCK)  # send_multipart without its checks
-            self._socket.send(data, _NOBLOCK)
-        except zmq.ZMQError as exc:  # the front went away, or its queue is full
-            log.debug("an answer to a front was not sent: %s", exc)
+        stream = self._streams.get(peer)
+        if stream is None:  # the front went away
+            log.debug("an answer to a front that has gone was dropped")
+            return
+        had = stream.pending
+        stream.send(wire.encode(frame))
+        if stream.pending and not had:  # the rest when its socket can take it
+            self._poller.modify(stream.fileno(), _OUT)
+        elif had and not stream.pending:
+            self._poller.modify(stream.fileno(), _IN)
 
 
 def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
@@ -696,6 +762,23 @@ def _alive(pid: int) -> bool:
     except OSError:  # another user's process: it exists
         return True
     return True
+
+
+def _listen(path: str) -> socket.socket:
+    """The engine's listening socket at ``path``, in place of a dead engine's socket file
+    there (one engine at a time is started for a directory)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def _drain_pipe(fd: int) -> None:

@@ -203,12 +203,12 @@ def encode(frame: Frame) -> bytes:
     return _encoder.encode(frame)
 
 
-def decode_to_engine(data: bytes) -> Any:
+def decode_to_engine(data: bytes | bytearray) -> Any:
     """A front's frame; ``msgspec.DecodeError`` (a ``ValueError``) for anything else."""
     return _to_engine.decode(data)
 
 
-def decode_to_front(data: bytes) -> Any:
+def decode_to_front(data: bytes | bytearray) -> Any:
     return _to_front.decode(data)
 
 

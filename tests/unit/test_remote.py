@@ -30,6 +30,8 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.work import EMBED, SPARSE, TOKENS, Embedded, Work
 
+from ..frames import FrameSocket
+
 
 @pytest.fixture
 def pair(served):
@@ -178,33 +180,25 @@ def test_an_error_of_the_model_side_is_raised_in_the_front_as_its_own_class():
 
 
 def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
-    import zmq
-
     engine, front, _ = pair
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.connect(front.engine_address)
+    sock = FrameSocket(front.engine_address)
     try:
         for ids in ([[1, 5000, 2]], [[1, *range(3, 30), 2]]):  # past the vocabulary, the limit
             sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids))))
             answer = wire.decode_to_front(sock.recv())
             assert isinstance(answer, wire.Failed) and answer.status == 400, answer
     finally:
-        context.destroy(linger=0)
+        sock.close()
 
 
 @contextlib.contextmanager
-def _dealer(front):
-    """A raw DEALER socket on the engine's socket, as a front's."""
-    import zmq
-
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.connect(front.engine_address)
+def _raw(front):
+    """A raw connection to the engine's socket, as a front's."""
+    sock = FrameSocket(front.engine_address)
     try:
         yield sock
     finally:
-        context.destroy(linger=0)
+        sock.close()
 
 
 def _burst(front, texts) -> bytes:
@@ -223,7 +217,7 @@ def test_an_answer_waits_for_a_front_that_reads_late_and_is_never_dropped(pair):
     bounded by what admission lets in, so they need no mark. Here 2,500 pongs are not read,
     then a request's answer must still come."""
     engine, front, _ = pair
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         for _ in range(2500):
             sock.send(wire.encode(wire.Ping(0)))
         sock.send(_burst(front, ["read late"]))
@@ -240,7 +234,7 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
     sends them, holds its own request's rows."""
     engine, front, encoder = pair
     texts = [f"text number {i}" for i in range(7)]
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         sock.send(_burst(front, texts))
         got: dict[int, wire.Answer] = {}
         while len(got) < len(texts):
@@ -262,7 +256,7 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
     engine, front, encoder = pair
     batcher = engine.runner.batcher
     texts = [f"text number {i}" for i in range(7)]
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         batcher.device_lock.acquire()  # held: the burst waits, queued, for the device
         try:
             sock.send(_burst(front, texts))
@@ -394,19 +388,16 @@ def test_a_malformed_snapshot_is_dropped_and_a_scrape_then_answers(pair, familie
     """One such Snapshot, then any scrape, stopped the engine's loop: every front's
     request in it got 503, and the engine exited."""
     import msgspec
-    import zmq
 
     engine, front, encoder = pair
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.connect(front.engine_address)
+    sock = FrameSocket(front.engine_address)
     try:
         sock.send(msgspec.msgpack.encode({"frame": "Snapshot", "pid": 4242, "origin": 1,
                                           "seq": 1, "families": families}))
         sock.send(wire.encode(wire.Ping(4242)))  # answered after the snapshot: it was read
         assert isinstance(wire.decode_to_front(sock.recv()), wire.Pong)
     finally:
-        context.destroy(linger=0)
+        sock.close()
     assert b"embedsvc_requests_total" in front.exposition()
     out = front.ready().run(Work(EMBED, ["after"], deadline=time.monotonic() + 5))
     np.testing.assert_allclose(out.vectors[0], encoder.expected("after"), rtol=1e-6)
@@ -640,7 +631,9 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
     sent: list[bytes] = []
 
     class Socket:
-        def send(self, data: bytes, flags: int = 0) -> None:
+        pending = closed = False
+
+        def send(self, data: bytes) -> None:
             sent.append(data)
 
     drain = client_module._drain_pipe
@@ -653,7 +646,8 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
     try:
         link.post(wire.Cancel(1))
         monkeypatch.setattr(client_module, "_drain_pipe", drain_with_a_post_in_between)
-        link._turn(Socket(), object(), {link._wake_r: 1})
+        link._stream = Socket()  # type: ignore[assignment]
+        link._turn([(link._wake_r, select.POLLIN)])
         monkeypatch.setattr(client_module, "_drain_pipe", drain)
         assert wire.encode(during) in sent
         link.post(wire.Cancel(3))
@@ -705,12 +699,14 @@ def test_a_burst_of_many_small_requests_stays_within_the_engines_frame_limit(kin
 
 
 class _Recorder:
-    """A socket that takes every frame at once and keeps what it decodes to."""
+    """A connection that takes every frame at once and keeps what it decodes to."""
+
+    pending = closed = False
 
     def __init__(self) -> None:
         self.sent: list[wire.Frame] = []
 
-    def send(self, data: bytes, flags: int = 0) -> None:
+    def send(self, data: bytes) -> None:
         self.sent.append(wire.decode_to_engine(data))
 
 
@@ -724,8 +720,8 @@ def test_a_departed_clients_cancel_goes_after_its_submit_in_the_same_turn():
         submit = wire.Submit(link.next_id(), "embed", *wire.pack_ids([[101, 7, 102]]))
         link.send_call(submit, lambda: True)  # listed and queued; its client gone already
         link._sweep_departed(time.monotonic())  # the turn's tick, before its flush
-        sock = _Recorder()
-        link._flush(sock)  # type: ignore[arg-type]
+        sock = link._stream = _Recorder()  # type: ignore[assignment]
+        link._flush()
         assert [type(f).__name__ for f in sock.sent] == ["Submit", "Cancel"], sock.sent
         assert sock.sent[1].id == submit.id
     finally:
@@ -753,7 +749,7 @@ def test_a_reservation_holds_room_before_its_ids_come_and_they_are_computed_unde
     engine, front, encoder = pair
     admission = engine.runner.admission
     ids = front.ready().tokens(["reserved first"])
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         _reserved(sock, 5, 1)
         assert admission.used_inputs == 1  # held while the front tokenizes
         sock.send(wire.encode(wire.Submit(5, "embed", *wire.pack_ids(ids), timeout=5.0,
@@ -775,7 +771,7 @@ def test_a_reservation_given_back_or_refused_frees_its_room_and_its_ids_are_drop
     engine, front, _ = pair
     admission = engine.runner.admission
     ids = front.ready().tokens(["dropped"])
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         _reserved(sock, 1, 2)
         sock.send(wire.encode(wire.Cancel(1)))
         (gone,) = _next(sock)
@@ -802,7 +798,7 @@ def test_a_reservation_whose_ids_never_come_ends_at_its_deadline(pair):
     until the reservation's deadline only: then 504, and the room is free."""
     engine, front, _ = pair
     admission = engine.runner.admission
-    with _dealer(front) as sock:
+    with _raw(front) as sock:
         sock.send(wire.encode(wire.Reserve(9, "embed", 4, 40, timeout=0.3)))
         assert _soon(lambda: admission.used_inputs == 4)
         (late,) = _next(sock, 3000)

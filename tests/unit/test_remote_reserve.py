@@ -18,7 +18,7 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
-from tests.unit.test_remote import _dealer, _in_threads, _next, _soon, serving
+from tests.unit.test_remote import _in_threads, _next, _raw, _soon, serving
 
 
 def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_back(
@@ -126,7 +126,7 @@ def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
     alive = os.getppid()  # a live process that is not this test's own front
     with serving(tmp_path, registry) as (engine, front, _, _, _):
         admission = engine.runner.admission
-        with _dealer(front) as old, _dealer(front) as new:
+        with _raw(front) as old, _raw(front) as new:
             old.send(wire.encode(wire.Hello(alive)))
             assert [type(f) for f in _next(old)] == [wire.Card]
             old.send(wire.encode(wire.Reserve(1, "embed", 3, 30, timeout=30.0, front=alive,
@@ -147,7 +147,7 @@ def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_come
     held for good (3 and 2 inputs here), so every later request had that much less."""
     with serving(tmp_path, registry) as (engine, front, _, server, _stop):
         admission = engine.runner.admission
-        with _dealer(front) as sock:
+        with _raw(front) as sock:
             for _ in range(2):  # the same id twice, in two frames: one grant
                 sock.send(wire.encode(wire.Reserve(1, "embed", 3, 30, timeout=30.0,
                                                    tell=True)))
@@ -175,7 +175,7 @@ def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
     came without Retry-After."""
     with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
         admission = engine.runner.admission
-        with _dealer(front) as sock:
+        with _raw(front) as sock:
             sock.send(wire.encode(wire.Reserve(1, "embed", admission.limit, 10, timeout=30.0,
                                                tell=True)))  # all the room
             assert [type(f) for f in _next(sock)] == [wire.Granted]

@@ -1,0 +1,158 @@
+"""Frames over a Unix stream socket: the engine's connections to its fronts, and a front's
+one connection to the engine.
+
+A frame is a mark byte, its length (4 bytes, little-endian), then its bytes
+(``wire.encode``'s MessagePack). One ``recv`` takes every frame that has arrived, however
+many (a front's burst of requests, an engine's answers of a batch); one ``send`` puts a
+frame out, and what the peer's buffer cannot take yet waits here until the socket is
+writable again (``flush``). No thread of its own: the thread that owns the socket (the
+engine's loop, a front's link) polls it with its other work, so a frame costs one system
+call each way and no wake-up of a third thread.
+
+Both ends are processes of the same install, run by the same user, through a socket in a
+private directory (place.py). The reader still checks what it reads: a length past its
+``limit`` (the engine's: the largest frame a request can make), or no mark where a frame
+begins (bytes that are not frames, or a reader that lost their bounds), ends the
+connection at once (``broken``), instead of a wait for bytes that never come; what a frame
+holds is ``wire``'s to check.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections import deque
+
+_HEADER = struct.Struct("<BI")
+_HEAD = _HEADER.size
+_MARK = 0xE5
+_RECV_BYTES = 1 << 18  # one read: a burst of a few thousand small frames, or part of a large
+
+
+class Stream:
+    """One end of a connection, non-blocking. ``closed``: the peer has gone (its end closed,
+    or the connection failed; what it sent before is still read), or what it sent is not
+    frames (``broken`` says why: a length past ``limit``, no mark where a frame begins), and
+    the connection cannot be read on."""
+
+    __slots__ = ("sock", "limit", "closed", "broken", "_in", "_out", "_fd")
+
+    _IOV = 64  # buffers handed to one ``sendmsg`` at most
+
+    def __init__(self, sock: socket.socket, limit: int | None = None) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.limit = limit
+        self.closed = False
+        self.broken: str | None = None
+        self._in = bytearray()  # the start of a frame not whole yet
+        # what the peer could not take yet: frames, the first perhaps begun (each sent
+        # without copying what waits behind it)
+        self._out: deque[memoryview] = deque()
+        self._fd = sock.fileno()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    @property
+    def pending(self) -> bool:
+        """Bytes wait to go out: poll for the socket being writable, then ``flush``."""
+        return bool(self._out)
+
+    def read(self) -> list[bytes | bytearray]:
+        """Every whole frame that has arrived (one ``recv``: poll again for the rest); sets
+        ``closed`` at the end of the stream, and ``broken`` too where what came is not a
+        frame (the frames before it are returned)."""
+        try:
+            chunk = self.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            self.closed = True
+            return []
+        if not chunk:
+            self.closed = True
+            return []
+        if self._in:  # a frame begun in an earlier read (a large one takes many)
+            self._in += chunk
+            data: bytes | bytearray = self._in
+        else:
+            data = chunk
+        frames: list[bytes | bytearray] = []
+        pos, end = 0, len(data)
+        while end - pos >= _HEAD:
+            mark, size = _HEADER.unpack_from(data, pos)
+            if mark != _MARK:
+                self.broken = f"no frame mark where a frame begins (byte {mark:#x})"
+            elif self.limit is not None and size > self.limit:
+                self.broken = f"a frame of {size} bytes (at most {self.limit})"
+            if self.broken is not None:
+                self.closed = True
+                self._in.clear()
+                return frames
+            stop = pos + _HEAD + size
+            if stop > end:
+                break
+            frames.append(data[pos + _HEAD:stop])
+            pos = stop
+        if data is self._in:
+            del self._in[:pos]
+        elif pos < end:
+            self._in += memoryview(data)[pos:]
+        return frames
+
+    def send(self, data: bytes) -> None:
+        """``data`` as one frame: sent now as far as the socket takes it, the rest kept."""
+        if self.closed:  # the peer has gone: nobody reads it
+            return
+        data = _HEADER.pack(_MARK, len(data)) + data
+        if self._out:
+            self._out.append(memoryview(data))
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the peer has gone: the next read says so
+            self.closed = True
+            return
+        if sent < len(data):
+            self._out.append(memoryview(data)[sent:])
+
+    def flush(self) -> None:
+        """Send what waits, as far as the socket takes it."""
+        out = self._out
+        while out and not self.closed:
+            try:
+                sent = self.sock.sendmsg([out[i] for i in range(min(len(out), self._IOV))])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.closed = True
+                return
+            while sent and sent >= len(out[0]):
+                sent -= len(out.popleft())
+            if sent:
+                out[0] = out[0][sent:]
+
+    def close(self) -> None:
+        self.closed = True
+        self._out.clear()
+        self.sock.close()
+
+
+def socket_path(address: str) -> str:
+    """The filesystem path of an engine address (``ipc://PATH``, place.py's)."""
+    return address.removeprefix("ipc://")
+
+
+def connect(address: str, limit: int | None = None) -> Stream:
+    """A connection to the engine at ``address``; ``OSError`` when none listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(1.0)  # an engine that does not accept (stopped, its backlog full)
+    try:
+        sock.connect(socket_path(address))
+    except OSError:
+        sock.close()
+        raise
+    return Stream(sock, limit)
