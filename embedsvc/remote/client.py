@@ -2,16 +2,17 @@
 liveness, and the one tracker of this front's requests in the engine) and ``RemotePort``
 (the engine as ``EngineClient``'s port).
 
-The front has one connection to the engine (``stream.Stream``), and one thread owns it: the
-link's. A request thread lists its request's future (``_Call``) with the link
-as it queues its ``Reserve`` (room in the engine's admission, before it tokenizes), then
-queues its ``Submit`` and waits on the future alone, until its deadline. The link's thread
-sends what the request threads queued while it was busy as one ``Submits`` frame (they wake
-it through a pipe only where no wake-up is pending yet), reads every answer (an ``Answer``,
-a ``Failed``, a ``Granted``, or each of an ``Answers``) and sets the future it answers,
-which wakes that request's thread and no other. It pings the engine every half second,
-sends this front's metrics every second, cancels the requests whose client left, and
-watches the connection (connecting again until an engine listens):
+The front has one connection to the engine (``stream.Stream``); the link's thread alone
+reads it. A request thread lists its request's future (``_Call``) with the link as it queues
+its ``Reserve`` (room in the engine's admission, before it tokenizes), then queues its
+``Submit``, sends what is queued itself (its reservation and its ids in one frame), and
+waits on the future alone, until its deadline. Where another thread is sending at that
+moment, what is queued meanwhile goes as one ``Submits`` frame, sent by the link's thread
+(woken through a pipe only where no wake-up is pending yet). The link's thread reads every
+answer (an ``Answer``, a ``Failed``, a ``Granted``, or each of an ``Answers``) and sets the
+future it answers, which wakes that request's thread and no other. It pings the engine
+every half second, sends this front's metrics every second, cancels the requests whose
+client left, and watches the connection (connecting again until an engine listens):
 when the engine process is gone (its connection closes, it stops answering, another answers),
 it fails every future in it at once with 503 ``engine_gone`` and ``Retry-After``, and
 /health says ``loading`` until the supervisor's new engine answers a ``Hello`` with its card.
@@ -187,7 +188,10 @@ class Link:
         self.queue_limit = 0
         self.fronts: list[int] = []
         self._snapshot = snapshot
-        self._stream: Stream | None = None  # the link's thread's alone
+        # the connection: read by the link's thread alone; sent on, flushed, replaced and
+        # closed under ``_send_lock``, by the link or by a request thread (``_send_now``)
+        self._stream: Stream | None = None
+        self._send_lock = threading.Lock()  # also over ``_unsent``
         self._polling_out = False  # whether the poll waits for it to be writable too
         self._poller = select.poll()
         self._ids = itertools.count(1)
@@ -195,7 +199,7 @@ class Link:
         self._calls: dict[int, _Call] = {}
         self._askers: deque[tuple[type, _Call]] = deque()
         self._outbox: deque[tuple[float, wire.Frame]] = deque()  # any thread appends
-        self._unsent: list[tuple[float, wire.Frame]] = []  # the link's thread's alone
+        self._unsent: list[tuple[float, wire.Frame]] = []  # under ``_send_lock``
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -237,7 +241,7 @@ class Link:
             # goes after its Submit, never before (the engine ignores a Cancel of no request)
             self._outbox.append((time.monotonic(), frame))
         if tell or not isinstance(frame, wire.Reserve):
-            self._signal()
+            self._send_now()
         return call
 
     def send_ids(self, call: _Call, frame: wire.Submit) -> None:
@@ -248,7 +252,23 @@ class Link:
             if call.id not in self._calls:
                 return
             self._outbox.append((time.monotonic(), frame))
-        self._signal()
+        self._send_now()
+
+    def _send_now(self) -> None:
+        """What is queued, sent by this (request) thread at once, without a wake-up of the
+        link's: where another thread is sending already (it may have taken its frames before
+        this one's), or the connection is not there or cannot take it all, the link is woken
+        to see to it."""
+        if not self._send_lock.acquire(blocking=False):
+            self._signal()
+            return
+        try:
+            self._flush_locked()
+            stream = self._stream
+            if stream is None or stream.pending:
+                self._signal()
+        finally:
+            self._send_lock.release()
 
     def forget(self, call: _Call) -> bool:
         """Stop waiting for ``call``'s answer; False if it has come (or the link failed it)."""
@@ -311,8 +331,9 @@ class Link:
             self._lost("the link failed")
         finally:  # closing: no request waits on a link that is gone
             self._fail_all(shutting_down)
-            if self._stream is not None:
-                self._stream.close()
+            with self._send_lock:
+                if self._stream is not None:
+                    self._stream.close()
 
     def _connect(self) -> None:
         """A connection to the engine, if one listens; the hello goes at once."""
@@ -320,7 +341,8 @@ class Link:
             stream = connect(self.address)
         except OSError:  # none yet (starting, or gone): the next turn tries again
             return
-        self._stream, self._polling_out = stream, False
+        with self._send_lock:
+            self._stream, self._polling_out = stream, False
         self._poller.register(stream.fileno(), _IN)
         self._next_ping = self._next_tick = 0.0  # say hello now
 
@@ -328,8 +350,9 @@ class Link:
         stream = self._stream
         assert stream is not None
         self._poller.unregister(stream.fileno())
-        stream.close()
-        self._stream = None
+        with self._send_lock:  # no request thread sends on it, or on its number reused
+            stream.close()
+            self._stream = None
         self._lost("its socket closed")
 
     def _turn(self, found: list[tuple[int, int]]) -> None:
@@ -343,7 +366,8 @@ class Link:
                 self._signalled = False
             elif stream is not None and fd == stream.fileno():
                 if event & select.POLLOUT:
-                    stream.flush()
+                    with self._send_lock:
+                        stream.flush()
                 if event & ~select.POLLOUT:
                     self._read(stream)
         if stream is not None and stream.closed:
@@ -406,8 +430,9 @@ class Link:
     def _send(self, frame: wire.Frame) -> None:
         """A frame of the link's own (a ping, a snapshot): dropped while not connected (the
         next tick sends another)."""
-        if self._stream is not None:
-            self._stream.send(wire.encode(frame))
+        with self._send_lock:
+            if self._stream is not None:
+                self._stream.send(wire.encode(frame))
 
     def _route(self, frame: Any) -> None:
         """An answer to the future it answers; the engine's card and pongs to the link."""
@@ -439,9 +464,13 @@ class Link:
                 call.settle(item)
 
     def _flush(self) -> None:
+        with self._send_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         """What the request threads queued, in as few frames as fit: a run of ``Submit``s
         as one ``Submits`` (one alone as itself). While no engine is connected, frames wait
-        for one, at most ``_CONNECT_S``."""
+        for one, at most ``_CONNECT_S``. Under ``_send_lock``."""
         while self._outbox:
             self._unsent.append(self._outbox.popleft())
         stream = self._stream
