@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import numpy as np
 import zmq
@@ -118,17 +119,7 @@ def conn_engine(address: str, conns: int, rows: bytes) -> None:
 def seqpacket_engine(address: str, conns: int, rows: bytes) -> None:
     """The same over ``socket``'s ``SOCK_SEQPACKET`` (one frame a datagram, no length
     prefix), every connection registered once in one ``select.poll``."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(address)
-    listener.listen(conns)
-    clients = {}
-    poller = select.poll()
-    for _ in range(conns):
-        client, _ = listener.accept()
-        clients[client.fileno()] = client
-        poller.register(client, select.POLLIN)
-    wake_r, _ = os.pipe()
-    poller.register(wake_r, select.POLLIN)
+    clients, poller = _accept_all(address, socket.SOCK_SEQPACKET, conns, lambda c: c)
     buffer = bytearray(BIGGEST)
     while True:
         for fd, _ in poller.poll(TICK_MS):
@@ -140,21 +131,10 @@ def seqpacket_engine(address: str, conns: int, rows: bytes) -> None:
 
 
 def stream_engine(address: str, conns: int, rows: bytes) -> None:
-    """What embedsvc uses (remote/server.py): ``remote.stream`` connections (length-prefixed
+    """What embedsvc uses (remote/server.py): ``remote.stream`` connections (marked, length-prefixed
     frames over ``SOCK_STREAM``), every one registered once in one ``select.poll``, each
     read taking every frame that has arrived."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(conns)
-    clients = {}
-    poller = select.poll()
-    for _ in range(conns):
-        client, _ = listener.accept()
-        stream = Stream(client)
-        clients[stream.fileno()] = stream
-        poller.register(stream.fileno(), select.POLLIN)
-    wake_r, _ = os.pipe()
-    poller.register(wake_r, select.POLLIN)
+    clients, poller = _accept_all(address, socket.SOCK_STREAM, conns, Stream)
     while True:
         for fd, _ in poller.poll(TICK_MS):
             stream = clients[fd]
@@ -166,6 +146,25 @@ def stream_engine(address: str, conns: int, rows: bytes) -> None:
             while stream.pending:  # the front reads all it asked for: never long
                 select.select([], [stream], [], 1)
                 stream.flush()
+
+
+def _accept_all(address: str, kind: int, conns: int, wrap: Callable[[socket.socket], Any]
+                ) -> tuple[dict[int, Any], Any]:
+    """Every front connection to ``address`` accepted and wrapped, by descriptor, and one
+    ``select.poll`` with each of them and a wake-up pipe registered once."""
+    listener = socket.socket(socket.AF_UNIX, kind)
+    listener.bind(address)
+    listener.listen(conns)
+    clients = {}
+    poller = select.poll()
+    for _ in range(conns):
+        client, _ = listener.accept()
+        conn = wrap(client)
+        clients[conn.fileno()] = conn
+        poller.register(conn.fileno(), select.POLLIN)
+    wake_r, _ = os.pipe()
+    poller.register(wake_r, select.POLLIN)
+    return clients, poller
 
 
 # -- the front side, in this process ----------------------------------------------------------
@@ -312,7 +311,7 @@ TRANSPORTS = {
                       lambda d: str(d / "engine.sock")),
     "seqpacket": Transport("socket AF_UNIX SOCK_SEQPACKET", seqpacket_engine, SeqpacketFront,
                            lambda d: str(d / "engine.sock")),
-    "stream": Transport("remote.stream: AF_UNIX SOCK_STREAM, length-prefixed", stream_engine,
+    "stream": Transport("remote.stream: AF_UNIX SOCK_STREAM, marked frames", stream_engine,
                         StreamFront, lambda d: str(d / "engine.sock")),
 }
 
