@@ -2,9 +2,10 @@
 
     flock /tmp/embedsvc-bench.lock .venv/bin/python bench/transport.py --seconds 3 --rounds 3
 
-What embedsvc uses (``embedsvc.remote.stream``: length-prefixed frames over an ``AF_UNIX``
-``SOCK_STREAM`` socket) against what it used before (pyzmq: DEALER sockets, one ROUTER in the
-engine, over ``ipc://``), the standard library's ``multiprocessing.connection`` over a Unix
+What embedsvc uses (``embedsvc.remote.stream``: marked, length-prefixed frames over an
+``AF_UNIX`` ``SOCK_STREAM`` socket) against what it used before (pyzmq: DEALER sockets, one
+ROUTER in the engine, over ``ipc://``; the ``zmq`` arm needs the bench extra,
+``pip install '.[bench]'``), the standard library's ``multiprocessing.connection`` over a Unix
 socket and a plain ``AF_UNIX`` ``SOCK_SEQPACKET`` socket, all four carrying the same
 ``embedsvc.remote.wire`` frames: the front builds a ``Submit`` of one sentence's ids (or 32
 sentences'), the engine decodes it and answers a ``Rows`` of 384 float32 per input. Each side
@@ -43,7 +44,6 @@ from statistics import median
 from typing import Any
 
 import numpy as np
-import zmq
 
 from embedsvc.remote import wire
 from embedsvc.remote.stream import Stream, connect
@@ -78,6 +78,8 @@ def answer(payload: bytes, rows: bytes) -> bytes | None:
 def zmq_engine(address: str, conns: int, rows: bytes) -> None:
     """remote/server.py's loop: a ROUTER and a wake-up pipe under one poller, frames read
     until none is left (at most 512), each answered on the ROUTER."""
+    import zmq  # the bench extra's: embedsvc itself no longer uses it
+
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -188,6 +190,9 @@ class ZmqFront(Front):
     a poll of one tick, then the receive."""
 
     def __init__(self, address: str, idle: int) -> None:
+        import zmq
+
+        self.zmq = zmq
         self.context = zmq.Context()
         self.socks = []
         for _ in range(1 + idle):
@@ -201,9 +206,9 @@ class ZmqFront(Front):
     def send(self, data: bytes) -> None:
         while True:
             try:
-                self.sock.send(data, zmq.NOBLOCK)
+                self.sock.send(data, self.zmq.NOBLOCK)
                 return
-            except zmq.Again:
+            except self.zmq.Again:
                 time.sleep(0.001)
 
     def receive(self) -> bytes:
