@@ -63,6 +63,9 @@ _TICK_S = 0.1  # how often parked requests are checked for their deadline and th
 _BACKLOG = 128  # connections not yet accepted (one a front, and a scrape's at a time)
 _IN, _OUT = select.POLLIN, select.POLLIN | select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
+# How long a stopping engine, its last request answered, still sends what its fronts have
+# not taken yet (a large answer is megabytes, and a front reads it as its turns come)
+_LINGER_S = 5.0
 _FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
 _FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose pid is gone died
 
@@ -148,7 +151,8 @@ class EngineServer:
         return len(self._parked) + len(self._reserved) + len(self._running)
 
     def run(self, stop: threading.Event) -> None:
-        """The loop, until ``stop`` is set and nothing admitted is left unanswered."""
+        """The loop, until ``stop`` is set, nothing admitted is left unanswered, and the
+        answers have gone (``_lingering``)."""
         poller = self._poller
         poller.register(self._wake_r, _IN)
         next_tick = time.monotonic() + _TICK_S
@@ -157,8 +161,13 @@ class EngineServer:
         # a device that costs nothing is run by the loop itself (Batcher.here)
         here = self.runner.device_free and batcher.limits.max_wait_s <= 0
         batcher.here = here
+        drained_at: float | None = None  # when a stop found nothing admitted left
         try:
-            while not (stop.is_set() and not self.in_flight):
+            while True:
+                if stop.is_set() and not self.in_flight:
+                    drained_at = drained_at or time.monotonic()
+                    if not self._lingering(drained_at + _LINGER_S):
+                        break
                 events = poller.poll(int(_TICK_S * 1000))
                 woke = time.perf_counter()
                 readable = []
@@ -190,6 +199,12 @@ class EngineServer:
         finally:
             batcher.here = False
             self.close()
+
+    def _lingering(self, until: float) -> bool:
+        """Whether answers already computed still wait to go to a front that is there (a
+        stopping engine sends them, until ``until``, before it closes the connections)."""
+        return time.monotonic() < until and any(
+            s.pending and not s.closed for s in self._streams.values())
 
     def close(self) -> None:
         for peer in list(self._streams):

@@ -149,7 +149,8 @@ def socket_path(address: str) -> str:
 def connect(address: str, limit: int | None = None) -> Stream:
     """A connection to the engine at ``address``; ``OSError`` when none listens there."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(1.0)  # an engine that does not accept (stopped, its backlog full)
+    # a full backlog fails at once (EAGAIN) on a Unix socket; this bounds any other wait
+    sock.settimeout(1.0)
     try:
         sock.connect(socket_path(address))
     except OSError:

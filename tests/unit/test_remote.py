@@ -822,3 +822,27 @@ def test_a_requests_frames_go_out_from_its_own_thread_without_waking_the_link():
         assert [type(f).__name__ for f in sock.sent] == ["Submits", "Submit"], sock.sent
     finally:
         link.close()
+
+
+def test_a_stopping_engine_sends_the_answers_its_fronts_have_not_taken_yet(tmp_path, registry):
+    """An engine stopping as its last request was answered closed its connections at once,
+    dropping what a front had not read yet: an answer larger than the socket's buffer was
+    cut off, and its request got 503 ``engine_gone`` though it had been computed. The loop
+    now sends such answers first (for at most ``_LINGER_S``)."""
+    encoder = FakeEncoder(dimension=384, max_input_tokens=16)
+    with serving(tmp_path, registry, encoder) as (engine, front, _, server, stop):
+        texts = [f"text number {i}" for i in range(1024)]  # 1.5 MB of rows
+        ids = front.ready().tokens(texts)
+        with _raw(front) as sock:
+            sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids), timeout=30.0)))
+            assert _soon(lambda: not server.in_flight and any(
+                s.pending for s in server._streams.values()), 10), "no answer waiting"
+            stop.set()
+            time.sleep(0.3)  # the loop has seen the stop, and nothing in flight
+            frame = wire.decode_to_front(sock.recv())
+        assert isinstance(frame, wire.Answer) and frame.id == 1, frame
+        rows = embedded(frame, EMBED).vectors
+        assert rows.shape == (len(texts), 384)
+        for i in (0, 517, len(texts) - 1):
+            np.testing.assert_allclose(rows[i] / np.linalg.norm(rows[i]),
+                                       encoder.expected(texts[i]), rtol=1e-5)
