@@ -244,12 +244,7 @@ class EngineServer:
         stream.close()
         front = self._fronts.pop(peer, None)
         self._outbox.pop(peer, None)
-        dropped = 0
-        for req in (*self._parked.values(), *self._reserved.values(), *self._running.values()):
-            if req.peer == peer and not req.gone:
-                req.gone = True
-                dropped += 1
-        if dropped:
+        if self._drop_where(lambda req: req.peer == peer):
             log.warning("front pid %s is gone: the work of its requests is dropped",
                         front.pid if front is not None else "unknown")
 
@@ -330,9 +325,19 @@ class EngineServer:
         an earlier one (its link answers them 503 when it loses the engine, and a cancel
         from the new connection cannot name them): they go as a departed client's, their
         room freed at the next sweep, their queued inputs dropped."""
-        for req in (*self._parked.values(), *self._reserved.values(), *self._running.values()):
-            if req.front == pid and req.peer != peer:
-                req.gone = True
+        self._drop_where(lambda req: req.front == pid and req.peer != peer)
+
+    def _held(self) -> list[_Request]:
+        """Every request in the engine: reserved, parked or running."""
+        return [*self._parked.values(), *self._reserved.values(), *self._running.values()]
+
+    def _drop_where(self, which: Callable[[_Request], bool]) -> int:
+        """The requests ``which`` picks go as a departed client's (their room freed at the
+        next sweep, their queued inputs dropped); how many were not gone already."""
+        picked = [req for req in self._held() if not req.gone and which(req)]
+        for req in picked:
+            req.gone = True
+        return len(picked)
 
     def _holding(self, peer: bytes) -> list[int]:
         """The ids of ``peer``'s requests in the engine (``Pong.holding``)."""
@@ -671,8 +676,7 @@ class EngineServer:
         if now < self._next_front_sweep:  # once a second: it walks every request in flight
             return
         self._next_front_sweep = now + 1.0
-        pending = [r for r in (*self._parked.values(), *self._reserved.values(),
-                               *self._running.values()) if not r.gone and r.front]
+        pending = [r for r in self._held() if not r.gone and r.front]
         if not pending:
             return
         heard: dict[int, float] = {}
