@@ -131,20 +131,28 @@ class Admission:
         self._rates: deque[float] = deque(maxlen=_BEST_OF)  # tokens/s of the last batches
         self._inputs_ema = 0.0  # inputs and seconds of recent batches: inputs/s = ratio
         self._seconds_ema = 0.0
+        self._derived, self._rate = 0, 0.0  # ``limit``'s and ``rate``'s (``_derive``)
+        self._derive()
 
     @property
     def limit(self) -> int:
         """The inputs admitted at once (MAX_QUEUE, or its derived value)."""
         if self.max_inputs is not None:
             return self.max_inputs
+        return self._derived
+
+    def _derive(self) -> None:
+        """The derived limit and the rate, from what ``observe`` learnt: computed once a
+        batch, where every request reads them (a few calls each, twice a request)."""
         per_s = self._inputs_ema / self._seconds_ema if self._seconds_ema else 0.0
         derived = int(per_s * self.timeout_s)
-        return max(self.floor_inputs, min(_AUTO_CAP * self.floor_inputs, derived))
+        self._derived = max(self.floor_inputs, min(_AUTO_CAP * self.floor_inputs, derived))
+        self._rate = max(self._rates, default=0.0)
 
     @property
     def rate(self) -> float:
         """Tokens per second: the best of the last _BEST_OF batches; 0 until one has run."""
-        return max(self._rates, default=0.0)
+        return self._rate
 
     @property
     def waiting(self) -> int:
@@ -271,15 +279,17 @@ class Admission:
             own = self._opened.get(flow) if flow is not None else None
             if own is not None:  # all of its own, not just its first input
                 ahead += own[0] - own[1]
-        self._refuse_if_closed()
+        if self._closed:
+            raise shutting_down()
         opens = not self._waiting and self._fits(ticket)
         if not opens and ahead is not None:  # room first, then its turn in the queue
             ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
         now = time.monotonic()
         wait = self.predicted_wait(ahead)
-        if not final and wait > ticket.deadline - now:
-            return False
-        self._refuse_if_late(ticket, now, wait)
+        if wait > ticket.deadline - now:  # late: refused, or a bound's walk asked for
+            if not final:
+                return False
+            self._refuse_if_late(ticket, now, wait)
         if opens:
             self._open(ticket)
         else:  # in line behind others, or no room
@@ -339,6 +349,7 @@ class Admission:
             self._rates.append(tokens / seconds)
             self._inputs_ema += w * (inputs - self._inputs_ema)
             self._seconds_ema += w * (seconds - self._seconds_ema)
+            self._derive()
 
     def close(self) -> None:
         """Refuse new requests (draining) and send the waiting ones away with 503."""
@@ -404,10 +415,6 @@ class Admission:
             if ticket.notify is not None:
                 ticket.notify(ticket)
         self._cond.notify_all()  # the threads blocked in admit() look at their tickets
-
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
-            raise shutting_down()
 
     def _refuse_if_late(self, ticket: Ticket, now: float, wait: float) -> None:
         """429 when ``ticket`` would reach the model ``wait`` seconds from ``now``, after

@@ -384,7 +384,8 @@ class Batcher:
         for i, ids in enumerate(inputs):
             pending.append(_Item(job, i, ids, now, tag))
             tag += len(ids)
-        self._earliest_deadline = min(self._earliest_deadline, job.deadline)
+        if job.deadline < self._earliest_deadline:
+            self._earliest_deadline = job.deadline
 
     def start_tag(self, flow: Hashable | None, tokens: int) -> float:
         """The virtual start of new work of ``tokens`` from ``flow``: start-time fair queueing.
@@ -741,17 +742,19 @@ class Batcher:
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
         """Each job its rows; the batch's admission is given back before any job hears, so
         a request that has its answer holds no reservation (nor does ``_fail_items``')."""
+        size = len(batch)
         with self._lock:
-            seen: set[int] = set()
+            seen: set[Job] = set()  # by identity
             finished: list[Job] = []
             views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
             for k, (row, it) in enumerate(zip(rows, batch, strict=True)):
                 job = it.job
-                if id(job) not in seen:
-                    seen.add(id(job))
+                if job not in seen:
+                    seen.add(job)
                     job.inference_s += elapsed
-                    job.batch_size = max(job.batch_size, len(batch))
-                if job.done:  # failed meanwhile (another of its batches), or its client left
+                    if job.batch_size < size:
+                        job.batch_size = size
+                if job._finished:  # failed meanwhile (another of its batches), or its client left
                     continue
                 self._computed += 1
                 if views and len(job.inputs) == 1:

@@ -254,8 +254,7 @@ class EngineServer:
         a request's ids after its reservation, so the reservation of any submit read here is
         taken first); a control frame (a cancel, a ping) first has what was read before it
         taken, so that it finds it."""
-        reserves: list[tuple[bytes, wire.Reserve]] = []
-        submits: list[tuple[bytes, wire.Submit]] = []
+        burst = _Burst()
         for peer in peers:
             stream = self._streams[peer]
             frames = stream.read()
@@ -265,24 +264,19 @@ class EngineServer:
                 frame = self._decoded(data)
                 if isinstance(frame, wire.Submits):
                     for item in frame.items:
-                        if isinstance(item, wire.Submit):
-                            submits.append((peer, item))
-                        else:
-                            reserves.append((peer, item))
-                elif isinstance(frame, wire.Submit):
-                    submits.append((peer, frame))
-                elif isinstance(frame, wire.Reserve):
-                    reserves.append((peer, frame))
+                        burst.add(peer, item)
+                elif isinstance(frame, (wire.Submit, wire.Reserve)):
+                    burst.add(peer, frame)
                 elif frame is not None:
-                    self._reserve(reserves)
-                    self._submit(submits)
-                    reserves, submits = [], []
+                    self._reserve(burst)
+                    self._submit(burst)
+                    burst = _Burst()
                     try:
                         self._dispatch(peer, frame)
                     except ValueError as exc:  # contents the frame's type cannot hold
                         self._refuse_frame(f"{type(frame).__name__}: {exc}")
-        self._reserve(reserves)
-        self._submit(submits)
+        self._reserve(burst)
+        self._submit(burst)
         for peer in peers:
             if self._streams[peer].closed:
                 self._disconnect(peer)
@@ -358,14 +352,18 @@ class EngineServer:
             del self._fronts[peer]
         return sorted({f.pid for f in self._fronts.values()})
 
-    def _reserve(self, burst: list[tuple[bytes, wire.Reserve]]) -> None:
+    def _reserve(self, burst: _Burst) -> None:
         """Room for requests a front has not yet tokenized, admitted as one burst (one
         ``Admission.request_many``): a refusal answered now, a grant when asked for."""
-        if not burst:
+        if not any(burst.reserves):
             return
         reqs, asks = [], []
-        taken: set[tuple[bytes, int]] = set()
-        for peer, frame in burst:
+        # a reservation under the id of one taken with its ids is a second one
+        taken = {(peer, frame.id) for peer, frame, reserve in burst.submits if reserve}
+        for reserved in burst.reserves:
+            if reserved is None:
+                continue
+            peer, frame = reserved
             if not self._fresh(peer, frame, taken):
                 continue
             try:
@@ -425,15 +423,17 @@ class EngineServer:
             if not self.runner.admission.withdraw(req.ticket):  # granted (or refused) already
                 self.runner.admission.cancel(req.ticket)
 
-    def _submit(self, burst: list[tuple[bytes, wire.Submit]]) -> None:
+    def _submit(self, burst: _Burst) -> None:
         """Check, admit and queue the requests of ``burst`` as one unit: one admission call
         (``Admission.request_many``: each in turn, as if one after another) and one append
         to the batcher's queue (one wake-up of its thread) for all. A reserved request is
-        admitted already: its ids join its reservation (queued now if it is granted)."""
+        admitted already: its ids join its reservation (queued now if it is granted); one
+        whose reservation came in this burst is admitted with its ids, as one that asked
+        no reservation is."""
         reqs, asks, start = [], [], []
         taken: set[tuple[bytes, int]] = set()
-        for peer, frame in burst:
-            if frame.reserved:
+        for peer, frame, reserve in burst.submits:
+            if frame.reserved and reserve is None:
                 held = self._join(peer, frame)
                 if held is not None:
                     start.append(held)
@@ -442,6 +442,9 @@ class EngineServer:
                 continue
             try:
                 work = self._checked(frame)
+                if reserve is not None and len(work.ids) != reserve.inputs:
+                    raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
+                                         f"{reserve.inputs}", code="invalid_frame")
             except ApiError as exc:
                 self._reply(peer, failed(frame.id, exc))
                 continue
@@ -500,18 +503,14 @@ class EngineServer:
         """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
         never a failed batch that takes other requests down with it."""
         deadline = _checked_deadline(frame, self._most_s)
+        info = self.runner.info
         try:
-            ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds)
+            ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds,
+                                  vocab=info.vocab_size, longest=info.max_input_tokens)
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="invalid_frame") from None
-        info, s = self.runner.info, self.runner.settings
-        if not ids or len(ids) > s.max_inputs_per_request:
+        if not ids or len(ids) > self.runner.settings.max_inputs_per_request:
             raise InvalidRequest(f"{len(ids)} inputs in one frame", code="invalid_frame")
-        rows = [row for row in ids if row]
-        if rows and (min(map(min, rows)) < 0 or max(map(max, rows)) >= info.vocab_size):
-            raise InvalidRequest("a token id outside the vocabulary", code="invalid_frame")
-        if max(map(len, ids)) > info.max_input_tokens:
-            raise InvalidRequest("an input longer than the model's limit", code="invalid_frame")
         if frame.images:
             if self._image_shape is None:
                 raise InvalidRequest("images for a model that takes none", code="invalid_frame")
@@ -740,6 +739,47 @@ class EngineServer:
             self._poller.modify(stream.fileno(), _IN)
 
 
+class _Burst:
+    """The request frames of one read, in order: reservations (``reserves``) and requests'
+    ids (``submits``, each with its reservation where that came in this burst too). A small
+    request's reservation and ids usually travel together (the front sends the two at
+    once): taken as one request admitted with its ids, at its exact tokens, they cost one
+    pass, where the reservation's admission, then the ids' joining it, each cost their own.
+    The end is the same: the room held at the exact tokens. A reservation that asked to be
+    told, or one whose id comes twice, is taken as sent."""
+
+    __slots__ = ("reserves", "submits", "_open")
+
+    def __init__(self) -> None:
+        self.reserves: list[tuple[bytes, wire.Reserve] | None] = []  # None: taken with ids
+        self.submits: list[tuple[bytes, wire.Submit, wire.Reserve | None]] = []
+        # a reservation's place in ``reserves`` (None: its id came twice)
+        self._open: dict[tuple[bytes, int], int | None] = {}
+
+    @classmethod
+    def of(cls, peer: bytes, *frames: wire.Reserve | wire.Submit) -> _Burst:
+        burst = cls()
+        for frame in frames:
+            burst.add(peer, frame)
+        return burst
+
+    def add(self, peer: bytes, frame: wire.Reserve | wire.Submit) -> None:
+        key = (peer, frame.id)
+        if isinstance(frame, wire.Reserve):
+            self._open[key] = None if frame.tell or key in self._open else len(self.reserves)
+            self.reserves.append((peer, frame))
+            return
+        at = self._open.get(key) if frame.reserved else None
+        if at is None:
+            self.submits.append((peer, frame, None))
+            return
+        self._open[key] = None
+        taken = self.reserves[at]
+        assert taken is not None
+        self.reserves[at] = None  # taken with its ids
+        self.submits.append((peer, frame, taken[1]))
+
+
 def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
     """The frame of a computed answer: the arrays its kind packs it into."""
     return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
@@ -760,9 +800,10 @@ def _checked_deadline(frame: wire.Reserve | wire.Submit, most_s: float) -> float
     work that no kind is, or a deadline that is not a number."""
     if frame.kind not in WORK_KINDS:
         raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}", code="invalid_frame")
-    if not math.isfinite(frame.timeout):
+    timeout = frame.timeout
+    if not -math.inf < timeout < math.inf:  # nor NaN
         raise InvalidRequest("a deadline that is not a number of seconds", code="invalid_frame")
-    return time.monotonic() + min(max(0.0, frame.timeout), most_s)
+    return time.monotonic() + (most_s if timeout > most_s else timeout if timeout > 0 else 0.0)
 
 
 def _gone() -> ClientDisconnected:

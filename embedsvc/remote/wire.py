@@ -258,11 +258,18 @@ def unpack_pixels(frame: Submit, ids: list[Any], shape: tuple[int, ...], cost: i
         ids[i] = Pixels(array, cost)
 
 
-def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"") -> list[list[int]]:
-    """``pack_ids``' inverse; ValueError for arrays that do not add up."""
+def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"", *, vocab: int | None = None,
+               longest: int | None = None) -> list[list[int]]:
+    """``pack_ids``' inverse; ValueError for arrays that do not add up, and for an id
+    outside ``range(vocab)`` or an input longer than ``longest`` (checked on the flat
+    arrays: a look at each input cost the engine a few calls an input)."""
     values, sizes = _int32s(flat), _int32s(lengths)
     if min(sizes, default=0) < 0 or sum(sizes) != len(values):
         raise ValueError("the ids and their lengths do not add up")
+    if vocab is not None and values and (min(values) < 0 or max(values) >= vocab):
+        raise ValueError("a token id outside the vocabulary")
+    if longest is not None and sizes and max(sizes) > longest:
+        raise ValueError("an input longer than the model's limit")
     rows, at = [], 0
     for size in sizes:
         rows.append(values[at:at + size])
@@ -290,6 +297,10 @@ def _int32s(data: bytes) -> list[int]:
 def answer(request_id: int, arrays: Sequence[np.ndarray], queue_s: float, inference_s: float,
            batch_size: int) -> Answer:
     """The ``Answer`` frame of ``arrays`` (float32 or int32)."""
+    if len(arrays) == 1 and arrays[0].dtype == np.float32:  # a dense embedding's vectors
+        (vectors,) = arrays
+        return Answer(request_id, [vectors.tobytes()], ["<f4"], [vectors.shape], queue_s,
+                      inference_s, batch_size)
     types: list[ArrayType] = ["<f4" if a.dtype == np.float32 else "<i4" for a in arrays]
     parts = [np.ascontiguousarray(a, dtype=t).tobytes() for a, t in zip(arrays, types,
                                                                          strict=True)]

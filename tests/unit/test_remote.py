@@ -468,8 +468,14 @@ def _swallowing(server, monkeypatch) -> tuple[list[wire.Reserve | wire.Submit], 
     took, and the ids of the cancels it got."""
     taken: list[wire.Reserve | wire.Submit] = []
     cancelled: list[int] = []
-    for step in ("_reserve", "_submit"):
-        monkeypatch.setattr(server, step, lambda burst: taken.extend(f for _, f in burst))
+
+    def swallow(burst) -> None:  # its frames, each reservation before its request's ids
+        taken.extend(frame for _, frame in filter(None, burst.reserves))
+        for _, frame, reserve in burst.submits:
+            taken.extend([reserve, frame] if reserve is not None else [frame])
+
+    monkeypatch.setattr(server, "_reserve", lambda burst: None)
+    monkeypatch.setattr(server, "_submit", swallow)
     monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
     return taken, cancelled
 

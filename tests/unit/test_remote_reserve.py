@@ -13,7 +13,7 @@ from embedsvc.model.fake import FakeEncoder
 from embedsvc.remote import client as client_module
 from embedsvc.remote import wire
 from embedsvc.remote.place import engine_address, private_dir
-from embedsvc.remote.server import EngineServer
+from embedsvc.remote.server import EngineServer, _Burst
 from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
@@ -99,18 +99,62 @@ def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room
     admission = engine.runner.admission
     try:  # the loop's steps, driven in their order within one turn
         full = admission.limit
-        server._reserve([(b"front", wire.Reserve(1, "embed", full, full, timeout=20))])
-        server._reserve([(b"front", wire.Reserve(2, "embed", 2, 6, timeout=20))])
+        server._reserve(_Burst.of(b"front", wire.Reserve(1, "embed", full, full, timeout=20)))
+        server._reserve(_Burst.of(b"front", wire.Reserve(2, "embed", 2, 6, timeout=20)))
         assert (b"front", 2) in server._parked
         admission.cancel(server._reserved.pop((b"front", 1)).ticket)  # room: 2 is granted
         one_input = wire.pack_ids([[1, 5, 2]])  # under a reservation of two
-        server._submit([(b"front", wire.Submit(2, "embed", *one_input, timeout=20,
-                                               reserved=True))])
+        server._submit(_Burst.of(b"front", wire.Submit(2, "embed", *one_input, timeout=20,
+                                                       reserved=True)))
         server._start_granted()
         server._sweep_parked()
         assert admission.used_inputs == 0 and admission.used_tokens == 0, server._reserved
         assert [(f.id, f.status) for f in server._outbox[b"front"]] == [(2, 400)]
         assert not server.in_flight
+    finally:
+        server.close()
+        engine.drain(1)
+
+
+def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
+        tmp_path, registry):
+    """A small request's reservation and ids, read in one burst, are taken as one request
+    admitted at its exact tokens (no reservation held, nothing to join), with the checks a
+    reservation's ids get: ids that are not the inputs reserved are a 400 with no room held,
+    a second reservation under the id is dropped as malformed, and one that asked to be
+    told is taken as sent."""
+    engine = Service(Settings(), encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    admission = engine.runner.admission
+    one_input, two_inputs = wire.pack_ids([[1, 5, 2]]), wire.pack_ids([[1, 5, 2], [1, 2]])
+    try:
+        burst = _Burst.of(
+            b"front",
+            wire.Reserve(1, "embed", 1, 40, timeout=20),
+            wire.Reserve(2, "embed", 1, 40, timeout=20),
+            wire.Submit(1, "embed", *one_input, timeout=20, reserved=True),
+            wire.Submit(2, "embed", *two_inputs, timeout=20, reserved=True),  # 2 under 1
+            wire.Reserve(1, "embed", 1, 40, timeout=20),  # its id in use
+            wire.Reserve(3, "embed", 1, 40, timeout=20, tell=True),
+            wire.Submit(3, "embed", *one_input, timeout=20, reserved=True))
+        assert [r is None for r in burst.reserves] == [True, True, False, False]
+        assert [reserve is not None for _, _, reserve in burst.submits] == [True, True, False]
+        server._reserve(burst)
+        server._submit(burst)
+        assert server._malformed == 1 and not server._reserved and not server._parked
+        assert sorted(key[1] for key in server._running) == [1, 3]  # 3 joined its grant
+        assert admission.used_tokens == 3 + 3  # the exact tokens: nothing else held
+        assert [(f.id, f.status) for f in server._outbox[b"front"]
+                if isinstance(f, wire.Failed)] == [(2, 400)]
+        assert [f.id for f in server._outbox[b"front"] if isinstance(f, wire.Granted)] == [3]
+        server._outbox.clear()
+        assert _soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
+        answered = server._outbox[b"front"]
+        assert sorted(f.id for f in answered if isinstance(f, wire.Answer)) == [1, 3]
+        assert admission.used_inputs == 0 and admission.used_tokens == 0
     finally:
         server.close()
         engine.drain(1)
@@ -202,7 +246,7 @@ def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_ti
     admission = engine.runner.admission
     year = 365 * 24 * 3600.0
     try:  # the loop's steps, driven in their order
-        server._reserve([(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year))])
+        server._reserve(_Burst.of(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year)))
         assert admission.used_inputs == 3
         time.sleep(0.6)
         server._sweep_parked()
