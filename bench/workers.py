@@ -17,9 +17,12 @@ the measured seconds, over the requests answered).
 environment has the engine process profile its loop and batcher thread into DIR
 (bench/sim_server.py).
 
-``--trees REV,...`` adds ``embedsvc --workers 2`` of each git revision REV (a checkout under
-bench/out/, its own bench/sim_server.py and package) to the ``sim`` rounds, named
-``sim-w2@REV``: the engine's CPU per request of one tree against another's, in one run.
+``--trees REV,...`` adds each git revision REV (a checkout under bench/out/, its own
+bench/sim_server.py and package) to the ``sim`` rounds: ``embedsvc --workers 2`` as
+``sim-w2@REV`` where ``sim-w2`` runs, and one process as ``sim@REV`` where ``sim`` runs; the
+rate, and the CPU a request (the engine's, and the whole server's), of one tree against
+another's, in one run. ``--inputs 32 --clients 4`` makes the rounds 4 clients x 32 inputs (the
+bare app answers one input only: leave it out there).
 
 ``model``: the bundled model on ONNX Runtime (the CPU), 32 x 1 and 4 x 32, ``embedsvc
 serve`` against ``embedsvc serve --workers 2``.
@@ -73,8 +76,8 @@ SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
 
 
-def sim_scenario(clients: int) -> run.Scenario:
-    return run.Scenario(f"sim {clients}x1", clients, 1)
+def sim_scenario(clients: int, inputs: int = 1) -> run.Scenario:
+    return run.Scenario(f"sim {clients}x{inputs}", clients, inputs)
 
 
 MODEL_SCENARIOS = [sc for sc in run.SCENARIOS if sc.name in ("32x1", "4x32")]
@@ -166,13 +169,15 @@ def measure(server: run.Running, sc: run.Scenario, seconds: float, round_no: int
 
 
 def tree_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]] | None:
-    """``sim-w2@REV``: revision REV's simulated device under ``--workers 2``; None for the
-    servers of bench/run.py."""
+    """``sim@REV``, ``sim-w2@REV``: revision REV's simulated device in one process, or under
+    ``--workers 2``; None for the servers of bench/run.py."""
     if "@" not in name:
         return None
-    tree = run.baseline_tree(name.split("@", 1)[1])
+    base, rev = name.split("@", 1)
+    tree = run.baseline_tree(rev)
+    workers = ["--workers", "2"] if base == "sim-w2" else []
     return [sys.executable, str(tree / "bench" / "sim_server.py"), "--port", str(port),
-            "--workers", "2"], "/v1/embeddings", {"PYTHONPATH": str(tree)}
+            *workers], "/v1/embeddings", {"PYTHONPATH": str(tree)}
 
 
 def rounds(names: list[str], scenarios: list[run.Scenario], count: int, seconds: float
@@ -250,7 +255,9 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
     if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
-    lines += ["- " + ratio_line(results, sc, "sim-w2", tree) for tree in labels if "@" in tree]
+    for tree in (n for n in labels if "@" in n and _of(results, n, sc)):
+        lines += ["- " + ratio_line(results, sc, tree.split("@")[0], tree),
+                  "- " + cpu_line(results, sc, tree.split("@")[0], tree)]
     lines += ["- " + p50_line(results, sc, name) for name in labels
               if name.startswith("sim-w") and _of(results, name, sc) and _of(results, "sim", sc)]
     for name in (n for n in labels if n.startswith("sim-w")):
@@ -259,6 +266,23 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
         if requests:
             lines.append("- " + engine_line(runs, requests, f"{labels[name]}, {sc}"))
     return lines
+
+
+def cpu_line(results: list[Measured], sc: str, top: str, bottom: str) -> str:
+    """``top``'s CPU a request (every process of the server) over ``bottom``'s, pooled over
+    the rounds and round by round."""
+    tops, bottoms = _of(results, top, sc), _of(results, bottom, sc)
+    if not tops or not bottoms:
+        return f"CPU a request, {top} / {bottom}: not measured"
+
+    def pooled(runs: list[Measured]) -> float:
+        return sum(m.cpu_s for m in runs) / sum(m.requests for m in runs) * 1e6
+
+    rounds = [(a.per_request_us(a.cpu_s) or 0.0) / (b.per_request_us(b.cpu_s) or 1.0)
+              for a, b in zip(tops, bottoms, strict=True)]
+    return (f"CPU a request, {top} / {bottom} ({sc}): {pooled(tops):.0f} / {pooled(bottoms):.0f} "
+            f"us pooled ({pooled(tops) / pooled(bottoms):.2f}x; rounds: "
+            + ", ".join(f"{r:.2f}" for r in rounds) + ")")
 
 
 def p50_line(results: list[Measured], sc: str, name: str) -> str:
@@ -521,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="sim, model: comma-separated servers of "
                         + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison)")
     parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
-                        "--workers 2 joins the rounds (sim-w2@REV)")
+                        "one process (sim@REV) and --workers 2 (sim-w2@REV) join the rounds, "
+                        "beside this tree's of each")
+    parser.add_argument("--inputs", type=int, default=1, help="sim: inputs a request")
     parser.add_argument("--clients", default="32", help="sim: comma-separated client counts, "
                         "each a scenario of single-input requests (1 for latency alone)")
     parser.add_argument("--workers", type=int, default=4, help="memory: workers of each launch")
@@ -532,16 +558,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ["EMBEDSVC_DEVICE"] = args.device
     run.OUT.mkdir(exist_ok=True)
-    sim = {**SIM, **{f"sim-w2@{rev}": f"embedsvc --workers 2 at {rev}"
-                     for rev in filter(None, args.trees.split(","))}}
+    revs = list(filter(None, args.trees.split(",")))
+    sim = {**SIM, **{f"sim@{rev}": f"embedsvc, one process at {rev}" for rev in revs},
+           **{f"sim-w2@{rev}": f"embedsvc --workers 2 at {rev}" for rev in revs}}
 
     def servers(labels: dict[str, str]) -> list[str]:
-        return [n for n in labels if args.only is None or n in args.only.split(",") or "@" in n]
+        return [n for n in labels
+                if args.only is None or n.split("@")[0] in args.only.split(",")]
 
     reports: dict[str, Callable[[], str]] = {
-        "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c)) for c in
-                                         args.clients.split(",")], args.rounds, args.duration),
-                                  sim),
+        "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c), args.inputs)
+                                                        for c in args.clients.split(",")],
+                                         args.rounds, args.duration), sim),
         "model": lambda: model_report(rounds(servers(MODEL), MODEL_SCENARIOS, args.rounds,
                                              args.duration)),
         "memory": lambda: memory(args.workers, args.load, args.maps),
