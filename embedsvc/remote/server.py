@@ -66,6 +66,11 @@ _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 # How long a stopping engine, its last request answered, still sends what its fronts have
 # not taken yet (a large answer is megabytes, and a front reads it as its turns come)
 _LINGER_S = 5.0
+# Past this many bytes waiting for a front that has not read them, a ping gets no pong:
+# pongs are the one frame a peer can have the engine queue for it without bound (a front's
+# answers are bounded by admission), and a peer that pings and never reads grew the engine
+# by 40 MB a second. A front that reads hears the pongs already queued for it.
+_PONG_BACKLOG = 1 << 20
 _FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
 _FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose pid is gone died
 
@@ -299,8 +304,10 @@ class EngineServer:
             self._cancel(peer, frame.id)
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
-            self._send(peer, wire.Pong(os.getpid(), self.state(), self.runner.admission.limit,
-                                       self.fronts(), self._holding(peer)))
+            if self._streams[peer].waiting <= _PONG_BACKLOG:
+                self._send(peer, wire.Pong(os.getpid(), self.state(),
+                                           self.runner.admission.limit, self.fronts(),
+                                           self._holding(peer)))
         elif isinstance(frame, wire.Hello):
             self._seen(peer, frame.pid)
             self._drop_earlier_connections(peer, frame.pid)

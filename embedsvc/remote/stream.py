@@ -35,7 +35,7 @@ class Stream:
     frames (``broken`` says why: a length past ``limit``, no mark where a frame begins), and
     the connection cannot be read on."""
 
-    __slots__ = ("sock", "limit", "closed", "broken", "_in", "_out", "_fd")
+    __slots__ = ("sock", "limit", "closed", "broken", "waiting", "_in", "_out", "_fd")
 
     _IOV = 64  # buffers handed to one ``sendmsg`` at most
 
@@ -49,6 +49,7 @@ class Stream:
         # what the peer could not take yet: frames, the first perhaps begun (each sent
         # without copying what waits behind it)
         self._out: deque[memoryview] = deque()
+        self.waiting = 0  # the bytes in ``_out``
         self._fd = sock.fileno()
 
     def fileno(self) -> int:
@@ -108,6 +109,7 @@ class Stream:
         data = _HEADER.pack(_MARK, len(data)) + data
         if self._out:
             self._out.append(memoryview(data))
+            self.waiting += len(data)
             return
         try:
             sent = self.sock.send(data)
@@ -118,6 +120,7 @@ class Stream:
             return
         if sent < len(data):
             self._out.append(memoryview(data)[sent:])
+            self.waiting += len(data) - sent
 
     def flush(self) -> None:
         """Send what waits, as far as the socket takes it."""
@@ -130,6 +133,7 @@ class Stream:
             except OSError:
                 self.closed = True
                 return
+            self.waiting -= sent
             while sent and sent >= len(out[0]):
                 sent -= len(out.popleft())
             if sent:
@@ -138,6 +142,7 @@ class Stream:
     def close(self) -> None:
         self.closed = True
         self._out.clear()
+        self.waiting = 0
         self.sock.close()
 
 

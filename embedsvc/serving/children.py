@@ -153,10 +153,3 @@ def child_command(subcommand: str, *args: str) -> list[str]:
         module = spec.name.removesuffix(".__main__")
         return [sys.executable, "-m", module, subcommand, *args]
     return [sys.executable, sys.argv[0], subcommand, *args]
-
-
-def close_quietly(*fds: int | None) -> None:
-    for fd in fds:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)

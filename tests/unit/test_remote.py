@@ -229,6 +229,36 @@ def test_an_answer_waits_for_a_front_that_reads_late_and_is_never_dropped(pair):
     assert [f.id for f in frames if isinstance(f, wire.Answer)] == [1]
 
 
+def test_a_peer_that_pings_and_never_reads_grows_the_engine_no_further_than_its_bound(
+        served, monkeypatch):
+    """Pongs are the one frame a peer can have the engine queue for it without bound (its
+    answers are bounded by admission): past ``_PONG_BACKLOG`` bytes waiting for a peer, a
+    ping gets none. Unbounded, a same-user peer that pinged and never read grew the engine
+    from 90 to 908 MB in 20 s. The peer's answer still comes, after the pongs queued."""
+    engine, front, _, server = served
+    monkeypatch.setattr(server_module, "_PONG_BACKLOG", 64 << 10)
+    before = set(server._streams)
+    most = 0
+    with _raw(front) as sock:
+        for i in range(20_000):
+            sock.send(wire.encode(wire.Ping(0)))
+            if i % 500 == 0:
+                peers = set(server._streams) - before
+                most = max([most, *(server._streams[p].waiting for p in peers
+                                    if p in server._streams)])
+        sock.send(_burst(front, ["read at last"]))
+        time.sleep(1.0)  # the engine has taken every ping
+        (peer,) = set(server._streams) - before
+        most = max(most, server._streams[peer].waiting)
+        frames = []
+        while sock.poll(2000):
+            frames.append(wire.decode_to_front(sock.recv()))
+    pongs = sum(isinstance(f, wire.Pong) for f in frames)
+    assert 0 < most <= (64 << 10) + 4096, most  # the bound, and a pong and an answer past it
+    assert 0 < pongs < 20_000, pongs
+    assert [f.id for f in frames if isinstance(f, wire.Answer)] == [1]
+
+
 def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
     """``Submits`` carries several requests; each answer, in whichever frames the engine
     sends them, holds its own request's rows."""

@@ -82,16 +82,17 @@ def test_what_a_slow_reader_cannot_take_yet_waits_and_goes_in_order():
     try:
         for frame in frames:
             writer.send(frame)
-        assert writer.pending
+        assert writer.pending and 0 < writer.waiting < 2_000_000 + 5 * len(frames)
         got: list[bytes] = []
         while len(got) < len(frames):
+            assert writer.waiting == sum(map(len, writer._out))  # the bytes kept, counted
             writable = [writer] if writer.pending else []
             readable, ready, _ = select.select([reader], writable, [], 5)
             assert readable or ready, f"{len(got)} of {len(frames)} frames"
             if ready:
                 writer.flush()
             got.extend(bytes(f) for f in reader.read())
-        assert got == frames and not writer.pending
+        assert got == frames and not writer.pending and writer.waiting == 0
     finally:
         writer.close()
         reader.close()
