@@ -50,9 +50,10 @@ from waitress.adjustments import Adjustments
 from waitress.buffers import OverflowableBuffer
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser, ParsingError
+from waitress.receiver import ChunkedReceiver
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
-from waitress.utilities import BadRequest, Error
+from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
 from waitress.wasyncore import close_all, dispatcher
 
 from . import http_errors
@@ -71,6 +72,7 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv",
                         "parse_header", "chunked", "expect_continue"),
     OverflowableBuffer: ("overflowed",),
+    ChunkedReceiver: ("chunk_remainder", "__len__"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
                     "handle_accept", "accept", "readable", "set_socket_options", "fix_addr"),
@@ -147,13 +149,28 @@ class Parser(HTTPRequestParser):
     """waitress's request parser, refusing a head with both Content-Length and a chunked
     Transfer-Encoding (400), as gunicorn does: waitress reads the chunks and takes what
     follows them for the next request, which a proxy that goes by the length sent as this
-    request's body (request smuggling; RFC 9112, 6.1)."""
+    request's body (request smuggling; RFC 9112, 6.1). A chunk whose size line alone takes
+    the body past ``max_request_body_size`` is a 413 as soon as that line is read: waitress
+    counts a chunk's bytes as they come, so a size line past the limit followed by nothing
+    waited for the body's deadline and got 408."""
+
+    completed: bool  # waitress's own attribute
 
     def parse_header(self, header_plus: bytes) -> None:
         super().parse_header(header_plus)
         if self.chunked and "CONTENT_LENGTH" in self.headers:
             raise ParsingError("Content-Length and Transfer-Encoding: chunked together; "
                                "send one of them")
+
+    def received(self, data: bytes) -> int:
+        consumed = super().received(data)
+        chunks = self.body_rcv
+        if self.chunked and not self.completed and isinstance(chunks, ChunkedReceiver):
+            most = self.adj.max_request_body_size
+            if len(chunks) + chunks.chunk_remainder >= most:  # as waitress's own test
+                self.error = RequestEntityTooLarge(f"exceeds max_body of {most}")
+                self.completed = True
+        return int(consumed)
 
 
 class Channel(HTTPChannel):

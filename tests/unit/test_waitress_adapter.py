@@ -1,6 +1,7 @@
 """The waitress adapter: the internals it relies on are where it expects them."""
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -345,6 +346,29 @@ def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_cl
     assert answer.count(b"HTTP/1.") == 1 and answer.startswith(b"HTTP/1.1 400")
     error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
     assert error["code"] == "bad_request" and "Transfer-Encoding" in error["message"]
+
+
+def test_a_chunk_announced_past_the_body_limit_gets_413_at_once():
+    """A chunk size line that alone takes the body past MAX_BODY_BYTES is a 413 as soon as
+    it is read, in the JSON shape: waitress counted a chunk's bytes only as they came, so a
+    client that announced a huge chunk and sent nothing more waited for the body's deadline
+    and got 408. A body within the limit, in chunks, is still read whole."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    bounds = dataclasses.replace(BOUNDS, body_timeout_s=5, max_body_bytes=1000)
+    with serving(answering(b"ok"), bounds=bounds) as server:
+        with connect(server) as sock:
+            sock.sendall(head + b"%x\r\n" % 5000 + b"!" * 10)
+            started, answer = time.monotonic(), b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert time.monotonic() - started < 2.5  # not the body's deadline, 5 s
+        assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.") == 1
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
+        with connect(server) as sock:
+            sock.sendall(head + b"%x\r\n%s\r\n" % (500, b"!" * 500) + b"%x\r\n%s\r\n" % (
+                400, b"!" * 400) + b"0\r\n\r\n")
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
 
 
 def test_an_upload_refused_at_its_head_gets_413_at_once_not_100_continue():
