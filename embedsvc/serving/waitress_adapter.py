@@ -18,6 +18,8 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   written before the connection closes, so the access log never records an answer that was
   not written to the socket;
 - the JSON error shape for the answers waitress writes itself (400, 408, 413, 431, 501, 500);
+- a chunked body refused (413) as soon as a chunk's size line takes it past the limit, where
+  waitress waited for that chunk's bytes;
 - descriptors bounded: the loop polls (``select()`` fails on a descriptor above 1023, and
   the process with it); a connection holds at most ``DESCRIPTORS_PER_CONNECTION`` (its
   socket, two bodies and two answers in temporary files), so ``max_connections`` of them fit
@@ -27,7 +29,8 @@ servers embedsvc owns (``embedsvc serve`` and its probe port):
   are in progress.
 
 It reaches into waitress's ``HTTPChannel``, ``ErrorTask``, ``TcpWSGIServer.maintenance`` and
-``handle_accept``, the request parser's body buffer and the server's socket map, so waitress
+``handle_accept``, the request parser's body buffer, its chunked receiver's remainder and the
+server's socket map, so waitress
 is bounded below 3.1 in pyproject.toml and ``check_internals()`` (run when a server is built,
 and by the test suite) names anything that moved.
 """
