@@ -3,10 +3,13 @@ a request can end by gives its room in the engine's admission back, and is answe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
+from embedsvc.admission import Admission
 from embedsvc.errors import EngineGone
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
@@ -19,6 +22,24 @@ from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
 from tests.unit.test_remote import _in_threads, _next, _raw, _soon, serving
+
+
+@contextlib.contextmanager
+def _loop_steps(tmp_path, registry, settings: Settings | None = None
+                ) -> Iterator[tuple[EngineServer, Admission]]:
+    """An engine's ``EngineServer`` with no loop running, for a test that drives the loop's
+    steps itself, in their order within a turn, and the engine's admission."""
+    engine = Service(settings or Settings(),
+                     encoder=FakeEncoder(dimension=4, max_input_tokens=16),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    try:
+        yield server, engine.runner.admission
+    finally:
+        server.close()
+        engine.drain(1)
 
 
 def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_back(
@@ -91,13 +112,8 @@ def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room
     where the reservation was parked and its grant came (another request's room freed) in
     the same turn of the engine's loop, before the loop took the grant: the grant must not
     hold the room again until the deadline, then answer the request a second time."""
-    engine = Service(Settings(), encoder=FakeEncoder(dimension=4, max_input_tokens=16),
-                     metrics=Metrics(registry))
-    engine.start(background=False)
-    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
-                          card={}, state=lambda: "ready", metrics=engine.metrics)
-    admission = engine.runner.admission
-    try:  # the loop's steps, driven in their order within one turn
+    # the loop's steps, driven in their order within one turn
+    with _loop_steps(tmp_path, registry) as (server, admission):
         full = admission.limit
         server._reserve(_Burst.of(b"front", wire.Reserve(1, "embed", full, full, timeout=20)))
         server._reserve(_Burst.of(b"front", wire.Reserve(2, "embed", 2, 6, timeout=20)))
@@ -111,9 +127,6 @@ def test_ids_refused_under_a_reservation_whose_grant_is_on_its_way_free_its_room
         assert admission.used_inputs == 0 and admission.used_tokens == 0, server._reserved
         assert [(f.id, f.status) for f in server._outbox[b"front"]] == [(2, 400)]
         assert not server.in_flight
-    finally:
-        server.close()
-        engine.drain(1)
 
 
 def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
@@ -123,14 +136,8 @@ def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
     reservation's ids get: ids that are not the inputs reserved are a 400 with no room held,
     a second reservation under the id is dropped as malformed, and one that asked to be
     told is taken as sent."""
-    engine = Service(Settings(), encoder=FakeEncoder(dimension=4, max_input_tokens=16),
-                     metrics=Metrics(registry))
-    engine.start(background=False)
-    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
-                          card={}, state=lambda: "ready", metrics=engine.metrics)
-    admission = engine.runner.admission
     one_input, two_inputs = wire.pack_ids([[1, 5, 2]]), wire.pack_ids([[1, 5, 2], [1, 2]])
-    try:
+    with _loop_steps(tmp_path, registry) as (server, admission):
         burst = _Burst.of(
             b"front",
             wire.Reserve(1, "embed", 1, 40, timeout=20),
@@ -155,9 +162,6 @@ def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
         answered = server._outbox[b"front"]
         assert sorted(f.id for f in answered if isinstance(f, wire.Answer)) == [1, 3]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
-    finally:
-        server.close()
-        engine.drain(1)
 
 
 def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
@@ -237,21 +241,12 @@ def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_ti
     never more than REQUEST_TIMEOUT_S; one that says more (a buggy or hostile local sender)
     and never sends its ids holds its room until REQUEST_TIMEOUT_S at most, then gets 504.
     Taken as sent, a timeout of a year held the room for good."""
-    settings = Settings(request_timeout_s=0.5)
-    engine = Service(settings, encoder=FakeEncoder(dimension=4, max_input_tokens=16),
-                     metrics=Metrics(registry))
-    engine.start(background=False)
-    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
-                          card={}, state=lambda: "ready", metrics=engine.metrics)
-    admission = engine.runner.admission
     year = 365 * 24 * 3600.0
-    try:  # the loop's steps, driven in their order
+    # the loop's steps, driven in their order
+    with _loop_steps(tmp_path, registry, Settings(request_timeout_s=0.5)) as (server, admission):
         server._reserve(_Burst.of(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year)))
         assert admission.used_inputs == 3
         time.sleep(0.6)
         server._sweep_parked()
         assert [(f.id, f.status) for f in server._outbox.get(b"front", [])] == [(1, 504)]
         assert admission.used_inputs == 0 and not server.in_flight
-    finally:
-        server.close()
-        engine.drain(1)
