@@ -393,12 +393,15 @@ class EngineServer:
         is dropped as malformed. Taken in, it replaced the first request in the tables
         while the first's ticket stayed open: its room was never given back."""
         key = (peer, frame.id)
-        if key in taken or key in self._reserved or key in self._parked \
-                or key in self._running:
+        if key in taken or self._holds(key):
             self._refuse_frame(f"{type(frame).__name__} {frame.id}: an id in use")
             return False
         taken.add(key)
         return True
+
+    def _holds(self, key: tuple[bytes, int]) -> bool:
+        """Whether a request is in the engine under ``key`` (reserved, parked or running)."""
+        return key in self._reserved or key in self._parked or key in self._running
 
     def _reservation(self, frame: wire.Reserve) -> float:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
@@ -440,6 +443,10 @@ class EngineServer:
         reqs, asks, start = [], [], []
         taken: set[tuple[bytes, int]] = set()
         for peer, frame, reserve in burst.submits:
+            if reserve is not None and self._holds((peer, frame.id)):
+                # the reservation read with it repeats one held already: the ids join that
+                self._refuse_frame(f"Reserve {frame.id}: an id in use")
+                reserve = None
             if frame.reserved and reserve is None:
                 held = self._join(peer, frame)
                 if held is not None:

@@ -73,7 +73,7 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
                   "last_activity", "_flush_some", "write_soon",
                   "_flush_outbufs_below_high_watermark", "parser_class", "send_continue"),
     HTTPRequestParser: ("headers_finished", "completed", "error", "received", "body_rcv",
-                        "parse_header", "chunked", "expect_continue"),
+                        "parse_header", "chunked", "expect_continue", "body_bytes_received"),
     OverflowableBuffer: ("overflowed",),
     ChunkedReceiver: ("chunk_remainder", "__len__"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
@@ -148,6 +148,11 @@ class JsonErrorTask(ErrorTask):
         self.channel.server.on_error(self.request, err.code)
 
 
+# The bytes a chunked body still sends after a chunk's data, at the least: that chunk's CRLF,
+# then the last chunk ("0" CRLF) and the CRLF that ends the trailer
+_CHUNKS_END = 2 + 3 + 2
+
+
 class Parser(HTTPRequestParser):
     """waitress's request parser, refusing a head with both Content-Length and a chunked
     Transfer-Encoding (400), as gunicorn does: waitress reads the chunks and takes what
@@ -157,7 +162,8 @@ class Parser(HTTPRequestParser):
     counts a chunk's bytes as they come, so a size line past the limit followed by nothing
     waited for the body's deadline and got 408."""
 
-    completed: bool  # waitress's own attribute
+    completed: bool  # waitress's own attributes
+    body_bytes_received: int
 
     def parse_header(self, header_plus: bytes) -> None:
         super().parse_header(header_plus)
@@ -170,7 +176,10 @@ class Parser(HTTPRequestParser):
         chunks = self.body_rcv
         if self.chunked and not self.completed and isinstance(chunks, ChunkedReceiver):
             most = self.adj.max_request_body_size
-            if len(chunks) + chunks.chunk_remainder >= most:  # as waitress's own test
+            # waitress refuses once the bytes read reach ``most``: in a chunk's data, its rest,
+            # its CRLF and the last chunk's five bytes are still to come
+            rest = chunks.chunk_remainder
+            if rest and self.body_bytes_received + rest + _CHUNKS_END >= most:
                 self.error = RequestEntityTooLarge(f"exceeds max_body of {most}")
                 self.completed = True
         return int(consumed)

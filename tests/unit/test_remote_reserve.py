@@ -164,6 +164,29 @@ def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
         assert admission.used_inputs == 0 and admission.used_tokens == 0
 
 
+def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
+        tmp_path, registry):
+    """A reservation held from an earlier read, then a repeat of it read with the request's
+    ids: the repeat is dropped as malformed and the ids join the reservation held, as they
+    did before a reservation and its ids were taken in one pass. Taken with the repeat, the
+    ids were refused as a second request under the id, and the held room waited for its
+    deadline (504)."""
+    one_input = wire.pack_ids([[1, 5, 2]])
+    with _loop_steps(tmp_path, registry) as (server, admission):
+        held = _Burst.of(b"front", wire.Reserve(1, "embed", 1, 40, timeout=20))
+        server._reserve(held)
+        server._submit(held)
+        assert (b"front", 1) in server._reserved
+        burst = _Burst.of(b"front", wire.Reserve(1, "embed", 1, 40, timeout=20),
+                          wire.Submit(1, "embed", *one_input, timeout=20, reserved=True))
+        server._reserve(burst)
+        server._submit(burst)
+        assert server._malformed == 1 and list(server._running) == [(b"front", 1)]
+        assert _soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
+        assert [type(f) for f in server._outbox[b"front"]] == [wire.Answer]
+        assert admission.used_inputs == 0 and admission.used_tokens == 0
+
+
 def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
         tmp_path, registry):
     """A front whose connection to a live engine dropped (its socket closed for a frame
