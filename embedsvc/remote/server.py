@@ -760,7 +760,8 @@ class _Burst:
     once): taken as one request admitted with its ids, at its exact tokens, they cost one
     pass, where the reservation's admission, then the ids' joining it, each cost their own.
     The end is the same: the room held at the exact tokens. A reservation that asked to be
-    told, or one whose id comes twice, is taken as sent."""
+    told, or one whose id comes twice, is taken as sent; one that repeats a reservation the
+    engine holds already is dropped, and the ids join the one held (``_submit``)."""
 
     __slots__ = ("reserves", "submits", "_open")
 
