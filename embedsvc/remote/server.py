@@ -66,11 +66,14 @@ _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 # How long a stopping engine, its last request answered, still sends what its fronts have
 # not taken yet (a large answer is megabytes, and a front reads it as its turns come)
 _LINGER_S = 5.0
-# Past this many bytes waiting for a front that has not read them, a ping gets no pong:
-# pongs are the one frame a peer can have the engine queue for it without bound (a front's
-# answers are bounded by admission), and a peer that pings and never reads grew the engine
-# by 40 MB a second. A front that reads hears the pongs already queued for it.
+# Past this many bytes waiting for a front that has not read them, a ping gets a pong only
+# once a ``_PONG_EVERY_S``: pongs are the one frame a peer can have the engine queue for it
+# without bound (a front's answers are bounded by admission), and a peer that pings and
+# never reads grew the engine by 40 MB a second. A front slow to read its backlog still
+# hears, once a second, which of its requests the engine holds (``Pong.holding``: its
+# waits go on).
 _PONG_BACKLOG = 1 << 20
+_PONG_EVERY_S = 1.0
 _FRONT_GONE_S = 5.0  # a front not heard from for this long is no longer listed
 _FRONT_SILENT_S = 2.0  # a front silent this long (it pings every 0.5 s) whose pid is gone died
 
@@ -143,6 +146,7 @@ class EngineServer:
         # answers and grants, by front
         self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
+        self._ponged: dict[bytes, float] = {}  # when each peer's last pong was queued
         self._malformed = 0
         self._most_s = runner.settings.request_timeout_s  # see ``_checked_deadline``
         self._next_front_sweep = 0.0
@@ -249,6 +253,7 @@ class EngineServer:
         stream.close()
         front = self._fronts.pop(peer, None)
         self._outbox.pop(peer, None)
+        self._ponged.pop(peer, None)
         if self._drop_where(lambda req: req.peer == peer):
             log.warning("front pid %s is gone: the work of its requests is dropped",
                         front.pid if front is not None else "unknown")
@@ -304,7 +309,10 @@ class EngineServer:
             self._cancel(peer, frame.id)
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
-            if self._streams[peer].waiting <= _PONG_BACKLOG:
+            now = time.monotonic()
+            if self._streams[peer].waiting <= _PONG_BACKLOG \
+                    or now - self._ponged.get(peer, 0.0) >= _PONG_EVERY_S:
+                self._ponged[peer] = now
                 self._send(peer, wire.Pong(os.getpid(), self.state(),
                                            self.runner.admission.limit, self.fronts(),
                                            self._holding(peer)))

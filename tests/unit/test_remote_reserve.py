@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +15,11 @@ from embedsvc.errors import EngineGone
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.remote import client as client_module
+from embedsvc.remote import server as server_module
 from embedsvc.remote import wire
 from embedsvc.remote.place import engine_address, private_dir
 from embedsvc.remote.server import EngineServer, _Burst
+from embedsvc.remote.stream import Stream
 from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
@@ -185,6 +188,26 @@ def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
         assert _soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
         assert [type(f) for f in server._outbox[b"front"]] == [wire.Answer]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
+
+
+def test_past_the_pong_backlog_a_front_still_hears_a_pong_a_second(tmp_path, registry):
+    """More than ``_PONG_BACKLOG`` waiting for a front: its pings get a pong once a second,
+    not one each (the bound on what a peer that never reads can have queued), and not none
+    (a front slow to read its backlog still hears which requests the engine holds)."""
+    with _loop_steps(tmp_path, registry) as (server, _):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        server._streams[b"p"], reader = Stream(mine), Stream(theirs)
+        server._streams[b"p"].waiting = server_module._PONG_BACKLOG + 1  # a backlog, as if
+        try:
+            for _ in range(5):
+                server._dispatch(b"p", wire.Ping(os.getpid()))
+            server._ponged[b"p"] -= server_module._PONG_EVERY_S  # a second later
+            server._dispatch(b"p", wire.Ping(os.getpid()))
+            time.sleep(0.1)
+            frames = [wire.decode_to_front(f) for f in reader.read()]
+            assert [type(f) for f in frames] == [wire.Pong, wire.Pong]
+        finally:
+            reader.close()
 
 
 def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
