@@ -121,3 +121,96 @@ def test_a_files_digest_is_its_sha256_empty_files_too(tmp_path, size):
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     path.write_bytes(data)
     assert file_digest(path) == hashlib.sha256(data).hexdigest()
+
+
+def _small_record(path: Path) -> None:
+    from embedsvc.model.record import describe_file, write_record
+
+    path.mkdir()
+    for name, data in (("model.onnx", b"graph" * 1000), ("probe.npz", b"probe")):
+        (path / name).write_bytes(data)
+    write_record(path, {"lean": True, "files": {
+        n: describe_file(path / n) for n in ("model.onnx", "probe.npz")}})
+
+
+def _counted_digests(monkeypatch) -> list[str]:
+    from embedsvc.model import record
+
+    digested: list[str] = []
+    real = record.file_digest
+    monkeypatch.setattr(record, "file_digest", lambda p: digested.append(p.name) or real(p))
+    return digested
+
+
+def _long_after(monkeypatch) -> None:
+    """Digests as if long after the files were written (a file written within the last
+    tick of the file system's clock is not stamped)."""
+    import time
+    from types import SimpleNamespace
+
+    from embedsvc.model import record
+
+    monkeypatch.setattr(record, "time", SimpleNamespace(time_ns=lambda: time.time_ns() + 10**11))
+
+
+def test_a_start_digests_only_the_record_files_changed_since_the_last_digest(tmp_path,
+                                                                               monkeypatch):
+    """A file digested once is not digested again while its inode, size and times are
+    those stamped; rewritten in place with the same size, or replaced, it is."""
+    import time as real_time
+
+    from embedsvc.model import record
+
+    path = tmp_path / "m.lean"
+    _small_record(path)
+    digested = _counted_digests(monkeypatch)
+    _long_after(monkeypatch)
+    record.read_record(path)
+    assert sorted(digested) == ["model.onnx", "probe.npz"]
+    for _ in range(2):
+        record.read_record(path)
+    assert sorted(digested) == ["model.onnx", "probe.npz"]  # stamped: not read again
+
+    real_time.sleep(0.05)  # past the file system clock's tick: the write gets a new ctime
+    graph = path / "model.onnx"
+    graph.write_bytes(b"GRAPH" + graph.read_bytes()[5:])  # same size, same name
+    with pytest.raises(RecordError, match="SHA-256 differs"):
+        record.read_record(path)
+    graph.write_bytes(b"graph" * 1000)
+    (path / "probe.npz").rename(tmp_path / "aside")  # a new inode with the same bytes
+    (tmp_path / "aside").write_bytes(b"probe")
+    (tmp_path / "aside").rename(path / "probe.npz")
+    digested.clear()
+    record.read_record(path)
+    assert sorted(digested) == ["model.onnx", "probe.npz"]
+
+
+def test_a_record_file_changed_within_the_clock_tick_is_not_stamped(tmp_path):
+    """A file digested just after it was written may be rewritten within the same tick of
+    the file system's clock, leaving its times as they were: it is digested again."""
+    from embedsvc.model import record
+
+    path = tmp_path / "m.lean"
+    _small_record(path)
+    record.read_record(path)
+    graph = path / "model.onnx"
+    graph.write_bytes(b"GRAPH" + graph.read_bytes()[5:])
+    with pytest.raises(RecordError, match="SHA-256 differs"):
+        record.read_record(path)
+
+
+def test_a_record_on_a_read_only_volume_is_digested_at_every_start(tmp_path, monkeypatch):
+    import os
+
+    from embedsvc.model import record
+
+    path = tmp_path / "m.lean"
+    _small_record(path)
+    digested = _counted_digests(monkeypatch)
+    _long_after(monkeypatch)
+    monkeypatch.setattr(record.os, "replace", lambda *a: (_ for _ in ()).throw(
+        OSError(30, "Read-only file system")))
+    for _ in range(2):
+        record.read_record(path)
+    assert digested == ["model.onnx", "probe.npz"] * 2
+    assert sorted(os.listdir(path)) == ["model.onnx", "probe.npz", "record.json"]
