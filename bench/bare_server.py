@@ -1,17 +1,27 @@
 """The floor under the simulated device: plain waitress and one precomputed answer.
 
     .venv/bin/python bench/bare_server.py --port 8092 --threads 64
+    .venv/bin/python bench/bare_server.py --port 8092 --threads 64 --handoff
 
 A WSGI app that reads the body and answers every request with the same bytes: the body and
 headers embedsvc answers for one 384-dimensional vector on /v1/embeddings (the simulated
 device's vector of one input), built once at start. What this server costs per request is
 waitress's share alone, so embedsvc's rate over the simulated device, divided by this one's
 (same threads, same wrk), is the share of the HTTP server's pace that embedsvc keeps.
+
+``--handoff``: each request thread also hands its request to one other thread and waits for
+it, as embedsvc's request threads hand theirs to the batcher thread: a queue under a lock and
+a condition, which that thread empties at each wake-up, and a held lock per request that it
+releases. The same app otherwise: what the hand-off alone costs waitress, the part of
+embedsvc's distance to the bare app that no leaner request path can win back while a batcher
+thread computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,24 +51,57 @@ def answer() -> tuple[bytes, list[tuple[str, str]]]:
     return body, headers
 
 
-def make_app() -> Callable[..., Iterable[bytes]]:
+def make_app(handoff: bool = False) -> Callable[..., Iterable[bytes]]:
     body, headers = answer()
+    hand = _handoff() if handoff else None
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         length = environ.get("CONTENT_LENGTH")
         environ["wsgi.input"].read(int(length) if length else -1)
+        if hand is not None:
+            hand()
         start_response("200 OK", headers)
         return [body]
 
     return app
 
 
+def _handoff() -> Callable[[], None]:
+    """A call that returns once another thread has seen it (``--handoff``)."""
+    lock = threading.Lock()
+    wake = threading.Condition(lock)
+    queued: deque[Any] = deque()
+
+    def other() -> None:
+        while True:
+            with lock:
+                while not queued:
+                    wake.wait()
+                taken = list(queued)
+                queued.clear()
+            for done in taken:
+                done.release()
+
+    def hand() -> None:
+        done = threading.Lock()
+        done.acquire()
+        with lock:
+            queued.append(done)
+            wake.notify()
+        done.acquire()
+
+    threading.Thread(target=other, name="handoff", daemon=True).start()
+    return hand
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8092)
     parser.add_argument("--threads", type=int, default=64)
+    parser.add_argument("--handoff", action="store_true",
+                        help="hand each request to one other thread and wait for it")
     args = parser.parse_args()
-    waitress.serve(make_app(), host="127.0.0.1", port=args.port, threads=args.threads,
+    waitress.serve(make_app(args.handoff), host="127.0.0.1", port=args.port, threads=args.threads,
                    ident="bare")
 
 

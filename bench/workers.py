@@ -8,9 +8,10 @@
 ``sim``: 32 clients x 1 input (wrk and bench/embed.lua, as bench/run.py drives them) against
 embedsvc in one process, ``--workers 2`` and ``--workers 4`` over the simulated zero-cost device
 (bench/sim_server.py), a bare waitress app and the same bare app under ``gunicorn -w 2``
-(bench/bare_server.py); with each server's CPU per request (every process of it) and, for
-``--workers``, the engine process's own (``/proc/PID/stat``'s utime and stime before and after
-the measured seconds, over the requests answered).
+(bench/bare_server.py; ``--only ...,bare-handoff`` adds the bare app with the one hand-off
+to another thread that embedsvc's batcher makes); with each server's CPU per request (every
+process of it) and, for ``--workers``, the engine process's own (``/proc/PID/stat``'s utime
+and stime before and after the measured seconds, over the requests answered).
 
 ``--clients 32,1`` runs the ``sim`` rounds at each count of clients (1: latency alone, where
 ``--workers 2``'s p50 is compared with one process's). ``BENCH_ENGINE_PROFILE=DIR`` in the
@@ -72,7 +73,9 @@ from bench import run  # noqa: E402 - the path above makes the repository import
 
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "sim-w4": "embedsvc --workers 4",
-       "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2"}
+       "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2",
+       "bare-handoff": "bare app, a thread hand-off a request"}
+ASKED_FOR = {"bare-handoff"}  # run where --only names it, never by default
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
 
 
@@ -253,6 +256,9 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
              "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
              "- " + ratio_line(results, sc, "sim", "bare"),
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
+    if _of(results, "bare-handoff", sc):  # the hand-off's own cost, and what is left
+        lines += ["- " + ratio_line(results, sc, "bare-handoff", "bare"),
+                  "- " + ratio_line(results, sc, "sim", "bare-handoff")]
     if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
     for tree in (n for n in labels if "@" in n and _of(results, n, sc)):
@@ -543,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... for every server")
     parser.add_argument("--only", help="sim, model: comma-separated servers of "
-                        + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison)")
+                        + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison but "
+                        + ", ".join(ASKED_FOR) + ")")
     parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
                         "one process (sim@REV) and --workers 2 (sim-w2@REV) join the rounds, "
                         "beside this tree's of each")
@@ -563,8 +570,9 @@ def main(argv: list[str] | None = None) -> int:
            **{f"sim-w2@{rev}": f"embedsvc --workers 2 at {rev}" for rev in revs}}
 
     def servers(labels: dict[str, str]) -> list[str]:
-        return [n for n in labels
-                if args.only is None or n.split("@")[0] in args.only.split(",")]
+        if args.only is None:
+            return [n for n in labels if n not in ASKED_FOR]
+        return [n for n in labels if n.split("@")[0] in args.only.split(",")]
 
     reports: dict[str, Callable[[], str]] = {
         "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c), args.inputs)
