@@ -14,10 +14,7 @@ writes (with PyTorch) and lean.py reads (without it):
   token types, truncation), the model's description (``ModelInfo``), the probe inputs, the
   KIND setting it was made for, and the size and SHA-256 of every other file; its own
   fields' SHA-256 last (``digest``), so that an edited record is rebuilt, not served as
-  edited. Written last: a record without it is unfinished;
-- ``.digested.json``: written by the starts that read the record, each file's inode, size and
-  times when it was last digested, so that a later start digests only what has changed since
-  (``_check_file``).
+  edited. Written last: a record without it is unfinished.
 
 A model the graph cannot express gets a record that says so (``lean: false`` and the
 reason), so that later starts know without PyTorch to take the PyTorch path, and say why.
@@ -32,12 +29,10 @@ the KIND setting instead (``find_exported``), and its own evidence is all that i
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import mmap
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +48,6 @@ PROBE = "probe.npz"
 VISION = "vision.onnx"  # an image-text model's vision tower (its text tower is GRAPH)
 PREPROCESSOR = "preprocessor_config.json"  # its image preprocessing, as the model ships it
 INT8 = "int8"  # the int8 record's directory, inside the float32 record's
-# What an earlier start found of each file it digested (read_record): files whose inode,
-# size and change times are those are not digested again.
-STAMPS = ".digested.json"
-_SETTLED_NS = 2 * 10**9  # a file changed this recently is digested again at the next start
 # ONNX Runtime against PyTorch, both float32: the largest difference on the probe, relative
 # to the largest output; and the smallest cosine of any output row.
 TOLERANCE = 1e-3
@@ -114,8 +105,8 @@ def file_digest(path: Path) -> str:
 
 def describe_file(path: Path) -> dict[str, Any]:
     """A file's size and SHA-256 as ``record.json`` keeps them, to find a changed file (the
-    graph's digest costs about 0.05 CPU-seconds per 90 MB, once for each change of the file:
-    a weight that the probe inputs do not reach would otherwise go unchecked)."""
+    graph's digest costs a start about 0.07 CPU-seconds per 90 MB: a weight that the probe
+    inputs do not reach would otherwise go unchecked)."""
     return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
 
 
@@ -131,59 +122,20 @@ def read_record(path: Path) -> dict[str, Any]:
     if record.get("digest") != _digest(record):
         raise RecordError(f"{RECORD} was changed after it was written (its fields do not "
                           "match their digest)")
-    stamps = _read_stamps(path)
-    seen = {name: _check_file(path / name, entry, stamps.get(name))
-            for name, entry in record.get("files", {}).items()}
-    if seen != stamps:
-        _write_stamps(path, seen)
+    for name, entry in record.get("files", {}).items():
+        _check_file(path / name, entry)
     return record
 
 
-def _check_file(path: Path, entry: dict[str, Any], stamp: list[Any] | None) -> list[Any]:
-    """RecordError unless the file is the one recorded; its stamp, for the next start.
-
-    A file is digested unless ``stamp``, what an earlier start stamped after digesting it,
-    still describes it: the same device, inode, size, modification and change times, and
-    the recorded SHA-256. Any write, truncation, copy or replacement gives a file a new change
-    time (which no program can set back) or a new inode. A file changed within _SETTLED_NS
-    of its digest is not stamped: a write in the same tick of the file system's clock could
-    leave its times as they were (git's "racily clean" files)."""
+def _check_file(path: Path, entry: dict[str, Any]) -> None:
     try:
-        st = path.stat()
+        size = path.stat().st_size
     except OSError as exc:
         raise RecordError(f"{path.name} is missing ({exc.strerror})") from exc
-    if st.st_size != entry.get("bytes"):
-        raise RecordError(f"{path.name} has {st.st_size} bytes, not the "
-                          f"{entry.get('bytes')} recorded")
-    if "sha256" not in entry:
-        return []
-    seen = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, entry["sha256"]]
-    if seen == stamp:
-        return seen
-    if file_digest(path) != entry["sha256"]:
+    if size != entry.get("bytes"):
+        raise RecordError(f"{path.name} has {size} bytes, not the {entry.get('bytes')} recorded")
+    if "sha256" in entry and file_digest(path) != entry["sha256"]:
         raise RecordError(f"{path.name} is not the file that was recorded (SHA-256 differs)")
-    settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _SETTLED_NS
-    return seen if settled else []
-
-
-def _read_stamps(path: Path) -> dict[str, Any]:
-    try:
-        stamps = json.loads((path / STAMPS).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return stamps if isinstance(stamps, dict) else {}
-
-
-def _write_stamps(path: Path, stamps: dict[str, Any]) -> None:
-    """Written aside and renamed into place; a record on a read-only volume keeps none (each
-    start digests it)."""
-    aside = path / f"{STAMPS}.{os.getpid()}.tmp"
-    try:
-        aside.write_text(json.dumps(stamps), encoding="utf-8")
-        os.replace(aside, path / STAMPS)
-    except OSError:
-        with contextlib.suppress(OSError):
-            aside.unlink()
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
