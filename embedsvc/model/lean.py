@@ -51,6 +51,7 @@ from .record import (
     fingerprint,
     model_source,
     read_record,
+    read_record_digesting,
     write_record,
 )
 from .scorer import segment_ids
@@ -408,13 +409,16 @@ def warm_start(settings: Settings) -> Warm:
 def open_lean(settings: Settings, path: Path, key: str) -> LeanEncoder | NotLean:
     """The record's encoder, int8 when QUANTIZE says so (quantized here once, no PyTorch);
     RecordError for a record of another model."""
-    record = read_record(path)
+    record, digests = read_record_digesting(path)
     recorded_key = record.get("fingerprint")
     if recorded_key != key:
         raise RecordError(f"it was exported from other model files (fingerprint "
                           f"{str(recorded_key)[:12]}, not {key[:12]})")
     threads = threads_for(settings)
-    found = open_record(path, threads, record)
+    try:
+        found = open_record(path, threads, record)
+    finally:  # a file that differs is not served, whatever the probe said; its error says so
+        digests.check()
     if isinstance(found, NotLean) or settings.quantize == "none":
         return found
     if found.kind != "embedding":

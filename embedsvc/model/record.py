@@ -33,6 +33,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ def fingerprint(source: Path, kind: str) -> str:
 
 def file_digest(path: Path) -> str:
     # One update over the mapped file holds the GIL once, not once a block: a start digests
-    # the record in its loading thread while its main thread imports the web stack.
+    # the record in a thread of its own while its loading thread builds the session and its
+    # main thread imports the web stack (``Digests``).
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
             return hashlib.sha256().hexdigest()
@@ -113,6 +115,49 @@ def describe_file(path: Path) -> dict[str, Any]:
 def read_record(path: Path) -> dict[str, Any]:
     """``record.json`` of the record at ``path``, with every file it lists checked;
     RecordError if anything is missing, truncated or changed."""
+    record = _read_sized(path)
+    for name, entry in record.get("files", {}).items():
+        _check_digest(path / name, entry)
+    return record
+
+
+class Digests:
+    """The SHA-256 of each file of a record, checked in a thread of its own while the caller
+    goes on: a start builds the graph's session meanwhile (both without the GIL), and the
+    digest of the bundled model's graph, about 50 ms, was on the loading thread's path
+    before the session. ``check()`` waits for them: RecordError for a file that differs."""
+
+    def __init__(self, path: Path, files: dict[str, Any]) -> None:
+        self._error: RecordError | None = None
+        self._thread = threading.Thread(target=self._run, args=(path, files),
+                                        name="embedsvc-digests", daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path, files: dict[str, Any]) -> None:
+        try:
+            for name, entry in files.items():
+                _check_digest(path / name, entry)
+        except RecordError as exc:
+            self._error = exc
+        except OSError as exc:  # removed or unreadable since its size was read
+            self._error = RecordError(f"a file of the record does not read ({exc})")
+
+    def check(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def read_record_digesting(path: Path) -> tuple[dict[str, Any], Digests]:
+    """``read_record``, its files' digests checked in a thread of their own (``Digests``):
+    the record is not to be served until ``check()`` has returned."""
+    record = _read_sized(path)
+    return record, Digests(path, record.get("files", {}))
+
+
+def _read_sized(path: Path) -> dict[str, Any]:
+    """``record.json`` of the record at ``path``, its own digest and its files' sizes
+    checked."""
     try:
         record = json.loads((path / RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -123,17 +168,20 @@ def read_record(path: Path) -> dict[str, Any]:
         raise RecordError(f"{RECORD} was changed after it was written (its fields do not "
                           "match their digest)")
     for name, entry in record.get("files", {}).items():
-        _check_file(path / name, entry)
+        _check_size(path / name, entry)
     return record
 
 
-def _check_file(path: Path, entry: dict[str, Any]) -> None:
+def _check_size(path: Path, entry: dict[str, Any]) -> None:
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise RecordError(f"{path.name} is missing ({exc.strerror})") from exc
     if size != entry.get("bytes"):
         raise RecordError(f"{path.name} has {size} bytes, not the {entry.get('bytes')} recorded")
+
+
+def _check_digest(path: Path, entry: dict[str, Any]) -> None:
     if "sha256" in entry and file_digest(path) != entry["sha256"]:
         raise RecordError(f"{path.name} is not the file that was recorded (SHA-256 differs)")
 

@@ -121,3 +121,57 @@ def test_a_files_digest_is_its_sha256_empty_files_too(tmp_path, size):
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     path.write_bytes(data)
     assert file_digest(path) == hashlib.sha256(data).hexdigest()
+
+
+def _small_record(path: Path) -> None:
+    from embedsvc.model.record import describe_file, write_record
+
+    path.mkdir()
+    for name, data in (("model.onnx", b"graph" * 1000), ("probe.npz", b"probe")):
+        (path / name).write_bytes(data)
+    write_record(path, {"lean": True, "fingerprint": "k" * 64, "files": {
+        n: describe_file(path / n) for n in ("model.onnx", "probe.npz")}})
+
+
+def test_a_start_serves_no_record_whose_digest_differs_though_its_graph_loaded(tmp_path,
+                                                                                 monkeypatch):
+    """The files' digests run beside the session's build (a thread of their own); a file
+    that differs is still refused once the graph has loaded and reproduced the probe (a
+    weight the probe inputs do not reach)."""
+    from embedsvc.model import record
+
+    path = tmp_path / "m.lean"
+    _small_record(path)
+    graph = path / "model.onnx"
+    graph.write_bytes(b"GRAPH" + graph.read_bytes()[5:])  # same size
+    loaded = []
+    monkeypatch.setattr(lean, "open_record", lambda *a: loaded.append(a) or "the encoder")
+    settings = Settings.from_env({"EMBEDSVC_CACHE_DIR": str(tmp_path)})
+    with pytest.raises(RecordError, match="model.onnx is not the file that was recorded"):
+        lean.open_lean(settings, path, "k" * 64)
+    assert loaded  # the graph was opened meanwhile, and not served
+
+    graph.write_bytes(b"graph" * 1000)
+    assert lean.open_lean(settings, path, "k" * 64) == "the encoder"
+    fields, digests = record.read_record_digesting(path)
+    digests.check()
+    assert fields == record.read_record(path)
+
+
+def test_a_failed_load_waits_for_the_digests_and_says_what_differs(tmp_path, monkeypatch):
+    """No thread reads the record's files once the start has given up on it (a rebuild
+    replaces them); where a file differs, that is the error, not the graph's."""
+    path = tmp_path / "m.lean"
+    _small_record(path)
+    (path / "probe.npz").write_bytes(b"PROBE")
+
+    def broken(*args):
+        raise RecordError("the probe differs")
+
+    monkeypatch.setattr(lean, "open_record", broken)
+    settings = Settings.from_env({"EMBEDSVC_CACHE_DIR": str(tmp_path)})
+    with pytest.raises(RecordError, match="probe.npz is not the file"):
+        lean.open_lean(settings, path, "k" * 64)
+    (path / "probe.npz").write_bytes(b"probe")
+    with pytest.raises(RecordError, match="the probe differs"):
+        lean.open_lean(settings, path, "k" * 64)
