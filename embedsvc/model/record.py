@@ -128,7 +128,8 @@ class Digests:
     before the session. ``check()`` waits for them: RecordError for a file that differs."""
 
     def __init__(self, path: Path, files: dict[str, Any]) -> None:
-        self._error: RecordError | None = None
+        # refused until the thread has seen every digest match: whatever stops it first
+        self._error: RecordError | None = RecordError("its files' digests did not finish")
         self._thread = threading.Thread(target=self._run, args=(path, files),
                                         name="embedsvc-digests", daemon=True)
         self._thread.start()
@@ -139,8 +140,10 @@ class Digests:
                 _check_digest(path / name, entry)
         except RecordError as exc:
             self._error = exc
-        except OSError as exc:  # removed or unreadable since its size was read
+        except Exception as exc:  # noqa: BLE001 - removed, unreadable, cut short: not served
             self._error = RecordError(f"a file of the record does not read ({exc})")
+        else:
+            self._error = None
 
     def check(self) -> None:
         self._thread.join()

@@ -175,3 +175,20 @@ def test_a_failed_load_waits_for_the_digests_and_says_what_differs(tmp_path, mon
     (path / "probe.npz").write_bytes(b"probe")
     with pytest.raises(RecordError, match="the probe differs"):
         lean.open_lean(settings, path, "k" * 64)
+
+
+def test_a_digest_that_fails_otherwise_refuses_the_record_too(tmp_path, monkeypatch):
+    """The digests' thread fails closed: an error of any kind in it (here a file cut short
+    between its size and its mapping) refuses the record, as in the calling thread."""
+    from embedsvc.model import record
+
+    path = tmp_path / "m.lean"
+    _small_record(path)
+
+    def cut_short(p):
+        raise ValueError("cannot mmap an empty file")
+
+    monkeypatch.setattr(record, "file_digest", cut_short)
+    fields, digests = record.read_record_digesting(path)
+    with pytest.raises(RecordError, match="does not read .*cannot mmap"):
+        digests.check()
