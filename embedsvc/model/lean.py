@@ -43,6 +43,7 @@ from .record import (
     PROBE,
     TOKENIZER,
     VISION,
+    Digests,
     NotLean,
     RecordError,
     compare,
@@ -51,7 +52,7 @@ from .record import (
     fingerprint,
     model_source,
     read_record,
-    read_record_digesting,
+    read_sized,
     write_record,
 )
 from .scorer import segment_ids
@@ -294,16 +295,20 @@ def _encoder_class(kind: str) -> type[LeanEncoder]:
             "image-text": LeanImageText}.get(kind, LeanScorer)
 
 
-def open_record(path: Path, threads: int, record: dict[str, Any] | None = None
-                ) -> LeanEncoder | NotLean:
+def open_record(path: Path, threads: int, record: dict[str, Any] | None = None,
+                before_run: Callable[[], None] | None = None) -> LeanEncoder | NotLean:
     """The float32 encoder of the record at ``path``, once its graph reproduces PyTorch's
     probe outputs; RecordError (or ONNX Runtime's error) for a record not to serve.
-    ``record``: its ``read_record``, when the caller has it (each read digests every file)."""
+    ``record``: its ``read_record``, when the caller has it (each read digests every file);
+    ``before_run``: called once the sessions are built, before the graph first runs (the
+    probe): ``Digests.check`` where the caller's record is ``read_sized``'s."""
     record = record if record is not None else read_record(path)
     if not record.get("lean"):
         return NotLean(str(record.get("reason", "the record says so")))
     encoder = _encoder_class(record["kind"])(path, record, runtime.session(path / GRAPH, threads),
                                              "float32")
+    if before_run is not None:
+        before_run()
     verify(encoder, record, path / PROBE, "PyTorch's")
     encoder.probe_inputs = record["probe"]["inputs"]
     return encoder
@@ -409,16 +414,19 @@ def warm_start(settings: Settings) -> Warm:
 def open_lean(settings: Settings, path: Path, key: str) -> LeanEncoder | NotLean:
     """The record's encoder, int8 when QUANTIZE says so (quantized here once, no PyTorch);
     RecordError for a record of another model."""
-    record, digests = read_record_digesting(path)
+    record = read_sized(path)
     recorded_key = record.get("fingerprint")
     if recorded_key != key:
         raise RecordError(f"it was exported from other model files (fingerprint "
                           f"{str(recorded_key)[:12]}, not {key[:12]})")
     threads = threads_for(settings)
+    digests = Digests(path, record)  # beside the session's build, checked before the probe
     try:
-        found = open_record(path, threads, record)
-    finally:  # a file that differs is not served, whatever the probe said; its error says so
-        digests.check()
+        found = open_record(path, threads, record, before_run=digests.check)
+    except Exception:
+        digests.check()  # a file that differs is the error to report, else the load's
+        raise
+    digests.check()  # a record that is not lean has no probe
     if isinstance(found, NotLean) or settings.quantize == "none":
         return found
     if found.kind != "embedding":

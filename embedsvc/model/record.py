@@ -115,19 +115,22 @@ def describe_file(path: Path) -> dict[str, Any]:
 def read_record(path: Path) -> dict[str, Any]:
     """``record.json`` of the record at ``path``, with every file it lists checked;
     RecordError if anything is missing, truncated or changed."""
-    record = _read_sized(path)
+    record = read_sized(path)
     for name, entry in record.get("files", {}).items():
         _check_digest(path / name, entry)
     return record
 
 
 class Digests:
-    """The SHA-256 of each file of a record, checked in a thread of its own while the caller
-    goes on: a start builds the graph's session meanwhile (both without the GIL), and the
-    digest of the bundled model's graph, about 50 ms, was on the loading thread's path
-    before the session. ``check()`` waits for them: RecordError for a file that differs."""
+    """The SHA-256 of each file of the record ``read_sized`` read at ``path``, checked in a
+    thread of its own while the caller goes on: a start builds the graph's session meanwhile
+    (both without the GIL), and the digest of the bundled model's graph, about 50 ms, was on
+    the loading thread's path before the session. ``check()`` waits for them: RecordError
+    for a file that differs. The caller checks before the graph runs (the probe): a file that
+    differs is parsed by ONNX Runtime at most, never run, nor served."""
 
-    def __init__(self, path: Path, files: dict[str, Any]) -> None:
+    def __init__(self, path: Path, record: dict[str, Any]) -> None:
+        files = record.get("files", {})
         # refused until the thread has seen every digest match: whatever stops it first
         self._error: RecordError | None = RecordError("its files' digests did not finish")
         self._thread = threading.Thread(target=self._run, args=(path, files),
@@ -151,16 +154,10 @@ class Digests:
             raise self._error
 
 
-def read_record_digesting(path: Path) -> tuple[dict[str, Any], Digests]:
-    """``read_record``, its files' digests checked in a thread of their own (``Digests``):
-    the record is not to be served until ``check()`` has returned."""
-    record = _read_sized(path)
-    return record, Digests(path, record.get("files", {}))
-
-
-def _read_sized(path: Path) -> dict[str, Any]:
+def read_sized(path: Path) -> dict[str, Any]:
     """``record.json`` of the record at ``path``, its own digest and its files' sizes
-    checked."""
+    checked, not yet their digests (``read_record`` checks those too; ``Digests`` beside
+    other work)."""
     try:
         record = json.loads((path / RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

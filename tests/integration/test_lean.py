@@ -285,9 +285,10 @@ def test_a_start_checks_the_probe_in_one_run_of_the_graph(bundled, monkeypatch):
     real = runtime.session
     monkeypatch.setattr(runtime, "session",
                         lambda graph, threads: _CountedSession(real(graph, threads), runs))
-    encoder = lean.open_record(path, 1)
+    encoder = lean.open_record(path, 1, before_run=lambda: runs.append("digests checked"))
     assert isinstance(encoder, lean.LeanEncoder)
-    assert runs == [["sentence_embedding", "token_embeddings"]]
+    # the start's digests are checked before the graph first runs
+    assert runs == ["digests checked", ["sentence_embedding", "token_embeddings"]]
 
 
 def test_the_batcher_gives_the_lean_encoder_batches_of_one_session_run(bundled):

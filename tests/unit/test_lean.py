@@ -133,39 +133,49 @@ def _small_record(path: Path) -> None:
         n: describe_file(path / n) for n in ("model.onnx", "probe.npz")}})
 
 
-def test_a_start_serves_no_record_whose_digest_differs_though_its_graph_loaded(tmp_path,
-                                                                                 monkeypatch):
-    """The files' digests run beside the session's build (a thread of their own); a file
-    that differs is still refused once the graph has loaded and reproduced the probe (a
-    weight the probe inputs do not reach)."""
+def test_a_start_never_runs_nor_serves_a_graph_whose_digest_differs(tmp_path, monkeypatch):
+    """The files' digests run beside the session's build (a thread of their own) and are
+    checked before the graph first runs (the probe): a file that differs is refused before
+    the probe, as a weight the probe inputs do not reach would not be."""
     from embedsvc.model import record
 
     path = tmp_path / "m.lean"
     _small_record(path)
     graph = path / "model.onnx"
     graph.write_bytes(b"GRAPH" + graph.read_bytes()[5:])  # same size
-    loaded = []
-    monkeypatch.setattr(lean, "open_record", lambda *a: loaded.append(a) or "the encoder")
+    built, ran = [], []
+
+    def opened(path, threads, fields, before_run=None):
+        built.append(path)  # the sessions are built, then ...
+        before_run()
+        ran.append(path)  # ... the probe runs
+        return "the encoder"
+
+    monkeypatch.setattr(lean, "open_record", opened)
     settings = Settings.from_env({"EMBEDSVC_CACHE_DIR": str(tmp_path)})
     with pytest.raises(RecordError, match="model.onnx is not the file that was recorded"):
         lean.open_lean(settings, path, "k" * 64)
-    assert loaded  # the graph was opened meanwhile, and not served
+    assert built and not ran
 
     graph.write_bytes(b"graph" * 1000)
     assert lean.open_lean(settings, path, "k" * 64) == "the encoder"
-    fields, digests = record.read_record_digesting(path)
-    digests.check()
+    assert ran
+    fields = record.read_sized(path)
+    record.Digests(path, fields).check()
     assert fields == record.read_record(path)
 
 
 def test_a_failed_load_waits_for_the_digests_and_says_what_differs(tmp_path, monkeypatch):
     """No thread reads the record's files once the start has given up on it (a rebuild
-    replaces them); where a file differs, that is the error, not the graph's."""
+    replaces them); where a file differs, that is the error, not the graph's. A record of
+    other model files starts no digest at all."""
+    import threading
+
     path = tmp_path / "m.lean"
     _small_record(path)
     (path / "probe.npz").write_bytes(b"PROBE")
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RecordError("the probe differs")
 
     monkeypatch.setattr(lean, "open_record", broken)
@@ -175,6 +185,9 @@ def test_a_failed_load_waits_for_the_digests_and_says_what_differs(tmp_path, mon
     (path / "probe.npz").write_bytes(b"probe")
     with pytest.raises(RecordError, match="the probe differs"):
         lean.open_lean(settings, path, "k" * 64)
+    with pytest.raises(RecordError, match="other model files"):
+        lean.open_lean(settings, path, "j" * 64)
+    assert not [t for t in threading.enumerate() if t.name == "embedsvc-digests"]
 
 
 def test_a_digest_that_fails_otherwise_refuses_the_record_too(tmp_path, monkeypatch):
@@ -189,6 +202,6 @@ def test_a_digest_that_fails_otherwise_refuses_the_record_too(tmp_path, monkeypa
         raise ValueError("cannot mmap an empty file")
 
     monkeypatch.setattr(record, "file_digest", cut_short)
-    fields, digests = record.read_record_digesting(path)
+    digests = record.Digests(path, record.read_sized(path))
     with pytest.raises(RecordError, match="does not read .*cannot mmap"):
         digests.check()
