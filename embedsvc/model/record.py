@@ -53,6 +53,7 @@ INT8 = "int8"  # the int8 record's directory, inside the float32 record's
 # to the largest output; and the smallest cosine of any output row.
 TOLERANCE = 1e-3
 PARITY = 0.9999
+_DIGEST_BLOCK = 4 << 20  # bytes read and hashed at a time
 
 
 class RecordError(ValueError):
@@ -95,14 +96,18 @@ def fingerprint(source: Path, kind: str) -> str:
 
 
 def file_digest(path: Path) -> str:
-    # One update over the mapped file holds the GIL once, not once a block: a start digests
-    # the record in a thread of its own while its loading thread builds the session and its
-    # main thread imports the web stack (``Digests``).
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file
-            return hashlib.sha256().hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return hashlib.sha256(mapped).hexdigest()
+    # Read in large blocks, not mapped: a file cut short while it was mapped killed the
+    # process (SIGBUS) at the first page past its new end; read, it ends early and its digest
+    # differs. Each block's read and hash release the GIL, and the blocks are few (a start
+    # digests the record in a thread of its own while its loading thread builds the session
+    # and its main thread imports the web stack: ``Digests``).
+    digest = hashlib.sha256()
+    # an anonymous mapping, unmapped on return: a freed 4 MiB buffer stayed in the heap
+    with open(path, "rb", buffering=0) as f, mmap.mmap(-1, _DIGEST_BLOCK) as block, \
+            memoryview(block) as view:
+        while count := f.readinto(block):
+            digest.update(view[:count])
+    return digest.hexdigest()
 
 
 def describe_file(path: Path) -> dict[str, Any]:

@@ -205,3 +205,30 @@ def test_a_digest_that_fails_otherwise_refuses_the_record_too(tmp_path, monkeypa
     digests = record.Digests(path, record.read_sized(path))
     with pytest.raises(RecordError, match="does not read .*cannot mmap"):
         digests.check()
+
+
+def test_a_record_file_cut_short_while_digested_is_refused_not_a_crash(tmp_path):
+    """A record file truncated while a start digests it: read in blocks, it ends early and
+    its digest differs (refused, the record rebuilt); mapped, the first page past its new
+    end killed the whole process with SIGBUS. In a process of its own."""
+    import subprocess
+    import sys
+
+    script = """
+import os, sys, threading
+from pathlib import Path
+from embedsvc.model.record import file_digest
+path = Path(sys.argv[1])
+for _ in range(20):
+    path.write_bytes(bytes(16 << 20))
+    cut = threading.Timer(0.003, os.truncate, (path, 4096))
+    cut.start()
+    digest = file_digest(path)
+    cut.join()
+    assert len(digest) == 64
+print("digested 20 files cut short meanwhile")
+"""
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "graph")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-800:])
+    assert "digested 20 files" in run.stdout
