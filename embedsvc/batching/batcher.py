@@ -277,7 +277,15 @@ class Batcher:
         self.device_lock = device_lock or DeviceLock()
         self.name = name
         self._lock = threading.RLock()  # taken as such: ``with`` on a Condition costs two calls
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # for ``shutdown``'s wait
+        # The thread sleeps on a held lock that a submit releases (``_ring``): a Condition's
+        # wait made a lock and a list entry each time, and its notify walked the list, a dozen
+        # Python calls a batch between them; the thread wakes about once a request when the
+        # device is quick.
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        self._asleep = False  # the thread waits on the bell (under self._lock)
+        self._closing = False  # ``shutdown`` waits on self._cond for the queue to empty
         self._pending: list[_Item] = []
         self._earliest_deadline = math.inf  # no queued job is due before this
         self._flows: dict[Hashable, float] = {}  # flow -> the end of its work's tags
@@ -364,8 +372,7 @@ class Batcher:
             for job, ticket in jobs:
                 self._enqueue(job, ticket, now)
             self._warn_if_deep(now)
-            if not self.here:
-                self._cond.notify()
+            self._ring()
 
     def _enqueue(self, job: Job, ticket: Ticket, now: float) -> None:
         """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
@@ -519,6 +526,7 @@ class Batcher:
         deadline = time.monotonic() + timeout
         self.admission.close()
         with self._lock:
+            self._closing = True
             computed_before = self._computed
             while self.admitted and time.monotonic() < deadline and self.alive:
                 self._cond.wait(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -530,7 +538,7 @@ class Batcher:
                 self._cancel(job, shutting_down("the server shut down before this request ran"))
             self._stopping = True
             self._stopped.set()
-            self._cond.notify_all()
+            self._ring()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         clean = not self.alive
@@ -616,18 +624,41 @@ class Batcher:
                 if self.here:
                     return []
                 if not self._pending:
-                    if not self._cond.wait(_TRIM_IDLE_S):
+                    if not self._sleep(_TRIM_IDLE_S):
                         return []
                     continue
                 now = time.monotonic()
                 wait = self._partial_wait(now)
                 if wait > 0:
-                    self._cond.wait(wait)
+                    self._sleep(wait)
                     continue
                 self._cancel_late(now)
                 if not self._pending:
                     continue
                 return self._take()
+
+    def _sleep(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a ``_ring``, self._lock released meanwhile (held once,
+        by the thread); whether it rang."""
+        self._asleep = True
+        self._lock.release()
+        try:
+            rung = self._bell.acquire(timeout=timeout)
+        finally:
+            self._lock.acquire()
+        if not rung:
+            if self._asleep:
+                self._asleep = False
+            else:  # rung between the timeout and the lock: the bell is open, close it again
+                self._bell.acquire()
+                rung = True
+        return rung
+
+    def _ring(self) -> None:
+        """Wake the thread if it sleeps (``_sleep``). Under self._lock."""
+        if self._asleep:
+            self._asleep = False
+            self._bell.release()
 
     def _partial_wait(self, now: float) -> float:
         """How much longer a partial batch should wait for more inputs (MAX_WAIT_MS)."""
@@ -798,7 +829,8 @@ class Batcher:
         job._finish(error)
         if self.on_finished is not None:
             self.on_finished()
-        self._cond.notify_all()
+        if self._closing:
+            self._cond.notify_all()
 
     def _dequeued(self, job: Job, tokens: int, inputs: int) -> None:
         """``inputs`` of ``job``'s, ``tokens`` in all, left the queue (for the device, or
@@ -829,7 +861,8 @@ class Batcher:
             for tenant in tenants:
                 mine = [it for it in items if it.job.tenant == tenant]
                 self.admission.release(len(mine), sum(len(it.ids) for it in mine), tenant)
-        self._cond.notify_all()
+        if self._closing:  # what shutdown waits for
+            self._cond.notify_all()
 
     def _cancel_late(self, now: float) -> int:
         """Cancel queued jobs past their deadline; how many."""

@@ -689,3 +689,40 @@ def test_plan_batch_fills_a_batch_of_equal_lengths_in_the_order_of_their_tags():
     tags = [10.0, 11.0, 12.0, 0.0, 20.0, 1.0]  # inputs 3 and 5: new flows, at the virtual now
     chosen = plan_batch([5] * 6, max_items=3, max_tokens=1000, first=3, tags=tags)
     assert sorted(chosen) == [0, 3, 5]
+
+
+def test_a_wake_up_that_comes_as_the_threads_wait_times_out_is_kept_and_taken_once(metrics):
+    """The thread sleeps on a held lock that a submit releases. A submit that rings after
+    the sleep timed out, before the thread has its lock back, leaves the bell open: the
+    thread counts it as rung (the work it announced is taken now) and closes the bell again,
+    so that the next sleep waits for a ring of its own instead of returning at once, turn
+    after turn."""
+    b = Batcher(FakeEncoder().encode, BatchLimits(256, 16384, 0.0, 64, 1 << 20, 30.0, 1),
+                metrics=metrics)  # never started: this thread plays its part
+    bell = b._bell
+
+    class LateRing:  # the bell's wait times out, and the ring comes before the relock
+        def acquire(self, blocking=True, timeout=-1):
+            if timeout == -1:
+                return bell.acquire(blocking)
+            assert not bell.acquire(timeout=0.01)
+            submitter = threading.Thread(target=lambda: b.submit([ids(5)], later()))
+            submitter.start()
+            submitter.join(5)
+            return False
+
+        def release(self):
+            bell.release()
+
+    b._bell = LateRing()  # type: ignore[assignment]
+    with b._lock:
+        assert b._sleep(1.0) is True
+        assert not b._asleep and bell.locked()  # closed again, the ring taken
+        assert b.depth == 1  # what it announced is queued, for this turn to take
+    b._bell = bell
+    with b._lock:
+        started = time.monotonic()
+        assert b._sleep(0.05) is False  # a sleep of its own: no ring left over
+        assert time.monotonic() - started >= 0.04
+    b.start()  # the thread takes what is queued, then sleeps until the shutdown rings
+    assert b.shutdown(5).clean
