@@ -529,8 +529,9 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     with pytest.raises(DeadlineExceeded, match="did not answer in time"):
         front.ready().run(Work(EMBED, ["never answered"], deadline=started + 0.5))
     assert time.monotonic() - started >= 0.8  # its deadline and the grace, not sooner
-    assert [type(frame) for frame in taken] == [wire.Reserve, wire.Submit], taken
-    assert taken[0].id == taken[1].id and taken[1].reserved
+    # the reservation went with the ids, so the ids went alone, admitted on arrival
+    assert [type(frame) for frame in taken] == [wire.Submit], taken
+    assert not taken[0].reserved
     assert _soon(lambda: cancelled == [taken[0].id]), cancelled
     monkeypatch.undo()  # the engine answers again, on the same port
     out = front.ready().run(Work(EMBED, ["answered"], deadline=time.monotonic() + 5))
@@ -837,9 +838,10 @@ def test_a_reservation_whose_ids_never_come_ends_at_its_deadline(pair):
 
 def test_a_requests_frames_go_out_from_its_own_thread_without_waking_the_link():
     """A request thread sends what is queued itself (its reservation and its ids in one
-    frame), where the link's thread used to be woken through its pipe to send it: one
-    wake-up less for each request. Where another thread is sending at that moment, the
-    link is woken instead, so that no frame waits for a later send."""
+    frame: the ids alone, as a request admitted on arrival), where the link's thread used to
+    be woken through its pipe to send it: one wake-up less for each request. Where another
+    thread is sending at that moment, the link is woken instead, so that no frame waits for
+    a later send."""
     link = client_module.Link("ipc:///nonexistent")  # its thread never started
     link.state = "ready"
     sock = link._stream = _Recorder()  # type: ignore[assignment]
@@ -849,17 +851,38 @@ def test_a_requests_frames_go_out_from_its_own_thread_without_waking_the_link():
         call = link.send_call(wire.Reserve(first, "embed", 1, 3), None)
         assert sock.sent == []  # a reservation that does not wait goes with its ids
         link.send_ids(call, wire.Submit(first, "embed", *ids, reserved=True))
-        assert [type(f).__name__ for f in sock.sent] == ["Submits"], sock.sent
-        assert [type(f).__name__ for f in sock.sent[0].items] == ["Reserve", "Submit"]
+        assert [(type(f).__name__, f.id, f.reserved) for f in sock.sent] == [
+            ("Submit", first, False)], sock.sent
         assert not select.select([link._wake_r], [], [], 0)[0], "the link was woken"
         with link._send_lock:  # another thread is sending
             link.send_call(wire.Submit(link.next_id(), "embed", *ids), None)
         assert len(sock.sent) == 1
         assert select.select([link._wake_r], [], [], 0)[0], "the link was not woken"
         link._flush()  # the link's turn
-        assert [type(f).__name__ for f in sock.sent] == ["Submits", "Submit"], sock.sent
+        assert [type(f).__name__ for f in sock.sent] == ["Submit", "Submit"], sock.sent
     finally:
         link.close()
+
+
+def test_a_reservation_sent_with_its_ids_is_left_out_and_the_others_stay():
+    """In one send, a reservation and its request's ids become the ids alone, admitted on
+    arrival (the engine took the pair so already); a reservation that asked to be told, or
+    one sent earlier, stays, and its ids say they are reserved; the order is kept."""
+    ids = wire.pack_ids([[101, 7, 102]])
+    told = wire.Reserve(6, "embed", 300, 900, tell=True)  # its ids wait for the grant
+    frames = [wire.Submit(1, "embed", *ids, reserved=True),  # its reservation went before
+              told,
+              wire.Reserve(2, "embed", 1, 3),
+              wire.Submit(3, "embed", *ids),  # no reservation
+              wire.Reserve(4, "embed", 1, 3),  # its ids come in a later send
+              wire.Submit(2, "embed", *ids, reserved=True)]
+    sent = client_module._fused(frames)
+    assert [(type(f).__name__, f.id, getattr(f, "reserved", None)) for f in sent] == [
+        ("Submit", 1, True), ("Reserve", 6, None), ("Submit", 3, False),
+        ("Reserve", 4, None), ("Submit", 2, False)]
+    assert sent[1] is told
+    alone = [wire.Submit(5, "embed", *ids, reserved=True)]
+    assert client_module._fused(alone) == alone and alone[0].reserved
 
 
 def test_a_stopping_engine_sends_the_answers_its_fronts_have_not_taken_yet(tmp_path, registry):
