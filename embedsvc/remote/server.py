@@ -450,20 +450,21 @@ class EngineServer:
         no reservation is."""
         reqs, asks, start = [], [], []
         taken: set[tuple[bytes, int]] = set()
+        kinds: set[str] = set()  # those this model serves, checked once a burst
         for peer, frame, reserve in burst.submits:
             if reserve is not None and self._holds((peer, frame.id)):
                 # the reservation read with it repeats one held already: the ids join that
                 self._refuse_frame(f"Reserve {frame.id}: an id in use")
                 reserve = None
             if frame.reserved and reserve is None:
-                held = self._join(peer, frame)
+                held = self._join(peer, frame, kinds)
                 if held is not None:
                     start.append(held)
                 continue
             if not self._fresh(peer, frame, taken):
                 continue
             try:
-                work = self._checked(frame)
+                work = self._checked(frame, kinds)
                 if reserve is not None and len(work.ids) != reserve.inputs:
                     raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
                                          f"{reserve.inputs}", code="invalid_frame")
@@ -494,7 +495,7 @@ class EngineServer:
                 self._parked[(req.peer, req.id)] = req
         return opened
 
-    def _join(self, peer: bytes, frame: wire.Submit) -> _Request | None:
+    def _join(self, peer: bytes, frame: wire.Submit, kinds: set[str]) -> _Request | None:
         """A reserved request's ids, joined to its reservation: the request when its room
         is granted (to start now); None when it is still parked (it starts at its grant),
         or was refused, withdrawn or swept (its ``Failed`` has gone: the ids are dropped), or
@@ -504,7 +505,7 @@ class EngineServer:
         if held is None or held.ticket is None:
             return None
         try:
-            work = self._checked(frame)
+            work = self._checked(frame, kinds)
             if len(work.ids) != held.ticket.inputs:
                 raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
                                      f"{held.ticket.inputs}", code="invalid_frame")
@@ -516,9 +517,13 @@ class EngineServer:
         work.disconnected = partial(_is_gone, held)
         return held if self._reserved.pop(key, None) is not None else None
 
-    def _checked(self, frame: wire.Submit) -> Work:
+    def _checked(self, frame: wire.Submit, kinds: set[str]) -> Work:
+        """``frame``'s work, its kind checked unless it is among ``kinds`` (checked already:
+        a refusal depends on the kind and the model alone), which then holds it."""
         work = self._work(frame)
-        self.runner.check(work)
+        if frame.kind not in kinds:
+            self.runner.check(work)
+            kinds.add(frame.kind)
         return work
 
     def _work(self, frame: wire.Submit) -> Work:

@@ -263,17 +263,23 @@ def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"", *, vocab: int 
     """``pack_ids``' inverse; ValueError for arrays that do not add up, and for an id
     outside ``range(vocab)`` or an input longer than ``longest`` (checked on the flat
     arrays: a look at each input cost the engine a few calls an input)."""
-    values, sizes = _int32s(flat), _int32s(lengths)
+    if len(flat) % 4 or len(lengths) % 4:
+        raise ValueError("the ids and their lengths do not add up")
+    values = list(struct.unpack(f"<{len(flat) >> 2}i", flat))
+    sizes = struct.unpack(f"<{len(lengths) >> 2}i", lengths)
     if min(sizes, default=0) < 0 or sum(sizes) != len(values):
         raise ValueError("the ids and their lengths do not add up")
     if vocab is not None and values and (min(values) < 0 or max(values) >= vocab):
         raise ValueError("a token id outside the vocabulary")
     if longest is not None and sizes and max(sizes) > longest:
         raise ValueError("an input longer than the model's limit")
-    rows, at = [], 0
-    for size in sizes:
-        rows.append(values[at:at + size])
-        at += size
+    if len(sizes) == 1:  # a query's frame: its one input is every id
+        rows = [values]
+    else:
+        rows, at = [], 0
+        for size in sizes:
+            rows.append(values[at:at + size])
+            at += size
     if not seconds:
         return rows
     second = _int32s(seconds)
