@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bare_server.py --port 8092 --threads 64
     .venv/bin/python bench/bare_server.py --port 8092 --threads 64 --handoff
+    .venv/bin/python bench/bare_server.py --port 8092 --threads 64 --handoff --python-us 100
 
 A WSGI app that reads the body and answers every request with the same bytes: the body and
 headers embedsvc answers for one 384-dimensional vector on /v1/embeddings (the simulated
@@ -15,12 +16,19 @@ a condition, which that thread empties at each wake-up, and a held lock per requ
 releases. The same app otherwise: what the hand-off alone costs waitress, the part of
 embedsvc's distance to the bare app that no leaner request path can win back while a batcher
 thread computes.
+
+``--python-us N``: each request also runs N microseconds of plain Python (a loop, its count
+measured at start) before it answers, holding the interpreter lock as a request path's own
+Python does: what that much of the interpreter's time a request costs waitress's pace, beside
+embedsvc, whose own request path is about 100 us of Python in one thread
+(bench/request_path.py, no HTTP).
 """
 
 from __future__ import annotations
 
 import argparse
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -51,19 +59,43 @@ def answer() -> tuple[bytes, list[tuple[str, str]]]:
     return body, headers
 
 
-def make_app(handoff: bool = False) -> Callable[..., Iterable[bytes]]:
+def make_app(handoff: bool = False, python_us: float = 0.0) -> Callable[..., Iterable[bytes]]:
     body, headers = answer()
     hand = _handoff() if handoff else None
+    loops = _loops_for(python_us) if python_us > 0 else 0
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         length = environ.get("CONTENT_LENGTH")
         environ["wsgi.input"].read(int(length) if length else -1)
+        if loops:
+            _spin(loops)
         if hand is not None:
             hand()
         start_response("200 OK", headers)
         return [body]
 
     return app
+
+
+def _spin(loops: int) -> int:
+    total = 0
+    for i in range(loops):
+        total += i
+    return total
+
+
+def _loops_for(us: float) -> int:
+    """How many turns of ``_spin`` take ``us`` microseconds of this thread's CPU (the
+    fastest of a few tries: the machine's other work only slows a try)."""
+    trial = 200_000
+    best = min(_timed(trial) for _ in range(5))
+    return max(1, round(trial * us / (best * 1e6)))
+
+
+def _timed(loops: int) -> float:
+    started = time.thread_time()
+    _spin(loops)
+    return time.thread_time() - started
 
 
 def _handoff() -> Callable[[], None]:
@@ -100,9 +132,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=64)
     parser.add_argument("--handoff", action="store_true",
                         help="hand each request to one other thread and wait for it")
+    parser.add_argument("--python-us", type=float, default=0.0, metavar="N",
+                        help="run N microseconds of plain Python in each request")
     args = parser.parse_args()
-    waitress.serve(make_app(args.handoff), host="127.0.0.1", port=args.port, threads=args.threads,
-                   ident="bare")
+    waitress.serve(make_app(args.handoff, args.python_us), host="127.0.0.1", port=args.port,
+                   threads=args.threads, ident="bare")
 
 
 if __name__ == "__main__":

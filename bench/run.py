@@ -167,10 +167,11 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     if name == "sim":
         return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
             "/v1/embeddings", {}
-    if name in ("bare", "bare-handoff"):
+    if name in ("bare", "bare-handoff", "bare-handoff-python"):
+        extra = {"bare": [], "bare-handoff": ["--handoff"],
+                 "bare-handoff-python": ["--handoff", "--python-us", "100"]}[name]
         return [sys.executable, str(BENCH / "bare_server.py"), "--port", str(port),
-                "--threads", "64", *(["--handoff"] if name == "bare-handoff" else [])], \
-            "/v1/embeddings", {}
+                "--threads", "64", *extra], "/v1/embeddings", {}
     if name == "sim-baseline":
         tree = baseline_tree()
         return [sys.executable, str(tree / "bench" / "sim_server.py"), "--port", str(port)], \
@@ -399,7 +400,8 @@ def _rate(encoder: Any, batch: list[list[int]], size: int, seconds: float,
 # -- reporting ----------------------------------------------------------------------------------
 
 
-_SIM_SERVERS = ("bare", "bare-handoff", "infinity-debug")  # with the sim* servers: no model
+# with the sim* servers: no model
+_SIM_SERVERS = ("bare", "bare-handoff", "bare-handoff-python", "infinity-debug")
 
 
 def simulated(server: str) -> bool:

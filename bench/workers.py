@@ -9,9 +9,11 @@
 embedsvc in one process, ``--workers 2`` and ``--workers 4`` over the simulated zero-cost device
 (bench/sim_server.py), a bare waitress app and the same bare app under ``gunicorn -w 2``
 (bench/bare_server.py; ``--only ...,bare-handoff`` adds the bare app with the one hand-off
-to another thread that embedsvc's batcher makes); with each server's CPU per request (every
-process of it) and, for ``--workers``, the engine process's own (``/proc/PID/stat``'s utime
-and stime before and after the measured seconds, over the requests answered).
+to another thread that embedsvc's batcher makes, ``bare-handoff-python`` the same with 100
+us of plain Python a request, about embedsvc's own request path); with each server's CPU per
+request (every process of it) and, for ``--workers``, the engine process's own
+(``/proc/PID/stat``'s utime and stime before and after the measured seconds, over the
+requests answered).
 
 ``--clients 32,1`` runs the ``sim`` rounds at each count of clients (1: latency alone, where
 ``--workers 2``'s p50 is compared with one process's). ``BENCH_ENGINE_PROFILE=DIR`` in the
@@ -74,8 +76,9 @@ from bench import run  # noqa: E402 - the path above makes the repository import
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "sim-w4": "embedsvc --workers 4",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2",
-       "bare-handoff": "bare app, a thread hand-off a request"}
-ASKED_FOR = {"bare-handoff"}  # run where --only names it, never by default
+       "bare-handoff": "bare app, a thread hand-off a request",
+       "bare-handoff-python": "bare app, a hand-off and 100 us of Python a request"}
+ASKED_FOR = {"bare-handoff", "bare-handoff-python"}  # run where --only names it, never by default
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
 
 
@@ -259,6 +262,9 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
     if _of(results, "bare-handoff", sc):  # the hand-off's own cost, and what is left
         lines += ["- " + ratio_line(results, sc, "bare-handoff", "bare"),
                   "- " + ratio_line(results, sc, "sim", "bare-handoff")]
+    if _of(results, "bare-handoff-python", sc):  # and with a request path's Python beside it
+        lines += ["- " + ratio_line(results, sc, "bare-handoff-python", "bare"),
+                  "- " + ratio_line(results, sc, "sim", "bare-handoff-python")]
     if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
     for tree in (n for n in labels if "@" in n and _of(results, n, sc)):
