@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
+import msgspec
+
 from ..admission import deadline_error
 from ..errors import (
     ApiError,
@@ -601,17 +603,22 @@ def _fused(frames: list[wire.Frame]) -> list[wire.Frame]:
     request admitted with its ids, at its exact tokens: server._Burst), for one frame fewer
     to encode here and to decode there. A reservation sent earlier, or one that asked to be
     told (its request waits for the grant), stays as it is."""
-    reserves = {frame.id: i for i, frame in enumerate(frames)
-                if type(frame) is wire.Reserve and not frame.tell}
+    reserves: dict[int, int | None] = {}  # None: the id came twice (a bug): left as sent
+    for i, frame in enumerate(frames):
+        if type(frame) is wire.Reserve and not frame.tell:
+            reserves[frame.id] = None if frame.id in reserves else i
     if not reserves:
         return frames
-    for frame in frames:
+    out: list[wire.Frame | None] = list(frames)
+    for i, frame in enumerate(frames):
         if type(frame) is wire.Submit and frame.reserved:
             at = reserves.get(frame.id)
             if at is not None:
-                frames[at] = None  # type: ignore[call-overload]
-                frame.reserved = False  # the front's own frame, not sent yet
-    return [frame for frame in frames if frame is not None]
+                out[at] = None
+                # a copy: the queued frames stay as they were until they have gone, so that
+                # a send that fails before it (an encoding error) is retried as queued
+                out[i] = msgspec.structs.replace(frame, reserved=False)
+    return [frame for frame in out if frame is not None]
 
 
 def _drain_pipe(fd: int) -> None:

@@ -881,8 +881,44 @@ def test_a_reservation_sent_with_its_ids_is_left_out_and_the_others_stay():
         ("Submit", 1, True), ("Reserve", 6, None), ("Submit", 3, False),
         ("Reserve", 4, None), ("Submit", 2, False)]
     assert sent[1] is told
+    assert len(frames) == 6 and frames[5].reserved  # the queued frames are as they were
     alone = [wire.Submit(5, "embed", *ids, reserved=True)]
     assert client_module._fused(alone) == alone and alone[0].reserved
+    twice = [wire.Reserve(7, "embed", 1, 3), wire.Reserve(7, "embed", 1, 3),
+             wire.Submit(7, "embed", *ids, reserved=True)]  # a front's bug: sent as it is
+    assert client_module._fused(twice) == twice
+
+
+def test_a_send_that_fails_before_it_goes_leaves_its_frames_queued_as_they_were(monkeypatch):
+    """The frames a send takes stay queued, unchanged, until they have gone: a send that
+    fails while it encodes them (an error of the encoder, memory) is retried whole, the
+    reservation and its ids leaving as one request then. Had the ids been changed in the
+    queue to go alone, the retry sent the reservation and the ids as another request under
+    the same id, which the engine drops: the request waited for its deadline."""
+    link = client_module.Link("ipc:///nonexistent")  # its thread never started
+    link.state = "ready"
+    sock = link._stream = _Recorder()  # type: ignore[assignment]
+    encode, failures = wire.encode, [MemoryError("once")]
+
+    def failing_once(frame):
+        if failures:
+            raise failures.pop()
+        return encode(frame)
+
+    monkeypatch.setattr(wire, "encode", failing_once)
+    try:
+        call = link.send_call(wire.Reserve(link.next_id(), "embed", 1, 3), None)
+        with pytest.raises(MemoryError):
+            link.send_ids(call, wire.Submit(call.id, "embed", *wire.pack_ids([[101, 7, 102]]),
+                                            reserved=True))
+        assert [(type(f).__name__, getattr(f, "reserved", None)) for _, f in link._unsent] \
+            == [("Reserve", None), ("Submit", True)]
+        link._flush()
+        assert [(type(f).__name__, f.id, f.reserved) for f in sock.sent] == [
+            ("Submit", call.id, False)], sock.sent
+        assert not link._unsent
+    finally:
+        link.close()
 
 
 def test_a_stopping_engine_sends_the_answers_its_fronts_have_not_taken_yet(tmp_path, registry):
