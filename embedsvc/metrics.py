@@ -137,6 +137,9 @@ class Metrics:
                                 "Times the batcher thread was restarted")
     model_load = _gauge("embedsvc_model_load_seconds", "Time to load, place and warm the model")
     model_info = _Declared(lambda r: Info("embedsvc_model", "The served model", registry=r))
+    admitted_inputs = _gauge(
+        "embedsvc_admitted_inputs",
+        "Inputs admitted: reserved while their request tokenizes, queued, or on the device")
     admission_limit = _gauge(
         "embedsvc_admission_limit_inputs",
         "MAX_QUEUE in effect: inputs admitted at once (derived from the rate when unset)")

@@ -330,6 +330,7 @@ class Batcher:
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
         self.metrics.admission_limit.set_function(lambda: self.admission.limit)
+        self.metrics.admitted_inputs.set_function(lambda: self.admission.used_inputs)
 
     # -- request side -------------------------------------------------------------------------
 

@@ -350,6 +350,8 @@ def test_a_killed_fronts_queued_work_is_dropped_in_the_engine(tmp_path):
         while metric(server, "embedsvc_queue_depth") < 70 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert metric(server, "embedsvc_queue_depth") >= 70
+        # the engine's admission, read through a front: what is queued, and on the device
+        assert metric(server, "embedsvc_admitted_inputs") >= 70
         os.kill(doomed, signal.SIGKILL)
         # the engine sees it silent for 2 s with its pid gone; about 8 batches run meanwhile
         deadline = time.monotonic() + 10

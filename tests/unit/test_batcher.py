@@ -391,6 +391,13 @@ def test_metrics_count_batches_inputs_and_tokens(metrics, registry):
     b = start(enc, metrics)
     occupy(b, enc)
     job = b.submit([ids(3, 4), ids(5)], later())
+    ticket = b.admit(4, 40, later())  # a request reserved while it tokenizes
+    get = registry.get_sample_value
+    # one on the device, two queued, four reserved
+    assert (get("embedsvc_in_flight"), get("embedsvc_queue_depth")) == (1, 2)
+    assert get("embedsvc_admitted_inputs") == 1 + 2 + 4
+    b.admission.cancel(ticket)
+    assert get("embedsvc_admitted_inputs") == 3
     enc.gate.set()
     job.result(5)
     b.shutdown(1)
@@ -401,6 +408,7 @@ def test_metrics_count_batches_inputs_and_tokens(metrics, registry):
     assert get("embedsvc_input_tokens_total") == 3 + 4 + 3
     assert get("embedsvc_batch_tokens_sum") == 3 + 4 * 2
     assert get("embedsvc_queue_depth") == 0
+    assert get("embedsvc_admitted_inputs") == 0
 
 
 def test_cancel_due_fails_queued_jobs_past_their_deadline_or_orphaned_but_not_running_ones(metrics):
