@@ -23,19 +23,26 @@ from embedsvc.work import elements
 
 
 class HashEmbedder:
-    """Deterministic unit vectors from the text; fails on call ``fail_at`` (a crash mid-job)."""
+    """Deterministic unit vectors from the text; fails on call ``fail_at``, or on the chunk
+    that holds the input ``fail_on`` (a crash mid-job). A job has several chunks in flight,
+    in threads: the chunk of the ninth call is not always the ninth chunk, so a test that
+    says where the job stops names the input."""
 
     identity = {"model": "hash"}
     max_chars = 200_000
 
-    def __init__(self, fail_at=None):
-        self.calls, self.fail_at = 0, fail_at
+    def __init__(self, fail_at=None, fail_on=None):
+        self.calls, self.fail_at, self.fail_on = 0, fail_at, fail_on
 
     def __call__(self, texts):
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls == self.fail_at or (self.fail_on is not None
+                                          and self.fail_on in self.names(texts)):
             raise BulkError("the device fell over")
         return self.rows(texts), len(texts)
+
+    def names(self, texts):
+        return texts
 
     def rows(self, texts):
         rows = np.stack([np.random.default_rng(zlib.crc32(t.encode())).standard_normal(8)
@@ -75,11 +82,13 @@ def read_output(path):
 @pytest.mark.parametrize("source", ["txt", "jsonl", "parquet"])
 @pytest.mark.parametrize("suffix", [".npy", ".jsonl", ".parquet"])
 def test_a_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, source, suffix):
-    _, inputs = write_inputs(tmp_path)
+    texts, inputs = write_inputs(tmp_path)
     whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
     run_job(inputs[source], whole, HashEmbedder(), chunk_size=3, part_size=6)
     with pytest.raises(BulkError, match="fell over"):
-        run_job(inputs[source], resumed, HashEmbedder(fail_at=9), chunk_size=3, part_size=6)
+        # the ninth chunk of 3 fails: the one that holds the 25th input
+        run_job(inputs[source], resumed, HashEmbedder(fail_on=texts[24]), chunk_size=3,
+                part_size=6)
     manifest = orjson.loads((parts_dir(resumed) / "manifest.json").read_bytes())
     assert manifest["done"]["records"] == 24  # 8 chunks of 3 done, in 4 committed parts of 6
     assert [p["end"] for p in manifest["parts"]] == [6, 12, 18, 24]
@@ -154,12 +163,15 @@ class ImageHashEmbedder(HashEmbedder):
 
     images = True
 
-    def __init__(self, root, fail_at=None):
-        super().__init__(fail_at)
+    def __init__(self, root, fail_on=None, fail_at=None):
+        super().__init__(fail_at, fail_on)
         self.root = root
 
+    def names(self, texts):
+        return [os.path.relpath(t, self.root) for t in texts]
+
     def rows(self, texts):
-        return super().rows([os.path.relpath(t, self.root) for t in texts])
+        return super().rows(self.names(texts))
 
 
 def write_images(tmp_path, n=20):
@@ -212,8 +224,9 @@ def test_an_image_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp
     run_job(sources[source], whole, ImageHashEmbedder(tmp_path), chunk_size=3, part_size=6,
             **fields)
     with pytest.raises(BulkError, match="fell over"):
-        run_job(sources[source], resumed, ImageHashEmbedder(tmp_path, fail_at=9), chunk_size=3,
-                part_size=6, **fields)
+        # the ninth chunk of 3 fails: the one that holds the 25th image
+        run_job(sources[source], resumed, ImageHashEmbedder(tmp_path, f"photos/{names[24]}"),
+                chunk_size=3, part_size=6, **fields)
     embedder = ImageHashEmbedder(tmp_path)
     summary = run_job(sources[source], resumed, embedder, chunk_size=4, part_size=5, **fields)
     assert (summary.inputs, summary.resumed, embedder.calls) == (2, 24, 1)
