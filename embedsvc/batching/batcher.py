@@ -109,7 +109,8 @@ class DeviceLock:
             if not self._held:
                 raise RuntimeError("release of a device lock that is not held")
             self._held = False
-            self._cond.notify_all()
+            if self._waiting:  # a waiter is listed before it waits, under this lock
+                self._cond.notify_all()
 
     def locked(self) -> bool:
         return self._held

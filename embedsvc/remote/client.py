@@ -731,9 +731,7 @@ class RemotePort:
         call.submitted = True  # once
         if self.link.forget(call) and call.cancelled_at is None:  # else the link did
             self.link.post(wire.Cancel(call.id))
-        with self._cond:
-            self._in_flight -= 1
-            self._cond.notify_all()
+        self._done()
 
     def submit(self, work: Work, call: _Call) -> Pending:
         assert work.deadline is not None
@@ -771,8 +769,15 @@ class RemotePort:
             self._note_spent(frame, work)
             return embedded(frame, work.kind)
         finally:
-            with self._cond:
-                self._in_flight -= 1
+            self._done()
+
+    def _done(self) -> None:
+        """One request of this front's less in the engine; ``shutdown`` hears it, and only
+        it waits: ``_draining`` is set before it takes the lock to wait, so a request that
+        ends after it looks finds it set."""
+        with self._cond:
+            self._in_flight -= 1
+            if self._draining:
                 self._cond.notify_all()
 
     def _note_spent(self, frame: Any, work: Work) -> None:
