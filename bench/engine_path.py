@@ -1,0 +1,166 @@
+"""The engine loop's own CPU a request, in process: this tree against another revision.
+
+    .venv/bin/python bench/engine_path.py --baseline 69a5778 --rounds 5
+    .venv/bin/python bench/engine_path.py --baseline 69a5778 --valgrind 500
+
+Each round starts one process per tree. It builds that tree's engine (``EngineServer``) over
+the zero-cost simulated device (bench/sim_server.py's), with one front's connection as a
+socketpair, and runs for each burst what the engine's loop runs for one read, without the
+poll: the frames read and decoded, checked, admitted and queued, computed by the loop itself
+(``Batcher.here``, as over this device), answered and sent back. A burst holds 1 or 10
+one-input requests (a 13-token query each, a flow each), sent as a front sends them. The
+thread's CPU clock over ``--requests`` requests, divided by them, is the figure; the best of
+seven, since on shared cores a slice of another process only ever adds to it. The trees
+alternate round by round.
+
+This is the engine's code alone: ``bench/workers.py frames`` adds the poll and a process of
+its own, and ``bench/workers.py sim`` puts it beside fronts and wrk on the same cores, where
+the same Python cost about three times as much (bench/RESULTS.md, 2026-12-06 21:35).
+
+With ``--valgrind N`` it counts instructions instead (valgrind's callgrind): the difference
+between a process that runs N + 100 bursts and one that runs 100, so that start-up cancels,
+with the hash seed fixed. It does not move with the machine's load, but still by a few
+percent from one process to the next: the engine's branches follow its clock (the rate it
+measures, the deadlines) and objects hash by their addresses. Take the median of several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from statistics import median
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.run import baseline_tree  # noqa: E402 - the path above makes the repository importable
+
+BURSTS = (1, 10)  # requests a burst
+
+# Run in the child, with the tree first on sys.path: argv burst, requests (0: count the
+# bursts below instead of timing), bursts.
+CHILD = r"""
+import itertools, json, logging, math, socket, sys, tempfile, time
+from pathlib import Path
+from bench.sim_server import fake_encoder
+from embedsvc.remote import wire
+from embedsvc.remote.place import engine_address, private_dir
+from embedsvc.remote.server import EngineServer
+from embedsvc.remote.stream import Stream
+from embedsvc.service import Service
+from embedsvc.settings import Settings
+
+logging.disable(logging.WARNING)
+size, requests, bursts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+service = Service(Settings(log_level="warning"), encoder=fake_encoder())
+service.start(background=False)
+runner = service.runner
+server = EngineServer(runner, engine_address(private_dir(Path(tempfile.mkdtemp()))), card={},
+                      state=lambda: "ready", metrics=service.metrics)
+runner.batcher.here = True  # as the loop sets it over a device that costs nothing
+mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+peer, front = b"1", Stream(theirs)
+server._streams[peer] = Stream(mine, server._frame_limit)
+server._by_fd[mine.fileno()] = peer
+server._poller.register(mine.fileno(), 1)
+ids = wire.pack_ids([[101, *([7] * 11), 102]])
+numbers = itertools.count(1)
+
+def frame():
+    items = [wire.Submit(next(numbers), "embed", *ids, timeout=30.0, flow=repr(("c", i)))
+             for i in range(size)]
+    return wire.encode(items[0] if size == 1 else wire.Submits(items))
+
+def burst(data):
+    front.send(data)
+    server._read([peer])
+    server._start_granted()
+    runner.batcher.compute_here()
+    server._answer_done()
+    server._flush()
+    if not front.read():
+        raise RuntimeError("no answer")
+
+for _ in range(300 if requests else 0):
+    burst(frame())
+if not requests:
+    for data in [frame() for _ in range(bursts)]:
+        burst(data)
+    sys.exit()
+best = math.inf
+for _ in range(7):
+    frames = [frame() for _ in range(max(1, requests // size))]
+    started = time.thread_time()
+    for data in frames:
+        burst(data)
+    best = min(best, (time.thread_time() - started) / (len(frames) * size) * 1e6)
+print(json.dumps(best))
+"""
+
+
+def run_child(tree: Path, size: int, requests: int, bursts: int = 0,
+              wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    if wrapper:  # counted instructions: string hashes, and so dict and set layouts, fixed
+        env["PYTHONHASHSEED"] = "0"
+    return subprocess.run([*wrapper, sys.executable, "-c", CHILD, str(size), str(requests),
+                           str(bursts)], cwd=tree, env=env, check=True, capture_output=True,
+                          text=True)
+
+
+def instructions(tree: Path, size: int, bursts: int) -> float:
+    """Instructions a request in bursts of ``size``: the difference of ``bursts`` + 100
+    bursts and 100, divided by the requests in ``bursts``."""
+    totals = []
+    for n in (100, bursts + 100):
+        out = run_child(tree, size, 0, n, ("valgrind", "--tool=callgrind",
+                                           "--callgrind-out-file=/dev/null"))
+        found = re.search(r"Collected : (\d+)", out.stderr)
+        if not found:
+            raise RuntimeError(out.stderr[-2000:])
+        totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / (bursts * size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, metavar="REV")
+    parser.add_argument("--tree", type=Path, default=REPO,
+                        help="the tree measured against the baseline (default: this one)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="requests in each of a round's seven timings")
+    parser.add_argument("--valgrind", type=int, metavar="N",
+                        help="count instructions instead, over N bursts of each size (slow; "
+                             "--rounds is then the number of counts per tree)")
+    args = parser.parse_args()
+    trees = {"baseline": baseline_tree(args.baseline), "this": args.tree}
+    found: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        for size in BURSTS:
+            for name, tree in trees.items():
+                if args.valgrind:
+                    got = instructions(tree, size, args.valgrind)
+                else:
+                    got = json.loads(run_child(tree, size, args.requests).stdout.splitlines()[-1])
+                found.setdefault((name, size), []).append(got)
+                print(f"round {r + 1} {name}, bursts of {size}: {got:,.1f} "
+                      + ("instructions" if args.valgrind else "us") + " a request", flush=True)
+    what = (f"Instructions a request (valgrind callgrind, {args.valgrind} bursts"
+            if args.valgrind else f"Thread CPU us a request (best of seven timings of "
+            f"{args.requests} requests")
+    print(f"\n{what}, median of {args.rounds}; {args.baseline} vs {args.tree}):\n")
+    print("| requests a burst | baseline | this | this / baseline |")
+    print("|---:|---:|---:|---:|")
+    for size in BURSTS:
+        base, this = median(found["baseline", size]), median(found["this", size])
+        print(f"| {size} | {base:,.1f} | {this:,.1f} | {this / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
