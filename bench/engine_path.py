@@ -26,19 +26,21 @@ measures, the deadlines) and objects hash by their addresses. Take the median of
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.run import baseline_tree  # noqa: E402 - the path above makes the repository importable
+from bench.run import (  # noqa: E402 - the path above makes the repository importable
+    baseline_parser,
+    baseline_rows,
+    baseline_tree,
+    callgrind_delta,
+)
 
 BURSTS = (1, 10)  # requests a burst
 
@@ -116,23 +118,12 @@ def run_child(tree: Path, size: int, requests: int, bursts: int = 0,
 def instructions(tree: Path, size: int, bursts: int) -> float:
     """Instructions a request in bursts of ``size``: the difference of ``bursts`` + 100
     bursts and 100, divided by the requests in ``bursts``."""
-    totals = []
-    for n in (100, bursts + 100):
-        out = run_child(tree, size, 0, n, ("valgrind", "--tool=callgrind",
-                                           "--callgrind-out-file=/dev/null"))
-        found = re.search(r"Collected : (\d+)", out.stderr)
-        if not found:
-            raise RuntimeError(out.stderr[-2000:])
-        totals.append(int(found.group(1)))
-    return (totals[1] - totals[0]) / (bursts * size)
+    return callgrind_delta(lambda n, wrapper: run_child(tree, size, 0, n, wrapper), 100,
+                           bursts + 100) / (bursts * size)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, metavar="REV")
-    parser.add_argument("--tree", type=Path, default=REPO,
-                        help="the tree measured against the baseline (default: this one)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = baseline_parser(__doc__)
     parser.add_argument("--requests", type=int, default=2000,
                         help="requests in each of a round's seven timings")
     parser.add_argument("--valgrind", type=int, metavar="N",
@@ -157,9 +148,7 @@ def main() -> None:
     print(f"\n{what}, median of {args.rounds}; {args.baseline} vs {args.tree}):\n")
     print("| requests a burst | baseline | this | this / baseline |")
     print("|---:|---:|---:|---:|")
-    for size in BURSTS:
-        base, this = median(found["baseline", size]), median(found["this", size])
-        print(f"| {size} | {base:,.1f} | {this:,.1f} | {this / base:.3f} |")
+    print("\n".join(baseline_rows(BURSTS, found, ",.1f")))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -38,7 +37,12 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.run import baseline_tree  # noqa: E402 - the path above makes the repository importable
+from bench.run import (  # noqa: E402 - the path above makes the repository importable
+    baseline_parser,
+    baseline_rows,
+    baseline_tree,
+    callgrind_delta,
+)
 
 BODIES = {
     "1 input": {"model": "bench", "input": "the quick brown fox jumps over the lazy dog"},
@@ -125,23 +129,12 @@ def instructions(tree: Path, body: str, count: int) -> float:
     """Instructions per request of ``body``, counted by valgrind (callgrind): the difference
     between a process that sends ``count`` + 20 requests and one that sends 20, so that
     start-up and imports cancel out. Unlike CPU time it does not move with the machine."""
-    totals = []
-    for n in (20, count + 20):
-        out = run_child(tree, {body: BODIES[body]}, n, warm=0,
-                        wrapper=("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"))
-        found = re.search(r"Collected : (\d+)", out.stderr)
-        if not found:
-            raise RuntimeError(out.stderr[-2000:])
-        totals.append(int(found.group(1)))
-    return (totals[1] - totals[0]) / count
+    return callgrind_delta(lambda n, wrapper: run_child(tree, {body: BODIES[body]}, n, warm=0,
+                                                       wrapper=wrapper), 20, count + 20) / count
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, metavar="REV")
-    parser.add_argument("--tree", type=Path, default=REPO,
-                        help="the tree measured against the baseline (default: this one)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = baseline_parser(__doc__)
     parser.add_argument("--requests", type=int, default=4000, help="measured calls per body")
     parser.add_argument("--calls", action="store_true",
                         help="count the function calls per request instead (Python and C, "
@@ -254,9 +247,7 @@ def count_instructions(trees: dict[str, Path], count: int, rounds: int, baseline
           f"{rounds}; {baseline} vs {trees['this']}):\n")
     print("| body | baseline | this | this / baseline |")
     print("|---|---:|---:|---:|")
-    for body in BODIES:
-        base, this = median(found["baseline", body]), median(found["this", body])
-        print(f"| {body} | {base:,.0f} | {this:,.0f} | {this / base:.3f} |")
+    print("\n".join(baseline_rows(BODIES, found, ",.0f")))
 
 
 if __name__ == "__main__":

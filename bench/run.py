@@ -42,6 +42,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -220,6 +221,45 @@ def baseline_tree(rev: str | None = None) -> Path:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
                        check=True, capture_output=True)
     return tree
+
+
+def baseline_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a bench that compares a tree with ``--baseline REV``, round by round."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--baseline", required=True, metavar="REV")
+    parser.add_argument("--tree", type=Path, default=REPO,
+                        help="the tree measured against the baseline (default: this one)")
+    parser.add_argument("--rounds", type=int, default=5)
+    return parser
+
+
+CALLGRIND = ("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null")
+
+
+def callgrind_delta(run: Callable[[int, tuple[str, ...]], subprocess.CompletedProcess],
+                    few: int, many: int) -> int:
+    """The instructions valgrind counts in ``run(many, CALLGRIND)``'s process less those in
+    ``run(few, CALLGRIND)``'s (``run`` starts one with that wrapper, running that many of
+    something): what the ``many - few`` more cost, start-up and imports cancelled out."""
+    totals = []
+    for n in (few, many):
+        out = run(n, CALLGRIND)
+        found = re.search(r"Collected : (\d+)", out.stderr)
+        if not found:
+            raise RuntimeError(out.stderr[-2000:])
+        totals.append(int(found.group(1)))
+    return totals[1] - totals[0]
+
+
+def baseline_rows(keys: Iterable[Any], found: dict[tuple[str, Any], list[float]],
+                  form: str) -> list[str]:
+    """Table rows of each key's median figure for the ``baseline`` and ``this`` trees (the
+    rounds in ``found[tree, key]``), formatted by ``form``, and their ratio."""
+    rows = []
+    for key in keys:
+        base, this = median(found["baseline", key]), median(found["this", key])
+        rows.append(f"| {key} | {base:{form}} | {this:{form}} | {this / base:.3f} |")
+    return rows
 
 
 def ensure_infinity() -> bool:
