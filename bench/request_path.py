@@ -109,8 +109,6 @@ print(json.dumps(result))
 def run_child(tree: Path, bodies: dict, count: int, warm: int, mode: str = "cpu",
               wrapper: tuple[str, ...] = (), otlp: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
-    if wrapper:  # counted instructions: string hashes, and so dict and set layouts, fixed
-        env["PYTHONHASHSEED"] = "0"  # (with random ones a count moved by 5% run to run)
     return subprocess.run([*wrapper, sys.executable, "-c", CHILD, json.dumps(bodies),
                            str(count), str(warm), mode, otlp],
                           cwd=tree, env=env, check=True, capture_output=True, text=True)
