@@ -2,15 +2,17 @@
 liveness, and the one tracker of this front's requests in the engine) and ``RemotePort``
 (the engine as ``EngineClient``'s port).
 
-The front has one connection to the engine (``stream.Stream``); the link's thread alone
-reads it. A request thread lists its request's future (``_Call``) with the link as it queues
+The front has one connection to the engine (``stream.Stream``), read by one thread at a
+time. A request thread lists its request's future (``_Call``) with the link as it queues
 its ``Reserve`` (room in the engine's admission, before it tokenizes), then queues its
 ``Submit``, sends what is queued itself (its reservation and its ids in one frame), and
-waits on the future alone, until its deadline. Where another thread is sending at that
+waits for the future, until its deadline. Where another thread is sending at that
 moment, what is queued meanwhile goes as one ``Submits`` frame, sent by the link's thread
-(woken through a pipe only where no wake-up is pending yet). The link's thread reads every
-answer (an ``Answer``, a ``Failed``, a ``Granted``, or each of an ``Answers``) and sets the
-future it answers, which wakes that request's thread and no other. It pings the engine
+(woken through a pipe only where no wake-up is pending yet). The front's one request in
+the engine reads the connection itself while it waits (``Link.wait``); otherwise the link's
+thread does. Whoever reads routes every answer (an ``Answer``, a ``Failed``, a ``Granted``,
+or each of an ``Answers``) and sets the future it answers, which wakes that request's thread
+and no other. The link's thread pings the engine
 every half second, sends this front's metrics every second, cancels the requests whose
 client left, and watches the connection (connecting again until an engine listens):
 when the engine process is gone (its connection closes, it stops answering, another answers),
@@ -81,7 +83,10 @@ _SUBMIT_BYTES = 256
 # cost it more than its tokenizing) and the engine holds its ids until the grant.
 _TELL_INPUTS = 8
 _TELL_TOKENS = 1024
-_IN, _OUT = select.POLLIN, select.POLLIN | select.POLLOUT
+_IN = select.POLLIN
+# While a request thread reads the connection, the link's poll waits for its peer's hang-up
+# alone (where the platform tells it apart; else the link's tick sees it within _TICK_S)
+_HANGUP = getattr(select, "POLLRDHUP", 0)
 _NOT_CONNECTED = "the engine process is not reachable now; retry in a moment"
 _ENGINE_GONE = ("the engine process stopped while this request was in it; retry: a new one "
                 "is starting")
@@ -190,11 +195,15 @@ class Link:
         self.queue_limit = 0
         self.fronts: list[int] = []
         self._snapshot = snapshot
-        # the connection: read by the link's thread alone; sent on, flushed, replaced and
-        # closed under ``_send_lock``, by the link or by a request thread (``_send_now``)
+        # the connection: read by whoever holds ``_reader`` (``wait``); sent on, flushed,
+        # replaced and closed under ``_send_lock``, by the link or by a request thread
+        # (``_send_now``), and replaced or closed by the link holding ``_reader`` too
         self._stream: Stream | None = None
         self._send_lock = threading.Lock()  # also over ``_unsent``
-        self._polling_out = False  # whether the poll waits for it to be writable too
+        self._reader = threading.Lock()
+        self._reading = False  # the link's thread holds ``_reader`` and polls for reads
+        self._own_poll: tuple[Stream, Any] | None = None  # the reading request's poll
+        self._events = 0  # what the link's poll waits for on the connection
         self._poller = select.poll()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the futures listed, the askers, the state's loss
@@ -244,6 +253,8 @@ class Link:
             self._outbox.append((time.monotonic(), frame))
         if tell or not isinstance(frame, wire.Reserve):
             self._send_now()
+        if tell:  # its grant is read by the link's thread (``_settle_mode``)
+            self._signal()
         return call
 
     def send_ids(self, call: _Call, frame: wire.Submit) -> None:
@@ -271,6 +282,58 @@ class Link:
                 self._signal()
         finally:
             self._send_lock.release()
+
+    def wait(self, call: _Call, timeout: float) -> bool:
+        """Whether ``call`` was answered within ``timeout`` seconds. This front's one request
+        in the engine, where no other thread reads the connection, reads it itself and
+        routes what comes, its own answer among it: the link's thread is not woken to read
+        it and then wake this one. Others wait for the reader to set their futures (the
+        link's thread, woken where none reads: several requests in flight is where one
+        wake-up of it reads many answers). A reader that leaves while other requests are in
+        the engine wakes the link's thread, which reads for them (``_settle_mode``)."""
+        if call.wait(0):
+            return True
+        end = time.monotonic() + timeout
+        if len(self._calls) == 1 and self._reader.acquire(blocking=False):
+            self._read_for(call, end)
+        elif not self._reader.locked():  # nobody reads: the link's thread will
+            self._signal()
+        return call.wait(max(0.0, end - time.monotonic()))
+
+    def _read_for(self, call: _Call, end: float) -> None:
+        """Read the connection until ``call`` is answered, ``end``, or the connection ends;
+        ``_reader`` held, and let go after. Polled in slices of ``_TICK_S``: a future set by
+        the link's thread (the engine gone, the client gone) is seen within one."""
+        stream = self._stream
+        try:
+            if stream is None:
+                return
+            own = self._own_poll
+            if own is None or own[0] is not stream:
+                poll = select.poll()
+                poll.register(stream.fileno(), _IN)
+                own = self._own_poll = (stream, poll)
+            while not stream.closed and self._stream is stream:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                if own[1].poll(math.ceil(min(left, _TICK_S) * 1000)):
+                    self._read(stream)
+                if call.wait(0):
+                    break
+        except Exception:  # noqa: BLE001 - what it read may be others' answers: fail them all
+            log.exception("reading the engine's connection failed")
+            self._lost("a read of its connection failed")
+        finally:
+            with self._lock:
+                self._reader.release()
+                # others wait on the engine (this one too, where it was not answered): a
+                # request listed before this release is seen here, and one listed after
+                # finds the reader free; so does a frame waiting to go, or a closed
+                # connection: the link's thread sees to it
+                hand = bool(self._calls or self._askers)
+            if hand or self._outbox or stream is None or stream.closed:
+                self._signal()
 
     def forget(self, call: _Call) -> bool:
         """Stop waiting for ``call``'s answer; False if it has come (or the link failed it)."""
@@ -344,17 +407,26 @@ class Link:
         except OSError:  # none yet (starting, or gone): the next turn tries again
             return
         with self._send_lock:
-            self._stream, self._polling_out = stream, False
-        self._poller.register(stream.fileno(), _IN)
+            self._stream = stream
+        self._events = 0
+        self._poller.register(stream.fileno(), 0)
+        self._settle_mode()  # it reads the card
         self._next_ping = self._next_tick = 0.0  # say hello now
 
     def _disconnected(self) -> None:
         stream = self._stream
         assert stream is not None
-        self._poller.unregister(stream.fileno())
-        with self._send_lock:  # no request thread sends on it, or on its number reused
-            stream.close()
-            self._stream = None
+        if not self._reading:  # a request thread reading it sees it closed and lets go
+            self._reader.acquire()
+            self._reading = True
+        try:
+            self._poller.unregister(stream.fileno())
+            with self._send_lock:  # no request thread sends on it, or on its number reused
+                stream.close()
+                self._stream = None
+        finally:
+            self._reading = False
+            self._reader.release()
         self._lost("its socket closed")
 
     def _turn(self, found: list[tuple[int, int]]) -> None:
@@ -370,8 +442,8 @@ class Link:
                 if event & select.POLLOUT:
                     with self._send_lock:
                         stream.flush()
-                if event & ~select.POLLOUT:
-                    self._read(stream)
+                if event & ~select.POLLOUT:  # frames, or (not reading) its hang-up
+                    self._read_as_link(stream, wait=True)
         if stream is not None and stream.closed:
             self._disconnected()
         now = time.monotonic()
@@ -380,13 +452,51 @@ class Link:
             self._tick(now)
         if self._outbox or self._unsent:
             self._flush()
+        self._settle_mode()
+
+    def _read_as_link(self, stream: Stream, wait: bool) -> None:
+        """Read ``stream`` from the link's thread: at once where it is the reader, else
+        once no request thread reads (``wait``: waiting for that one to let go, which it
+        does within ``_TICK_S``); else not at all."""
+        if self._reading:
+            self._read(stream)
+        elif self._reader.acquire(timeout=2 * _TICK_S) if wait \
+                else self._reader.acquire(blocking=False):
+            try:
+                self._read(stream)
+            finally:
+                self._reader.release()
+
+    def _settle_mode(self) -> None:
+        """The link's thread reads the connection (holds ``_reader``, polls for frames)
+        while anything waits on the engine that no request thread is reading for: a request
+        between its reservation and its wait, or whose reader let go, a reservation waiting
+        for its grant, a scrape, the engine's card. Otherwise it lets go, and a request
+        thread that waits alone reads its own answer (``wait``); the link's poll then waits
+        for the connection's hang-up only (and for room to write, while bytes wait)."""
         stream = self._stream
-        if stream is not None and stream.pending != self._polling_out:
-            self._polling_out = stream.pending
-            self._poller.modify(stream.fileno(), _OUT if stream.pending else _IN)
+        if stream is None:
+            return
+        with self._lock:
+            wanted = bool(self._calls or self._askers) or self.state == "loading"
+            if self._reading and not wanted:
+                self._reading = False
+                self._reader.release()
+        if wanted and not self._reading:
+            self._reading = self._reader.acquire(blocking=False)
+        events = (_IN if self._reading else _HANGUP) | (select.POLLOUT if stream.pending
+                                                         else 0)
+        if events != self._events:
+            self._events = events
+            self._poller.modify(stream.fileno(), events)
 
     def _tick(self, now: float) -> None:
         self._discount_stall(now)
+        stream = self._stream
+        if stream is not None and not self._reading:  # the pongs, where no request reads
+            self._read_as_link(stream, wait=False)
+            if stream.closed:
+                self._disconnected()
         if self.card is not None and self.state != "loading" \
                 and now - self._heard_at > LOST_AFTER_S:
             self._lost(f"no answer for {LOST_AFTER_S}s")
@@ -755,7 +865,7 @@ class RemotePort:
         try:
             # a request that reached the model before its deadline is computed to the end,
             # as in one process: waited for while the engine's pongs say it holds it
-            while not call.wait(give_up - time.monotonic()):
+            while not self.link.wait(call, give_up - time.monotonic()):
                 if call.held_at + ANSWER_GRACE_S > give_up:
                     give_up = call.held_at + ANSWER_GRACE_S
                     continue

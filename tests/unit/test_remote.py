@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import select
+import socket
 import subprocess
 import sys
 import textwrap
@@ -659,12 +660,19 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
 
     link = client_module.Link("ipc:///nonexistent")
     sent: list[bytes] = []
+    here, there = socket.socketpair()  # a number for the link's poll
 
     class Socket:
         pending = closed = False
 
         def send(self, data: bytes) -> None:
             sent.append(data)
+
+        def read(self) -> list[bytes]:
+            return []
+
+        def fileno(self) -> int:
+            return here.fileno()
 
     drain = client_module._drain_pipe
     during = wire.Cancel(2)
@@ -677,6 +685,7 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
         link.post(wire.Cancel(1))
         monkeypatch.setattr(client_module, "_drain_pipe", drain_with_a_post_in_between)
         link._stream = Socket()  # type: ignore[assignment]
+        link._poller.register(here.fileno(), 0)
         link._turn([(link._wake_r, select.POLLIN)])
         monkeypatch.setattr(client_module, "_drain_pipe", drain)
         assert wire.encode(during) in sent
@@ -684,6 +693,8 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
         assert select.select([link._wake_r], [], [], 0)[0], "a post after the turn wrote nothing"
     finally:
         link.close()
+        here.close()
+        there.close()
 
 
 def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_draining(
@@ -943,3 +954,102 @@ def test_a_stopping_engine_sends_the_answers_its_fronts_have_not_taken_yet(tmp_p
         for i in (0, 517, len(texts) - 1):
             np.testing.assert_allclose(rows[i] / np.linalg.norm(rows[i]),
                                        encoder.expected(texts[i]), rtol=1e-5)
+
+
+def _frames_of(stream, kind: type, count: int = 1, timeout: float = 5.0) -> list:
+    """The next ``count`` frames of type ``kind`` that ``stream`` (the engine's end) reads
+    (others are dropped)."""
+    found: list = []
+    until = time.monotonic() + timeout
+    while len(found) < count and time.monotonic() < until:
+        select.select([stream], [], [], 0.05)
+        found += [f for f in map(wire.decode_to_engine, stream.read()) if isinstance(f, kind)]
+    assert len(found) == count, f"{len(found)} of {count} {kind.__name__} from the link"
+    return found
+
+
+def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
+        tmp_path, monkeypatch):
+    """A front's only request in the engine reads the engine's connection itself: its
+    answer wakes no link thread first. A reader that leaves while another request waits
+    wakes the link's thread, which reads for that one (with the link's tick out of the way,
+    nothing else would read it for 30 seconds)."""
+    from embedsvc.remote.stream import Stream
+
+    monkeypatch.setattr(client_module, "_TICK_S", 30.0)
+    address = engine_address(private_dir(tmp_path / "run"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address.removeprefix("ipc://"))
+    listener.listen(1)
+    listener.settimeout(5)
+    settled: list[tuple[int, str]] = []
+    settle = client_module._Call.settle
+
+    def recorded(call, answer=None, error=None):
+        settled.append((call.id, threading.current_thread().name))
+        settle(call, answer, error)
+
+    monkeypatch.setattr(client_module._Call, "settle", recorded)
+    link = client_module.Link(address)
+    link.start()
+    try:
+        engine = Stream(listener.accept()[0])
+        link.post(wire.Ping(1))  # wakes the link: its hello goes at its first tick
+        _frames_of(engine, wire.Hello)
+        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
+                                          queue_limit=8)))
+        assert link.wait_card(5) is not None
+        assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
+
+        def answer(request_id: int) -> None:
+            engine.send(wire.encode(wire.Failed(request_id, 400, "invalid_request_error",
+                                                "invalid_request", f"answer {request_id}")))
+
+        waited: dict[str, bool] = {}
+
+        def wait(name: str, call) -> threading.Thread:
+            thread = threading.Thread(target=lambda: waited.update({name: link.wait(call, 10)}),
+                                      name=name)
+            thread.start()
+            return thread
+
+        first = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
+        reader = wait("request-1", first)
+        assert _soon(link._reader.locked), "the lone request did not read"
+        second = link.send_call(wire.Submit(2, EMBED, b"", b""), None)
+        other = wait("request-2", second)
+        assert [f.id for f in _frames_of(engine, wire.Submit, 2)] == [1, 2]
+        answer(1)
+        reader.join(5)
+        assert waited == {"request-1": True} and settled == [(1, "request-1")]
+        assert _soon(lambda: link._reading, 5), "the reader left and no thread reads"
+        answer(2)
+        other.join(5)
+        assert waited == {"request-1": True, "request-2": True}
+        assert settled == [(1, "request-1"), (2, "embedsvc-engine-link")]
+        assert first.answer.message == "answer 1" and second.answer.message == "answer 2"
+        assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
+    finally:
+        link.close()
+        listener.close()
+
+
+def test_lone_requests_through_the_engine_read_their_own_answers(served, monkeypatch):
+    """One client at a time through a live engine: the requests' own threads read nearly
+    every answer (the link's tick may take one that arrives as it looks), each the right
+    rows."""
+    engine, front, encoder, server = served
+    readers: list[str] = []
+    settle = client_module._Call.settle
+
+    def recorded(call, answer=None, error=None):
+        if call.id:  # a request's, not a scrape's
+            readers.append(threading.current_thread().name)
+        settle(call, answer, error)
+
+    monkeypatch.setattr(client_module._Call, "settle", recorded)
+    for i in range(20):
+        out = front.ready().run(Work(EMBED, [f"lone {i}"], deadline=time.monotonic() + 5))
+        np.testing.assert_allclose(out.vectors[0], encoder.expected(f"lone {i}"), rtol=1e-6)
+    mine = threading.current_thread().name
+    assert len(readers) == 20 and readers.count(mine) >= 15, readers
