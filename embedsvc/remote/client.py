@@ -215,6 +215,11 @@ class Link:
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
         self._signalled = False
+        # over writing the pipe and closing it: a request thread that signals after
+        # ``close`` (a reader leaving, a late ``Cancel``) writes into no descriptor at all,
+        # not into whatever took the pipe's number since
+        self._pipe_lock = threading.Lock()
+        self._pipe_closed = False
         self._heard_at = 0.0
         self._looked_at = time.monotonic()  # the link's last look at the engine (``_tick``)
         self._next_ping = self._next_snapshot = self._next_tick = 0.0
@@ -350,8 +355,9 @@ class Link:
     def _signal(self) -> None:
         if not self._signalled:
             self._signalled = True
-            with contextlib.suppress(OSError):  # closed, or a byte is there already
-                os.write(self._wake_w, b"\0")
+            with self._pipe_lock, contextlib.suppress(OSError):  # a byte is there already
+                if not self._pipe_closed:
+                    os.write(self._wake_w, b"\0")
 
     def ask(self, frame: wire.Frame, expect: type, timeout: float) -> Any:
         """One question that has no request id (a scrape): the next ``expect`` answers it."""
@@ -376,9 +382,11 @@ class Link:
         self.post(wire.Ping(os.getpid()))  # wakes the link's thread now
         if self._thread.is_alive():
             self._thread.join(2)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._pipe_lock:
+            self._pipe_closed = True
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # -- the link's thread --------------------------------------------------------------------
 
@@ -520,8 +528,8 @@ class Link:
         stopped for longer than ``LOST_AFTER_S`` took a live engine for gone the moment it
         ran again, and answered 503 the requests the engine was computing for it."""
         stalled = now - self._looked_at - _STALL_S
-        if stalled > 0:
-            self._heard_at += stalled
+        if stalled > 0:  # never past now: a frame read as the process ran again was heard then
+            self._heard_at = min(self._heard_at + stalled, now)
         self._looked_at = now
 
     def _read(self, stream: Stream) -> None:

@@ -5,6 +5,7 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import subprocess
@@ -1053,3 +1054,61 @@ def test_lone_requests_through_the_engine_read_their_own_answers(served, monkeyp
         np.testing.assert_allclose(out.vectors[0], encoder.expected(f"lone {i}"), rtol=1e-6)
     mine = threading.current_thread().name
     assert len(readers) == 20 and readers.count(mine) >= 15, readers
+
+
+def test_a_reader_leaving_after_the_link_closed_writes_into_no_reused_descriptor(tmp_path):
+    """A lone request reading when its front closes the link leaves after ``close`` closed
+    the link's wake pipe; its wake-up for the link must go nowhere, not into the file or
+    socket that took the pipe's number since."""
+    address = engine_address(private_dir(tmp_path / "run"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address.removeprefix("ipc://"))
+    listener.listen(1)
+    listener.settimeout(5)
+    link = client_module.Link(address)
+    link.start()
+    taken: list[tuple[int, int]] = []
+    try:
+        from embedsvc.remote.stream import Stream
+
+        engine = Stream(listener.accept()[0])
+        link.post(wire.Ping(1))
+        _frames_of(engine, wire.Hello)
+        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
+                                          queue_limit=8)))
+        assert link.wait_card(5) is not None
+        assert _soon(lambda: not link._reading)
+        call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
+        reader = threading.Thread(target=link.wait, args=(call, 10), name="request-1")
+        reader.start()
+        assert _soon(link._reader.locked), "the lone request did not read"
+        wake_w = link._wake_w
+        link.close()  # the reader is in its poll, for up to a tick
+        taken += [os.pipe() for _ in range(16)]  # files opened meanwhile take the numbers
+        reader.join(5)
+        assert wake_w in [w for _, w in taken], "the test lost its race for the number"
+        for r, _ in taken:
+            assert not select.select([r], [], [], 0)[0], f"a byte went into fd {wake_w}"
+    finally:
+        link.close()
+        listener.close()
+        for fds in taken:
+            for fd in fds:
+                os.close(fd)
+
+
+def test_a_pause_of_the_front_is_discounted_but_never_past_what_it_heard_since():
+    """The front's own pause is not the engine's silence; but a frame read as the process
+    ran again was heard then, not later: the pause added on top of it would leave a silent
+    engine unnoticed for as long again."""
+    link = client_module.Link("ipc:///nonexistent")
+    try:
+        now = time.monotonic()
+        link._looked_at, link._heard_at = now - 10.0, now - 10.0  # paused for 10 s
+        link._discount_stall(now)
+        assert now - 1.0 < link._heard_at <= now  # silent for none of it
+        link._looked_at, link._heard_at = now - 10.0, now  # a pong read as it woke
+        link._discount_stall(now)
+        assert link._heard_at == now
+    finally:
+        link.close()
