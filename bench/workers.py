@@ -28,7 +28,8 @@ another's, in one run. ``--inputs 32 --clients 4`` makes the rounds 4 clients x 
 bare app answers one input only: leave it out there).
 
 ``model``: the bundled model on ONNX Runtime (the CPU), 32 x 1 and 4 x 32, ``embedsvc
-serve`` against ``embedsvc serve --workers 2``.
+serve`` against ``embedsvc serve --workers 2``; ``--trees REV`` adds REV's two as
+``embedsvc@REV`` and ``embedsvc-w2@REV``.
 
 Both start every server anew each round and alternate them (reversed every other round), so
 that a drift of the shared machine touches all; ratios are taken within a round.
@@ -176,12 +177,17 @@ def measure(server: run.Running, sc: run.Scenario, seconds: float, round_no: int
 
 def tree_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]] | None:
     """``sim@REV``, ``sim-w2@REV``: revision REV's simulated device in one process, or under
-    ``--workers 2``; None for the servers of bench/run.py."""
+    ``--workers 2``; ``embedsvc@REV``, ``embedsvc-w2@REV``: the same on the bundled model
+    (``embedsvc serve`` of that tree); None for the servers of bench/run.py."""
     if "@" not in name:
         return None
     base, rev = name.split("@", 1)
     tree = run.baseline_tree(rev)
-    workers = ["--workers", "2"] if base == "sim-w2" else []
+    workers = ["--workers", "2"] if base.endswith("-w2") else []
+    if base.startswith("embedsvc"):
+        return [sys.executable, "-m", "embedsvc", "serve", "--port", str(port), "--threads",
+                "64", *workers, "--log-level", "warning"], "/v1/embeddings", \
+            {"PYTHONPATH": str(tree)}
     return [sys.executable, str(tree / "bench" / "sim_server.py"), "--port", str(port),
             *workers], "/v1/embeddings", {"PYTHONPATH": str(tree)}
 
@@ -267,9 +273,7 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
                   "- " + ratio_line(results, sc, "sim", "bare-handoff-python")]
     if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
-    for tree in (n for n in labels if "@" in n and _of(results, n, sc)):
-        lines += ["- " + ratio_line(results, sc, tree.split("@")[0], tree),
-                  "- " + cpu_line(results, sc, tree.split("@")[0], tree)]
+    lines += tree_lines(results, labels, sc)
     lines += ["- " + p50_line(results, sc, name) for name in labels
               if name.startswith("sim-w") and _of(results, name, sc) and _of(results, "sim", sc)]
     for name in (n for n in labels if n.startswith("sim-w")):
@@ -277,6 +281,16 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
         requests = sum(m.requests for m in runs)
         if requests:
             lines.append("- " + engine_line(runs, requests, f"{labels[name]}, {sc}"))
+    return lines
+
+
+def tree_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[str]:
+    """Each server of this tree against the same server at each ``--trees`` revision: the
+    rate and the CPU a request."""
+    lines = []
+    for tree in (n for n in labels if "@" in n and _of(results, n, sc)):
+        lines += ["- " + ratio_line(results, sc, tree.split("@")[0], tree),
+                  "- " + cpu_line(results, sc, tree.split("@")[0], tree)]
     return lines
 
 
@@ -319,10 +333,11 @@ def engine_line(runs: list[Measured], requests: int, label: str) -> str:
             "device")
 
 
-def model_report(results: list[Measured]) -> str:
-    lines = [server_table(results, MODEL), ""]
-    lines += ["- " + ratio_line(results, sc.name, "embedsvc-w2", "embedsvc")
-              for sc in MODEL_SCENARIOS]
+def model_report(results: list[Measured], labels: dict[str, str]) -> str:
+    lines = [server_table(results, labels), ""]
+    for sc in MODEL_SCENARIOS:
+        lines += ["- " + ratio_line(results, sc.name, "embedsvc-w2", "embedsvc"),
+                  *tree_lines(results, labels, sc.name)]
     return "\n".join(lines)
 
 
@@ -557,9 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="sim, model: comma-separated servers of "
                         + ", ".join([*SIM, *MODEL]) + " (default: all of the comparison but "
                         + ", ".join(ASKED_FOR) + ")")
-    parser.add_argument("--trees", default="", help="sim: comma-separated git revisions whose "
-                        "one process (sim@REV) and --workers 2 (sim-w2@REV) join the rounds, "
-                        "beside this tree's of each")
+    parser.add_argument("--trees", default="", help="sim, model: comma-separated git "
+                        "revisions whose one process (sim@REV, embedsvc@REV) and --workers 2 "
+                        "(sim-w2@REV, embedsvc-w2@REV) join the rounds, beside this tree's "
+                        "of each")
     parser.add_argument("--inputs", type=int, default=1, help="sim: inputs a request")
     parser.add_argument("--clients", default="32", help="sim: comma-separated client counts, "
                         "each a scenario of single-input requests (1 for latency alone)")
@@ -574,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     revs = list(filter(None, args.trees.split(",")))
     sim = {**SIM, **{f"sim@{rev}": f"embedsvc, one process at {rev}" for rev in revs},
            **{f"sim-w2@{rev}": f"embedsvc --workers 2 at {rev}" for rev in revs}}
+    model = {**MODEL, **{f"embedsvc@{rev}": f"embedsvc, one process at {rev}" for rev in revs},
+             **{f"embedsvc-w2@{rev}": f"embedsvc --workers 2 at {rev}" for rev in revs}}
 
     def servers(labels: dict[str, str]) -> list[str]:
         if args.only is None:
@@ -584,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         "sim": lambda: sim_report(rounds(servers(sim), [sim_scenario(int(c), args.inputs)
                                                         for c in args.clients.split(",")],
                                          args.rounds, args.duration), sim),
-        "model": lambda: model_report(rounds(servers(MODEL), MODEL_SCENARIOS, args.rounds,
-                                             args.duration)),
+        "model": lambda: model_report(rounds(servers(model), MODEL_SCENARIOS, args.rounds,
+                                             args.duration), model),
         "memory": lambda: memory(args.workers, args.load, args.maps),
         "frames": lambda: frames(args.rounds, args.duration),
     }
