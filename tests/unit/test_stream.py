@@ -108,3 +108,23 @@ def test_the_end_of_the_stream_closes_it_after_what_came_before():
     reader.send(b"to nobody")  # dropped, never kept
     assert not reader.pending
     reader.close()
+
+
+def test_a_frame_read_keeps_its_bytes_after_the_next_read():
+    """A read takes its bytes into a buffer the stream keeps and reuses: each frame handed
+    out is a copy, unchanged by the reads after it (a frame whole in one read, and one put
+    together over several)."""
+    writer, reader = _pair()
+    try:
+        writer.send(b"first" * 10)
+        first = reader.read() if select.select([reader], [], [], 5)[0] else []
+        writer.sock.sendall(b"\xe5" + (6).to_bytes(4, "little") + b"sec")
+        assert select.select([reader], [], [], 5)[0] and reader.read() == []
+        writer.sock.sendall(b"ond")
+        second = reader.read() if select.select([reader], [], [], 5)[0] else []
+        writer.send(b"x" * 100)
+        assert _read_all(reader, 1) == [b"x" * 100]
+        assert first == [b"first" * 10] and second == [b"second"]
+    finally:
+        writer.close()
+        reader.close()
