@@ -223,6 +223,7 @@ class Link:
         self._heard_at = 0.0
         self._looked_at = time.monotonic()  # the link's last look at the engine (``_tick``)
         self._next_ping = self._next_snapshot = self._next_tick = 0.0
+        self._pinged = False  # a ping awaits its pong: the link reads for it
         self._next_keep = time.monotonic() + LOST_AFTER_S
         self._carded = threading.Event()
         self._stop = threading.Event()
@@ -479,14 +480,16 @@ class Link:
         """The link's thread reads the connection (holds ``_reader``, polls for frames)
         while anything waits on the engine that no request thread is reading for: a request
         between its reservation and its wait, or whose reader let go, a reservation waiting
-        for its grant, a scrape, the engine's card. Otherwise it lets go, and a request
+        for its grant, a scrape, the engine's card, the pong to its ping (the engine's
+        state, its fronts: read as it comes). Otherwise it lets go, and a request
         thread that waits alone reads its own answer (``wait``); the link's poll then waits
         for the connection's hang-up only (and for room to write, while bytes wait)."""
         stream = self._stream
         if stream is None:
             return
         with self._lock:
-            wanted = bool(self._calls or self._askers) or self.state == "loading"
+            wanted = bool(self._calls or self._askers) or self.state == "loading" \
+                or self._pinged
             if self._reading and not wanted:
                 self._reading = False
                 self._reader.release()
@@ -514,8 +517,8 @@ class Link:
             self._failed(self._keeper())
         if now >= self._next_ping:
             self._next_ping = now + _PING_S
-            self._send(wire.Ping(os.getpid()) if self.state != "loading"
-                       else wire.Hello(os.getpid()))
+            self._pinged = self.state != "loading"
+            self._send(wire.Ping(os.getpid()) if self._pinged else wire.Hello(os.getpid()))
         if self._snapshot is not None and now >= self._next_snapshot \
                 and self.state != "loading":
             self._next_snapshot = now + _SNAPSHOT_S
@@ -639,6 +642,8 @@ class Link:
                 self._engine_gone()  # a new engine: the old one's requests are lost
             self.card, self.engine_pid = frame, frame.pid
             self.state, self.queue_limit = frame.state, frame.queue_limit
+            # the first ping at the next tick: its pong lists the engine's fronts (/info)
+            self._next_ping, self._pinged = 0.0, False
             log.info("engine ready: pid=%d device=%s model=%s (this front: pid %d)",
                      frame.pid, frame.info.get("device"), frame.info.get("name"), os.getpid())
             self._carded.set()
@@ -647,6 +652,7 @@ class Link:
         else:
             self.state, self.queue_limit, self.fronts = frame.state, frame.queue_limit, \
                 frame.fronts
+            self._pinged = False
             self._held(frame.holding)
 
     def _held(self, ids: list[int]) -> None:

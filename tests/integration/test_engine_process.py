@@ -49,16 +49,20 @@ def info(server: Server) -> dict:
 
 
 def all_ready(server: Server, n: int, timeout: float = 60) -> None:
-    """Until the engine knows ``n`` fronts and each answers /health (new connections go
-    to either front, so a few in a row reach both)."""
+    """Until the engine knows ``n`` fronts and each front has answered /health and listed
+    all ``n`` in /info (new connections go to either front: enough of them reach each; a
+    front lists the engine's fronts from its first pong on)."""
     server.wait_fronts(n, timeout)
     deadline = time.monotonic() + timeout
+    complete: set[int] = set()  # the fronts (by /info's pid) that have
     while time.monotonic() < deadline:
-        if all(len(info(server)["front_pids"]) == n and
-               loopback.get(server.url + "/health", timeout=5).status_code == 200
-               for _ in range(4 * n)):
-            return
-        time.sleep(0.2)
+        got = info(server)
+        if len(got["front_pids"]) == n and \
+                loopback.get(server.url + "/health", timeout=5).status_code == 200:
+            complete.add(got["pid"])
+            if len(complete) == n:
+                return
+        time.sleep(0.05)
     raise AssertionError(f"not {n} fronts ready:\n{server.output()[-3000:]}")
 
 

@@ -1112,3 +1112,34 @@ def test_a_pause_of_the_front_is_discounted_but_never_past_what_it_heard_since()
         assert link._heard_at == now
     finally:
         link.close()
+
+
+def test_a_link_pings_at_once_after_the_card_and_reads_its_pong_as_it_comes(
+        tmp_path, monkeypatch):
+    """The engine's list of fronts (/info's ``front_pids``) comes with its pongs: a front's
+    first ping goes at the link's next tick after the card, not a ping interval later, and
+    the link reads while a ping awaits its pong, then lets go."""
+    from embedsvc.remote.stream import Stream
+
+    monkeypatch.setattr(client_module, "_PING_S", 30.0)
+    address = engine_address(private_dir(tmp_path / "run"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address.removeprefix("ipc://"))
+    listener.listen(1)
+    listener.settimeout(5)
+    link = client_module.Link(address)
+    link.start()
+    try:
+        engine = Stream(listener.accept()[0])
+        _frames_of(engine, wire.Hello)
+        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
+                                          queue_limit=8)))
+        assert link.wait_card(5) is not None and link.fronts == []
+        _frames_of(engine, wire.Ping, timeout=2.0)
+        assert _soon(lambda: link._reading, 2), "the link does not read for its pong"
+        engine.send(wire.encode(wire.Pong(4242, "ready", 8, fronts=[11, 12])))
+        assert _soon(lambda: link.fronts == [11, 12], 2)
+        assert _soon(lambda: not link._reading, 2), "the link kept reading after its pong"
+    finally:
+        link.close()
+        listener.close()
