@@ -203,11 +203,17 @@ def pod(rendered, tmp_path_factory) -> Iterator[Server]:
 
 
 def every_front_ready(probes: str, workers: int, timeout: float = 60) -> dict:
-    """/info once the engine has heard from ``workers`` HTTP processes."""
+    """/info once the engine has heard from ``workers`` HTTP processes and holds the
+    metrics of each (a front is listed from its hello on, and its metrics reach the engine
+    with its first snapshot, at its first tick after the engine's card)."""
     deadline = time.monotonic() + timeout
     while True:
         about = loopback.get(probes + "/info", timeout=10).json()
-        if len(about["front_pids"]) >= workers or time.monotonic() > deadline:
+        if len(about["front_pids"]) >= workers:
+            pids = {s.labels["pid"] for s in scrape(probes)["process_resident_memory_bytes"]}
+            if {str(about["engine_pid"]), *map(str, about["front_pids"])} <= pids:
+                return about
+        if time.monotonic() > deadline:
             return about
         time.sleep(0.2)
 
