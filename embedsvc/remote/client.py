@@ -319,14 +319,14 @@ class Link:
                 poll = select.poll()
                 poll.register(stream.fileno(), _IN)
                 own = self._own_poll = (stream, poll)
-            while not stream.closed and self._stream is stream:
+            # answered first: the link's thread may have read it between this thread's
+            # look at its future and its taking the reader (its tick, its pong)
+            while not call.wait(0) and not stream.closed and self._stream is stream:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
                 if own[1].poll(math.ceil(min(left, _TICK_S) * 1000)):
                     self._read(stream)
-                if call.wait(0):
-                    break
         except Exception:  # noqa: BLE001 - what it read may be others' answers: fail them all
             log.exception("reading the engine's connection failed")
             self._lost("a read of its connection failed")

@@ -1143,3 +1143,51 @@ def test_a_link_pings_at_once_after_the_card_and_reads_its_pong_as_it_comes(
     finally:
         link.close()
         listener.close()
+
+
+def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connection(
+        tmp_path, monkeypatch):
+    """The link's thread can read a lone request's answer (its tick, its pong) between the
+    request's look at its future and its taking the reader: the request then has its
+    answer and must not wait on the connection for more (with the tick at 30 s, a poll
+    slice would hold it for the whole wait)."""
+    from embedsvc.remote.stream import Stream
+
+    monkeypatch.setattr(client_module, "_TICK_S", 30.0)
+    address = engine_address(private_dir(tmp_path / "run"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address.removeprefix("ipc://"))
+    listener.listen(1)
+    listener.settimeout(5)
+    link = client_module.Link(address)
+    link.start()
+    try:
+        engine = Stream(listener.accept()[0])
+        link.post(wire.Ping(1))
+        _frames_of(engine, wire.Hello)
+        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
+                                          queue_limit=8)))
+        assert link.wait_card(5) is not None
+        assert _soon(lambda: not link._reading)  # its first ping waits for its next tick
+        call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
+        reader = link._reader
+
+        class AnsweredMeanwhile:  # the link's read of the answer, just before the take
+            def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+                link._settle([wire.Failed(1, 400, "invalid_request_error",
+                                          "invalid_request", "answered")])
+                return reader.acquire(blocking, timeout)
+
+            def __getattr__(self, name: str):
+                return getattr(reader, name)
+
+        monkeypatch.setattr(link, "_reader", AnsweredMeanwhile())
+        waited: list[bool] = []
+        thread = threading.Thread(target=lambda: waited.append(link.wait(call, 10)))
+        thread.start()
+        thread.join(5)
+        assert waited == [True] and call.answer.message == "answered"
+        assert not reader.locked()
+    finally:
+        link.close()
+        listener.close()
