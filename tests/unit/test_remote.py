@@ -969,20 +969,42 @@ def _frames_of(stream, kind: type, count: int = 1, timeout: float = 5.0) -> list
     return found
 
 
+@contextlib.contextmanager
+def _carded_link(tmp_path, wake: bool = True):
+    """A front's link to a stand-in engine (the test's end of the socket, a ``Stream``),
+    its hello answered with a card: (the link, the engine's end). The hello goes at the
+    link's first tick; ``wake`` posts a frame to wake it for that at once (a test may have
+    set the tick long), which the engine's end then reads too."""
+    from embedsvc.remote.stream import Stream
+
+    address = engine_address(private_dir(tmp_path / "run"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address.removeprefix("ipc://"))
+    listener.listen(1)
+    listener.settimeout(5)
+    link = client_module.Link(address)
+    link.start()
+    try:
+        engine = Stream(listener.accept()[0])
+        if wake:
+            link.post(wire.Ping(1))
+        _frames_of(engine, wire.Hello)
+        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
+                                          queue_limit=8)))
+        assert link.wait_card(5) is not None
+        yield link, engine
+    finally:
+        link.close()
+        listener.close()
+
+
 def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
         tmp_path, monkeypatch):
     """A front's only request in the engine reads the engine's connection itself: its
     answer wakes no link thread first. A reader that leaves while another request waits
     wakes the link's thread, which reads for that one (with the link's tick out of the way,
     nothing else would read it for 30 seconds)."""
-    from embedsvc.remote.stream import Stream
-
     monkeypatch.setattr(client_module, "_TICK_S", 30.0)
-    address = engine_address(private_dir(tmp_path / "run"))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address.removeprefix("ipc://"))
-    listener.listen(1)
-    listener.settimeout(5)
     settled: list[tuple[int, str]] = []
     settle = client_module._Call.settle
 
@@ -991,15 +1013,7 @@ def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
         settle(call, answer, error)
 
     monkeypatch.setattr(client_module._Call, "settle", recorded)
-    link = client_module.Link(address)
-    link.start()
-    try:
-        engine = Stream(listener.accept()[0])
-        link.post(wire.Ping(1))  # wakes the link: its hello goes at its first tick
-        _frames_of(engine, wire.Hello)
-        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
-                                          queue_limit=8)))
-        assert link.wait_card(5) is not None
+    with _carded_link(tmp_path) as (link, engine):
         assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
 
         def answer(request_id: int) -> None:
@@ -1030,9 +1044,6 @@ def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
         assert settled == [(1, "request-1"), (2, "embedsvc-engine-link")]
         assert first.answer.message == "answer 1" and second.answer.message == "answer 2"
         assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
-    finally:
-        link.close()
-        listener.close()
 
 
 def test_lone_requests_through_the_engine_read_their_own_answers(served, monkeypatch):
@@ -1060,23 +1071,9 @@ def test_a_reader_leaving_after_the_link_closed_writes_into_no_reused_descriptor
     """A lone request reading when its front closes the link leaves after ``close`` closed
     the link's wake pipe; its wake-up for the link must go nowhere, not into the file or
     socket that took the pipe's number since."""
-    address = engine_address(private_dir(tmp_path / "run"))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address.removeprefix("ipc://"))
-    listener.listen(1)
-    listener.settimeout(5)
-    link = client_module.Link(address)
-    link.start()
     taken: list[tuple[int, int]] = []
-    try:
-        from embedsvc.remote.stream import Stream
-
-        engine = Stream(listener.accept()[0])
-        link.post(wire.Ping(1))
-        _frames_of(engine, wire.Hello)
-        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
-                                          queue_limit=8)))
-        assert link.wait_card(5) is not None
+    with _carded_link(tmp_path) as (link, _), contextlib.ExitStack() as closing:
+        closing.callback(lambda: [os.close(fd) for fds in taken for fd in fds])
         assert _soon(lambda: not link._reading)
         call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
         reader = threading.Thread(target=link.wait, args=(call, 10), name="request-1")
@@ -1089,12 +1086,6 @@ def test_a_reader_leaving_after_the_link_closed_writes_into_no_reused_descriptor
         assert wake_w in [w for _, w in taken], "the test lost its race for the number"
         for r, _ in taken:
             assert not select.select([r], [], [], 0)[0], f"a byte went into fd {wake_w}"
-    finally:
-        link.close()
-        listener.close()
-        for fds in taken:
-            for fd in fds:
-                os.close(fd)
 
 
 def test_a_pause_of_the_front_is_discounted_but_never_past_what_it_heard_since():
@@ -1119,30 +1110,14 @@ def test_a_link_pings_at_once_after_the_card_and_reads_its_pong_as_it_comes(
     """The engine's list of fronts (/info's ``front_pids``) comes with its pongs: a front's
     first ping goes at the link's next tick after the card, not a ping interval later, and
     the link reads while a ping awaits its pong, then lets go."""
-    from embedsvc.remote.stream import Stream
-
     monkeypatch.setattr(client_module, "_PING_S", 30.0)
-    address = engine_address(private_dir(tmp_path / "run"))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address.removeprefix("ipc://"))
-    listener.listen(1)
-    listener.settimeout(5)
-    link = client_module.Link(address)
-    link.start()
-    try:
-        engine = Stream(listener.accept()[0])
-        _frames_of(engine, wire.Hello)
-        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
-                                          queue_limit=8)))
-        assert link.wait_card(5) is not None and link.fronts == []
+    with _carded_link(tmp_path, wake=False) as (link, engine):
+        assert link.fronts == []
         _frames_of(engine, wire.Ping, timeout=2.0)
         assert _soon(lambda: link._reading, 2), "the link does not read for its pong"
         engine.send(wire.encode(wire.Pong(4242, "ready", 8, fronts=[11, 12])))
         assert _soon(lambda: link.fronts == [11, 12], 2)
         assert _soon(lambda: not link._reading, 2), "the link kept reading after its pong"
-    finally:
-        link.close()
-        listener.close()
 
 
 def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connection(
@@ -1151,23 +1126,8 @@ def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connecti
     request's look at its future and its taking the reader: the request then has its
     answer and must not wait on the connection for more (with the tick at 30 s, a poll
     slice would hold it for the whole wait)."""
-    from embedsvc.remote.stream import Stream
-
     monkeypatch.setattr(client_module, "_TICK_S", 30.0)
-    address = engine_address(private_dir(tmp_path / "run"))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address.removeprefix("ipc://"))
-    listener.listen(1)
-    listener.settimeout(5)
-    link = client_module.Link(address)
-    link.start()
-    try:
-        engine = Stream(listener.accept()[0])
-        link.post(wire.Ping(1))
-        _frames_of(engine, wire.Hello)
-        engine.send(wire.encode(wire.Card(info={}, text={}, pid=4242, state="ready",
-                                          queue_limit=8)))
-        assert link.wait_card(5) is not None
+    with _carded_link(tmp_path) as (link, _):
         assert _soon(lambda: not link._reading)  # its first ping waits for its next tick
         call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
         reader = link._reader
@@ -1188,6 +1148,3 @@ def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connecti
         thread.join(5)
         assert waited == [True] and call.answer.message == "answered"
         assert not reader.locked()
-    finally:
-        link.close()
-        listener.close()
