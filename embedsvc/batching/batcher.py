@@ -325,13 +325,26 @@ class Batcher:
         # the thread only trims; for a device that costs nothing (the simulated one), where
         # handing each batch to the thread cost more CPU (two thread switches and the
         # interpreter lock's hand-off) than the batch. Never for a real device.
-        self.here = False
-        self._stopped = threading.Event()  # for the thread while ``here``: time to end
+        self._here = False
+        # for the thread while ``here``: time to end, or to compute again (``here`` unset)
+        self._nudged = threading.Event()
         # read at scrape time, so that the request path pays nothing for them
         self.metrics.queue_depth.set_function(lambda: self.depth)
         self.metrics.in_flight.set_function(lambda: self._in_flight)
         self.metrics.admission_limit.set_function(lambda: self.admission.limit)
         self.metrics.admitted_inputs.set_function(lambda: self.admission.used_inputs)
+
+    @property
+    def here(self) -> bool:
+        return self._here
+
+    @here.setter
+    def here(self, value: bool) -> None:
+        """Unset, the thread computes again at once: what the caller left queued as it
+        stopped computing is not left for the thread's next trim."""
+        self._here = value
+        if not value:
+            self._nudged.set()
 
     # -- request side -------------------------------------------------------------------------
 
@@ -539,7 +552,7 @@ class Batcher:
             for job in leftover.values():
                 self._cancel(job, shutting_down("the server shut down before this request ran"))
             self._stopping = True
-            self._stopped.set()
+            self._nudged.set()
             self._ring()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
@@ -617,13 +630,14 @@ class Batcher:
 
     def _next_batch(self) -> list[_Item] | None:
         """The next batch; ``[]`` after an idle spell (time to trim), None when stopping."""
-        if self.here:  # the caller computes: wait for nothing but the time to trim or end
-            return None if self._stopped.wait(_TRIM_IDLE_S) else []
+        if self._here:  # the caller computes: wait for nothing but the time to trim or end
+            self._nudged.wait(_TRIM_IDLE_S)
         with self._lock:
             while True:
                 if self._stopping:
                     return None
-                if self.here:
+                if self._here:
+                    self._nudged.clear()  # under the lock: a stop sets it under it too
                     return []
                 if not self._pending:
                     if not self._sleep(_TRIM_IDLE_S):

@@ -734,3 +734,21 @@ def test_a_wake_up_that_comes_as_the_threads_wait_times_out_is_kept_and_taken_on
         assert time.monotonic() - started >= 0.04
     b.start()  # the thread takes what is queued, then sleeps until the shutdown rings
     assert b.shutdown(5).clean
+
+
+def test_work_queued_as_the_caller_stops_computing_goes_to_the_thread_at_once(metrics):
+    """``here``: the caller that queues computes (the engine's loop over a device that costs
+    nothing) and the thread only waits to trim. When the caller stops computing (the loop
+    ends) with work still queued, the thread takes it at once, not at its next trim."""
+    enc = FakeEncoder(dimension=4)
+    b = start(enc, metrics)
+    b.here = True
+    time.sleep(0.05)  # the thread now waits as ``here`` has it wait
+    job = b.submit([ids(5, 6)], later())
+    assert not job.wait(0.05)  # nobody computes it: the caller has not come to it
+    started = time.monotonic()
+    b.here = False
+    job.result(2)
+    assert time.monotonic() - started < 1.0  # the trim comes after 5 s
+    np.testing.assert_allclose(job.result(0)[0], enc.encode([ids(5, 6)])[0], rtol=1e-6)
+    b.shutdown(1)
