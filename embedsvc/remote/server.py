@@ -549,22 +549,29 @@ class EngineServer:
                     tenant=frame.tenant, front=frame.front, deadline=deadline)
 
     def _cancel(self, peer: bytes, request_id: int) -> None:
-        """The front's client left: a reservation or a parked request goes now (499); a
-        queued one loses its inputs at the watchdog's next look (``Batcher.cancel_due``),
-        then answers 499."""
+        """The front's client left: a reservation or a parked request goes now (499), its
+        inputs counted dropped as one process counts them; a queued one loses its inputs
+        at the watchdog's next look (``Batcher.cancel_due``), then answers 499."""
         key = (peer, request_id)
         req = self._parked.get(key) or self._running.get(key) or self._reserved.get(key)
         if req is not None:
             req.gone = True
-        if key in self._reserved:
-            self._give_back(self._reserved[key])
+        reserved = self._reserved.get(key)
+        if reserved is not None:
+            assert reserved.ticket is not None
+            self._give_back(reserved)
+            self._dropped(reserved.ticket.inputs)
             self._reply(peer, failed(request_id, _gone()))
             return
         parked = self._parked.get((peer, request_id))
         if parked is not None and parked.ticket is not None and \
                 self.runner.admission.withdraw(parked.ticket):
             del self._parked[(peer, request_id)]
+            self._dropped(parked.ticket.inputs)
             self._reply(peer, failed(request_id, _gone()))
+
+    def _dropped(self, inputs: int) -> None:
+        self.metrics.dropped_inputs.labels(reason="disconnected").inc(inputs)
 
     # -- the model ----------------------------------------------------------------------------
 

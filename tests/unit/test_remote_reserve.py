@@ -296,3 +296,31 @@ def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_ti
         server._sweep_parked()
         assert [(f.id, f.status) for f in server._outbox.get(b"front", [])] == [(1, 504)]
         assert admission.used_inputs == 0 and not server.in_flight
+
+
+def test_a_reservation_cancelled_as_its_client_leaves_counts_its_inputs_dropped(
+        tmp_path, registry):
+    """A front's client that leaves while its reservation is granted or still parked drops
+    its inputs before compute, as one process counts them (``Admission``'s wait for a grant,
+    ``still_wanted``): ``embedsvc_dropped_inputs_total{reason="disconnected"}`` says so under
+    ``--workers N`` too, where the front's ``Cancel`` reaches the engine."""
+    def dropped() -> float:
+        return registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                         {"reason": "disconnected"}) or 0.0
+
+    with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
+        admission = engine.runner.admission
+        with _raw(front) as sock:
+            sock.send(wire.encode(wire.Reserve(1, "embed", admission.limit - 2, 10,
+                                               timeout=30.0, tell=True)))  # all but 2
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            sock.send(wire.encode(wire.Reserve(2, "embed", 5, 50, timeout=30.0, tell=True)))
+            assert _soon(lambda: admission.waiting == 1, 5)  # parked: 5 do not fit in 2
+            before = dropped()
+            sock.send(wire.encode(wire.Cancel(2)))  # the parked one's client left
+            assert [(f.id, f.status) for f in _next(sock)] == [(2, 499)]
+            assert dropped() == before + 5
+            sock.send(wire.encode(wire.Cancel(1)))  # and the granted one's
+            assert [(f.id, f.status) for f in _next(sock)] == [(1, 499)]
+            assert dropped() == before + 5 + admission.limit - 2
+        assert admission.used_inputs == 0 and not admission.waiting
