@@ -403,7 +403,9 @@ class Link:
         except Exception:  # noqa: BLE001 - the front must hear the engine is gone, not hang
             log.exception("the link to the engine failed")
             self._lost("the link failed")
-        finally:  # closing: no request waits on a link that is gone
+        finally:  # closing: no request waits on a link that is gone, nor lists itself after
+            with self._lock:
+                self.state = "loading"
             self._fail_all(shutting_down)
             with self._send_lock:
                 if self._stream is not None:
@@ -809,9 +811,15 @@ class RemotePort:
                              timeout=work.deadline - time.monotonic(),
                              flow=None if work.flow is None else repr(work.flow),
                              tenant=work.tenant, front=os.getpid(), tell=tell)
-        call = self.link.send_call(frame, work.disconnected)
-        with self._cond:
+        with self._cond:  # counted, or refused, in one step with the drain's look
+            if self._draining:
+                raise shutting_down()
             self._in_flight += 1
+        try:
+            call = self.link.send_call(frame, work.disconnected)
+        except BaseException:
+            self._done()
+            raise
         if tell:
             try:
                 self._await_grant(call, work)

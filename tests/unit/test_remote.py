@@ -721,6 +721,38 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
     assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
 
 
+def test_a_request_that_comes_as_the_front_drains_is_refused_not_lost(served, monkeypatch):
+    """A front's drain counts the requests it waits for. A request that had passed the
+    front's look at its state as the drain began, and was not yet counted, was neither
+    refused nor waited for: the drain found nothing in flight, closed the link, and the
+    request was listed on a link gone from under it, to wait out its deadline. The look
+    and the count are now one step under the drain's lock, and a closed link lists
+    nothing more."""
+    from embedsvc.errors import Unavailable
+
+    _, front, _, _ = served
+    port = front._client.port
+    reports = []
+    next_id = port.link.next_id
+
+    def drained_meanwhile() -> int:  # the drain runs between the request's look and count
+        reports.append(port.shutdown(1.0))
+        port.link.close()
+        return next_id()
+
+    monkeypatch.setattr(port.link, "next_id", drained_meanwhile)
+    work = Work(EMBED, ["late"], deadline=time.monotonic() + 30)
+    started = time.monotonic()
+    with pytest.raises(Unavailable) as refused:
+        call = port.admit(work, 3)
+        port.submit(work, call).result()
+    assert time.monotonic() - started < 5
+    assert refused.value.code in ("draining", "engine_gone"), refused.value
+    assert [r.clean for r in reports] == [True]
+    with pytest.raises(Unavailable):  # and after the drain, at once
+        port.link.send_call(wire.Reserve(99, "embed", 1, 3, timeout=30.0), None)
+
+
 @pytest.mark.parametrize("kind", [wire.Submit, wire.Reserve])
 def test_a_burst_of_many_small_requests_stays_within_the_engines_frame_limit(kind):
     """The link's burst cap counts each ``Submit``'s encoding, not only its ids: thousands
