@@ -34,13 +34,15 @@ _RECV_BYTES = 1 << 18
 
 
 class Stream:
-    """One end of a connection, non-blocking. ``closed``: the peer has gone (its end closed,
-    or the connection failed; what it sent before is still read), or what it sent is not
-    frames (``broken`` says why: a length past ``limit``, no mark where a frame begins), and
-    the connection cannot be read on."""
+    """One end of a connection, non-blocking. ``closed``: the stream has ended (read to its
+    end, or the connection failed on a read), or what came is not frames (``broken`` says
+    why: a length past ``limit``, no mark where a frame begins), and the connection cannot
+    be read on. A send that fails (the peer has gone) drops what waits to go and every
+    later send (``unsent``), but leaves the stream open: what the peer sent before it went
+    is still read, and its end closes the stream."""
 
-    __slots__ = ("sock", "limit", "closed", "broken", "waiting", "_in", "_out", "_fd",
-                 "_buf", "_view")
+    __slots__ = ("sock", "limit", "closed", "broken", "unsent", "waiting", "_in", "_out",
+                 "_fd", "_buf", "_view")
 
     _IOV = 64  # buffers handed to one ``sendmsg`` at most
 
@@ -50,6 +52,7 @@ class Stream:
         self.limit = limit
         self.closed = False
         self.broken: str | None = None
+        self.unsent = False  # a send failed: the peer takes nothing more
         self._in = bytearray()  # the start of a frame not whole yet
         self._buf = bytearray(_RECV_BYTES)  # what one read takes in, before its frames
         self._view = memoryview(self._buf)
@@ -114,7 +117,7 @@ class Stream:
 
     def send(self, data: bytes) -> None:
         """``data`` as one frame: sent now as far as the socket takes it, the rest kept."""
-        if self.closed:  # the peer has gone: nobody reads it
+        if self.closed or self.unsent:  # the peer has gone: nobody reads it
             return
         data = _HEADER.pack(_MARK, len(data)) + data
         if self._out:
@@ -125,8 +128,8 @@ class Stream:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        except OSError:  # the peer has gone: the next read says so
-            self.closed = True
+        except OSError:  # the peer has gone: the reads to its end say so
+            self._lost_out()
             return
         if sent < len(data):
             self._out.append(memoryview(data)[sent:])
@@ -141,13 +144,18 @@ class Stream:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                self.closed = True
+                self._lost_out()
                 return
             self.waiting -= sent
             while sent and sent >= len(out[0]):
                 sent -= len(out.popleft())
             if sent:
                 out[0] = out[0][sent:]
+
+    def _lost_out(self) -> None:
+        self.unsent = True
+        self._out.clear()
+        self.waiting = 0
 
     def close(self) -> None:
         self.closed = True

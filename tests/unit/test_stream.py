@@ -128,3 +128,21 @@ def test_a_frame_read_keeps_its_bytes_after_the_next_read():
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_failed_send_leaves_what_the_peer_sent_before_to_be_read():
+    """A peer that sent its last frames and closed (a stopping engine, its answers out):
+    a send that fails on it meanwhile (the front's ping, another request) must not end the
+    reading. It did (``closed`` at once), and the front's reader stopped before those
+    frames: their requests got 503 engine_gone for answers that had come. The stream now
+    ends at the end of what came; the failed send and later ones go nowhere."""
+    front, engine = _pair()
+    for i in range(3):
+        engine.send(b"answer %d" % i)
+    engine.close()
+    front.send(b"ping")  # EPIPE: the peer has gone
+    front.send(b"and another")
+    assert not front.closed and not front.pending
+    assert _read_all(front, 3) == [b"answer 0", b"answer 1", b"answer 2"]
+    assert select.select([front], [], [], 5)[0]
+    assert front.read() == [] and front.closed
