@@ -208,7 +208,7 @@ class Link:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the futures listed, the askers, the state's loss
         self._calls: dict[int, _Call] = {}
-        self._askers: deque[tuple[type, _Call]] = deque()
+        self._askers: deque[tuple[type, int | None, _Call]] = deque()  # ``ask``'s
         self._outbox: deque[tuple[float, wire.Frame]] = deque()  # any thread appends
         self._unsent: list[tuple[float, wire.Frame]] = []  # under ``_send_lock``
         self._wake_r, self._wake_w = os.pipe()
@@ -361,16 +361,18 @@ class Link:
                     os.write(self._wake_w, b"\0")
 
     def ask(self, frame: wire.Frame, expect: type, timeout: float) -> Any:
-        """One question that has no request id (a scrape): the next ``expect`` answers it."""
+        """One question that has no request id (a scrape): the next ``expect`` that carries
+        the question's ``seq`` (where it has one) answers it."""
         call = _Call(0)
+        asker = (expect, getattr(frame, "seq", None), call)
         with self._lock:
             if self.state == "loading":
                 raise _gone(_NOT_CONNECTED)
-            self._askers.append((expect, call))
+            self._askers.append(asker)
         self.post(frame)
         if not call.wait(timeout):
             with self._lock, contextlib.suppress(ValueError):
-                self._askers.remove((expect, call))
+                self._askers.remove(asker)
             if not call.wait(0):
                 raise Unavailable("the engine process did not answer in time",
                                   code="engine_timeout", headers={"Retry-After": "1"})
@@ -568,12 +570,14 @@ class Link:
         elif isinstance(frame, (wire.Card, wire.Pong)):
             self._heard(frame)
         else:
+            seq = getattr(frame, "seq", None)
             with self._lock:
-                asker = next((a for a in self._askers if isinstance(frame, a[0])), None)
+                asker = next((a for a in self._askers
+                              if isinstance(frame, a[0]) and a[1] in (None, seq)), None)
                 if asker is not None:
                     self._askers.remove(asker)
-            if asker is not None:
-                asker[1].settle(frame)
+            if asker is not None:  # else a late answer to a question that gave up
+                asker[2].settle(frame)
 
     def _settle(self, answers: list[wire.Answer | wire.Failed | wire.Granted]) -> None:
         pop, get = self._calls.pop, self._calls.get
@@ -693,7 +697,7 @@ class Link:
         """Every future failed with ``error``; the ids of the requests among them."""
         with self._lock:
             ids = list(self._calls)
-            calls = [*self._calls.values(), *(call for _, call in self._askers)]
+            calls = [*self._calls.values(), *(call for _, _, call in self._askers)]
             self._calls.clear()
             self._askers.clear()
         for call in calls:

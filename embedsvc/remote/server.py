@@ -327,7 +327,8 @@ class EngineServer:
             self.snapshots.keep(frame.pid, frame.origin, frame.seq, frame.families)
             if isinstance(frame, wire.Scrape):
                 own = self.metrics.families(os.getpid())
-                self._send(peer, wire.Exposition(self.snapshots.merged(own, self.fronts())))
+                self._send(peer, wire.Exposition(self.snapshots.merged(own, self.fronts()),
+                                                 seq=frame.seq))
 
     def _drop_earlier_connections(self, peer: bytes, pid: int) -> None:
         """A front that says hello on a new connection has failed every request it had on

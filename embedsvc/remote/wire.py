@@ -172,7 +172,11 @@ class Failed(Frame):
 
 
 class Exposition(Frame):
+    """Every front's and the engine's metrics, merged: the answer to the ``Scrape`` whose
+    ``seq`` it carries (a late answer to a scrape that gave up answers no other)."""
+
     families: list[Any]
+    seq: int = 0
 
 
 class Submits(Frame):

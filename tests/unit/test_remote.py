@@ -1180,3 +1180,25 @@ def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connecti
         thread.join(5)
         assert waited == [True] and call.answer.message == "answered"
         assert not reader.locked()
+
+
+def test_a_late_answer_to_a_scrape_that_gave_up_answers_no_other(tmp_path):
+    """A scrape that times out leaves the front; its answer may still come. It went to the
+    next scrape waiting, whose own answer then went to the one after or nowhere: /metrics
+    showed numbers a scrape old, for as long as scrapes overlapped. Each answer now carries
+    its scrape's ``seq``."""
+    from embedsvc.errors import Unavailable
+
+    with _carded_link(tmp_path) as (link, engine):
+        with pytest.raises(Unavailable):
+            link.ask(wire.Scrape(1, 0, 1, []), wire.Exposition, timeout=0.2)
+        (first,) = _frames_of(engine, wire.Scrape)
+        got: list = []
+        (thread,) = _in_threads(lambda _: got.append(
+            link.ask(wire.Scrape(1, 0, 2, []), wire.Exposition, timeout=5)), [0])
+        (second,) = _frames_of(engine, wire.Scrape)
+        assert (first.seq, second.seq) == (1, 2)
+        engine.send(wire.encode(wire.Exposition([["late"]], seq=1)))  # the first's, late
+        engine.send(wire.encode(wire.Exposition([["own"]], seq=2)))
+        thread.join(5)
+        assert [e.families for e in got] == [[["own"]]]
