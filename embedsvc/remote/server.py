@@ -138,6 +138,10 @@ class EngineServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._signalled = False
+        # the pipe is written and closed under this lock: a thread that finishes work after
+        # the loop has closed (its numbers perhaps another file's since) writes nothing
+        self._pipe_lock = threading.Lock()
+        self._pipe_closed = False
         self._ready: deque[_Request] = deque()  # granted while parked
         self._done: deque[_Request] = deque()  # finished jobs, and /embed_all's answers
         self._parked: dict[tuple[bytes, int], _Request] = {}
@@ -222,9 +226,11 @@ class EngineServer:
             if os.stat(self._listener.getsockname()).st_ino == self._listener_ino:
                 os.unlink(self._listener.getsockname())
         self._listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._pipe_lock:
+            self._pipe_closed = True
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # -- frames in ----------------------------------------------------------------------------
 
@@ -654,8 +660,9 @@ class EngineServer:
     def _wake(self) -> None:
         if not self._signalled:
             self._signalled = True
-            with contextlib.suppress(OSError):  # closing down
-                os.write(self._wake_w, b"\0")
+            with self._pipe_lock, contextlib.suppress(OSError):  # a byte is there already
+                if not self._pipe_closed:
+                    os.write(self._wake_w, b"\0")
 
     def _start_granted(self) -> None:
         start = []

@@ -1202,3 +1202,28 @@ def test_a_late_answer_to_a_scrape_that_gave_up_answers_no_other(tmp_path):
         engine.send(wire.encode(wire.Exposition([["own"]], seq=2)))
         thread.join(5)
         assert [e.families for e in got] == [[["own"]]]
+
+
+def test_work_finished_after_the_engine_closed_writes_into_no_reused_descriptor(
+        tmp_path, registry):
+    """A batcher or /embed_all thread that finishes work after the engine's loop closed
+    (its loop ended with work in the device) wakes the loop: that wake-up must go nowhere,
+    not into the file or socket that took the closed pipe's number since."""
+    engine = Service(Settings(), encoder=FakeEncoder(dimension=6),
+                     metrics=Metrics(registry))
+    engine.start(background=False)
+    server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
+                          card={}, state=lambda: "ready", metrics=engine.metrics)
+    taken: list[socket.socket] = []
+    try:
+        wake_w = server._wake_w
+        server.close()
+        for _ in range(16):  # sockets opened meanwhile take the numbers (both ends write)
+            taken += socket.socketpair()
+        assert wake_w in [s.fileno() for s in taken], "the test lost its race for the number"
+        server._wake()
+        assert not select.select(taken, [], [], 0)[0], f"a byte went into fd {wake_w}"
+    finally:
+        engine.drain(1)
+        for sock in taken:
+            sock.close()
