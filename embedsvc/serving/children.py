@@ -29,6 +29,7 @@ from ..service import Service, serve_models
 from ..settings import Settings
 from ..tenant_usage import UsageTable
 from ..tenants import Quotas
+from .hangup import reload_keys_on_hangup
 from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, mark_up, watch
 from .process import serving_process
 
@@ -44,6 +45,7 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     from ..model.text import describe, text_spec  # the model side: never in a front
     from ..remote.server import EngineServer
 
+    reload_keys_on_hangup(None)
     watch_pids = list(watch_pids)
     serving_process(settings)
     orphaned = [pid for pid in watch_pids if not alive(pid)]
@@ -56,6 +58,7 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     service.name = entries[index].name
     if len(entries) > 1 and settings.keys_file:
         _share_quotas(service, usage_file(directory, index), index, len(entries))
+    reload_keys_on_hangup(service)  # while the model loads too
     try:
         service.start(background=False)
     except RuntimeError as exc:
@@ -73,7 +76,6 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     drain = _drainer(lambda: service.drain(settings.drain_timeout_s), stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: drain(f"signal {signum}"))
-    signal.signal(signal.SIGHUP, lambda signum, frame: service.keyring.reload())
     abandoned = threading.Event()
 
     def gone(pid: int) -> None:
@@ -110,9 +112,11 @@ def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None
     in the engine process; drain on SIGTERM or when the supervisor is gone."""
     from .server import Server
 
+    reload_keys_on_hangup(None)
     serving_process(settings)
     service = serve_models(settings, lambda own, i: Service(
         own, engine_address=engine_address(model_dir(directory, i))))
+    reload_keys_on_hangup(service)
     service.start(background=True)
     sock = socket.socket(fileno=fd)
     probes = socket.socket(fileno=probe_fd) if probe_fd is not None else None

@@ -71,6 +71,11 @@ def mark_up(directory: Path) -> None:
         (directory / f"up-{os.getpid()}").touch()
 
 
+def is_up(directory: Path, pid: int) -> bool:
+    """Whether the child ``pid``, which runs, has come up (its mark stays)."""
+    return (directory / f"up-{pid}").exists()
+
+
 def came_up(directory: Path, pid: int) -> bool:
     """Whether the child ``pid``, which exited, had come up; its mark goes."""
     try:

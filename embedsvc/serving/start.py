@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..logs import configure_logging, quiet_model_libraries
 from ..settings import Settings
+from .hangup import reload_keys_on_hangup
 
 if TYPE_CHECKING:
     from ..model.encoder import Encoder
@@ -63,6 +64,7 @@ class Loading:
 
 def serve(settings: Settings) -> int:
     """Load the model, then serve until a signal; the exit code."""
+    reload_keys_on_hangup(None)
     configure_logging(settings.log_level, settings.log_format)  # before the loader logs
     if settings.log_level != "debug":
         quiet_model_libraries()
@@ -72,6 +74,7 @@ def serve(settings: Settings) -> int:
 
     serving_process(settings)
     service = _service(settings, loading)
+    reload_keys_on_hangup(service)  # while the model loads too
     _prepare_web()
     try:
         service.start(background=False)

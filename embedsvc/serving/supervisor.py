@@ -33,12 +33,13 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..catalog import catalog, pinned
 from ..remote.place import fresh_dir, model_dir
 from ..settings import Settings
 from .children import child_command
-from .lifeline import ENGINE_BOOT_ERROR, came_up
+from .lifeline import ENGINE_BOOT_ERROR, came_up, is_up
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Supervisor:
         self._signals = 0
         self._draining = False
         self._failed_starts: dict[str, int] = {}  # in a row, by role (and engine)
+        # children a SIGHUP came for before they were up, to pass it on to once they are
+        self._hangup_owed: set[int] = set()
 
     @property
     def port(self) -> int:
@@ -133,6 +136,8 @@ class Supervisor:
         """Replace children that die, until a signal has drained them all; the exit code."""
         while not self._draining:
             time.sleep(_POLL_S)
+            if self._hangup_owed:
+                self._pass_on_owed()
             for child in [*self.engines, *self.fronts]:
                 if self._draining:
                     break
@@ -155,9 +160,8 @@ class Supervisor:
         """When to replace ``child``, which exited: at once if it came up, else after a
         backoff; False (stop) after ``_FAILED_STARTS`` in a row that never came up."""
         role = f"{child.role}-{child.index}" if child.role == "engine" else child.role
-        directory = model_dir(self.directory, child.index) if child.role == "engine" \
-            else self.directory
-        if came_up(directory, child.proc.pid):
+        self._hangup_owed.discard(child.proc.pid)
+        if came_up(self._directory_of(child), child.proc.pid):
             self._failed_starts[role] = 0
             delay = 0.0
         else:
@@ -186,10 +190,31 @@ class Supervisor:
 
     def _pass_on(self, signum: int, frame: object) -> None:
         """SIGHUP: every child reloads the keys file (the fronts check keys, the engine
-        enforces their quotas)."""
+        enforces their quotas). A child still starting gets it once it is up: before it
+        sets its handler, SIGHUP would end it (as it imports, before its first line runs),
+        and it reads the keys file as it starts anyway."""
         for child in [*self.engines, *self.fronts]:
-            if child.proc.poll() is None:
+            if child.proc.poll() is not None:
+                continue
+            if is_up(self._directory_of(child), child.proc.pid):
                 child.proc.send_signal(signum)
+            else:
+                self._hangup_owed.add(child.proc.pid)
+
+    def _pass_on_owed(self) -> None:
+        for child in [*self.engines, *self.fronts]:
+            pid = child.proc.pid
+            if pid not in self._hangup_owed:
+                continue
+            if child.proc.poll() is not None:
+                self._hangup_owed.discard(pid)
+            elif is_up(self._directory_of(child), pid):
+                self._hangup_owed.discard(pid)
+                child.proc.send_signal(signal.SIGHUP)
+
+    def _directory_of(self, child: Child) -> Path:
+        return model_dir(self.directory, child.index) if child.role == "engine" \
+            else self.directory
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals += 1

@@ -499,3 +499,30 @@ def test_a_request_computing_past_its_deadline_is_answered_as_in_one_process(tmp
         took = time.monotonic() - sent
     assert took > 3.0, f"{took:.1f}s: not past the deadline and its grace"
     assert_vectors(resp, texts)
+
+
+@pytest.mark.parametrize("launch", [[], ["--workers", "2"]], ids=["one process", "workers"])
+def test_a_sighup_while_the_model_loads_ends_nothing(tmp_path, launch):
+    """SIGHUP reloads the keys file; a key rotation sends it whenever it likes. One that
+    came while the model loaded ended the process (SIGHUP's default, before the handler was
+    set): `embedsvc serve` exited, and under --workers the engine died, its load was lost,
+    and the supervisor counted a failed start. The program now ignores it until its
+    service exists, then reloads; the supervisor passes it to a child once that is up."""
+    from .servers import _wait_port, start, stop
+
+    cmd = [*FAKE_EMBEDSVC, "serve", "--port", "0", *launch]
+    log = tmp_path / "serve.log"
+    proc = start(cmd, log, env={"FAKE_SERVE_LOAD_S": "3"})
+    try:
+        for hangup in (0.4, 1.2, 2.0):  # at start, and while the model loads
+            time.sleep(hangup - (0.4 if hangup > 0.4 else 0.0))
+            os.killpg(proc.pid, signal.SIGHUP)  # every process of the group, as a tty's
+        server = Server(proc, _wait_port(proc, log, 60), log)
+        server.wait_healthy(60)
+        out = server.output()
+        assert "exited with" not in out and "exited before it came up" not in out, out
+        assert out.count("engine serving:") == (1 if launch else 0), out
+        resp = loopback.post(server.url + "/v1/embeddings", json={"input": "after"}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    finally:
+        assert stop(proc) == 0, log.read_text()
