@@ -464,25 +464,27 @@ class Server(TcpWSGIServer):
         ready = super().readable()  # runs the maintenance sweep
         return ready and time.monotonic() >= self.paused_until
 
-    def handle_accept(self) -> None:
+    def handle_accept(self) -> bool:
+        """Take one connection the kernel has queued; whether there was one."""
         try:
             accepted = self.accept()
         except OSError as exc:  # out of descriptors all the same
             self._pause_accepting(exc)
-            return
+            return False
         if accepted is None:
-            return
+            return False
         sock, addr = accepted
         if len(self.active_channels) >= self.bounds.max_connections:
             self._turn_away(sock)
-            return
+            return True
         self.full = False
         try:
             self.set_socket_options(sock)
         except OSError:  # the client left before its socket was set up
             sock.close()
-            return
+            return True
         self.channel_class(self, sock, self.fix_addr(addr), self.adj, map=self._map)
+        return True
 
     def _turn_away(self, sock: socket.socket) -> None:
         if not self.full:
@@ -551,9 +553,13 @@ def stop_threads(server: Server, timeout: float) -> None:
 
 
 def start_draining(server: Server) -> None:
-    """Close the listening socket; open connections stay, each closing after its next answer
-    (call in the loop thread)."""
+    """Take the connections the kernel has queued, then close the listening socket; open
+    connections stay, each closing after its next answer (call in the loop thread).
+    Closed with connections still queued, the listener reset them all: a request cut that
+    way cannot be retried safely. gunicorn's worker takes them the same way."""
     server.draining = True
+    while server.socket is not None and server.handle_accept():  # nonblocking
+        pass
     server.accepting = False
     dispatcher.close(server)
 

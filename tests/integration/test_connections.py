@@ -530,3 +530,38 @@ def test_head_answers_carry_no_body_on_any_route(bounded):
         while chunk := _recv(sock):
             rest += chunk
     assert head.startswith(b"HTTP/1.1 404 ") and rest == b"", (head, rest[:200])
+
+
+def test_connections_queued_when_the_drain_begins_are_answered_not_reset(tmp_path):
+    """Connections the kernel has queued but the server has not yet taken when the drain
+    begins (a rolling restart under load): closing the listener reset them all, a POST cut
+    that way cannot be retried safely. They are taken first and answered, each with
+    ``Connection: close``: here 503 ``draining`` with Retry-After, since the drain refuses
+    new work by the time their requests are read (gunicorn's worker takes them the same
+    way)."""
+    body = json.dumps({"inputs": "queued at the drain"}).encode()
+    request = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with serve(tmp_path, "--drain-timeout-s", "10", batch_s=0.0) as server:
+        server.proc.send_signal(signal.SIGSTOP)  # nothing is accepted meanwhile
+        socks = []
+        try:
+            for _ in range(8):
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+                sock.sendall(request)
+                socks.append(sock)
+            server.proc.send_signal(signal.SIGTERM)  # taken as it runs again, first
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        answers = []
+        for sock in socks:
+            try:
+                status, headers, _ = read_response(sock, 30)
+                answers.append((status, headers.get("connection")))
+            except OSError as exc:
+                answers.append((type(exc).__name__, None))
+            finally:
+                sock.close()
+        code = server.proc.wait(30)
+    assert all(status in (200, 503) and conn == "close" for status, conn in answers), answers
+    assert code == 0, server.output()[-2000:]
