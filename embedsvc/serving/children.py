@@ -48,10 +48,26 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     reload_keys_on_hangup(None)
     watch_pids = list(watch_pids)
     serving_process(settings)
+    drain: Callable[[str], None] | None = None  # once the model is loaded
+    abandoned = threading.Event()
+
+    def gone(pid: int) -> None:
+        if drain is None:  # loading: nothing admitted, and nobody will connect
+            log.info("engine stopping as it loads: process %d, which it would serve, is gone",
+                     pid)
+            shutil.rmtree(directory, ignore_errors=True)
+            logging.shutdown()  # the line above written out before the exit
+            os._exit(0)
+        abandoned.set()
+        drain(f"process {pid}, which it serves, is gone")
+
     orphaned = [pid for pid in watch_pids if not alive(pid)]
     if orphaned:
         log.info("engine not started: process %d, which it would serve, is gone", orphaned[0])
         return 0
+    # watched from before the load: a supervisor or gunicorn master gone meanwhile would
+    # leave a model loading for nobody, beside the next start's copy
+    watch(watch_pids, gone)
     entries = catalog(settings)
     settings = entries[index].settings
     service = Service(settings)
@@ -76,13 +92,6 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     drain = _drainer(lambda: service.drain(settings.drain_timeout_s), stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: drain(f"signal {signum}"))
-    abandoned = threading.Event()
-
-    def gone(pid: int) -> None:
-        abandoned.set()
-        drain(f"process {pid}, which it serves, is gone")
-
-    watch(watch_pids, gone)
     info = runner.info
     log.info("engine serving: pid=%d device=%s dtype=%s model=%s kind=%s on %s", os.getpid(),
              info.device, info.dtype, info.name, info.kind, address)

@@ -526,3 +526,29 @@ def test_a_sighup_while_the_model_loads_ends_nothing(tmp_path, launch):
         assert resp.status_code == 200, resp.text
     finally:
         assert stop(proc) == 0, log.read_text()
+
+
+def test_an_engine_whose_supervisor_dies_while_it_loads_stops_at_once(tmp_path):
+    """The engine watched its supervisor only once its model had loaded: a supervisor
+    killed meanwhile left the load running for nobody (the memory of a model, beside the
+    copy the next start loads), for as long as the load took. It now watches from its
+    start and stops within its watch's period."""
+    from .servers import _alive, start, stop
+
+    log = tmp_path / "serve.log"
+    proc = start([*FAKE_EMBEDSVC, "serve", "--port", "0", "--workers", "2"], log,
+                 env={"FAKE_SERVE_LOAD_S": "8"})
+    try:
+        until = time.monotonic() + 30
+        while not (found := re.search(r"engine pid (\d+)", log.read_text())):
+            assert time.monotonic() < until and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        engine = int(found.group(1))
+        time.sleep(1.0)  # loading: 7 s of its load to go
+        proc.kill()
+        killed = time.monotonic()
+        while _alive(engine) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        assert not _alive(engine), "the engine went on loading for nobody"
+    finally:
+        stop(proc)
