@@ -17,6 +17,8 @@ from pathlib import Path
 
 ENGINE_BOOT_ERROR = 3  # the model did not load: restarting the engine would fail the same way
 BOOT_FAILURE = "engine.failed"  # in the engine's directory: why it could not start, one line
+# starts in a row that exited before they came up, after which a child is not started again
+FAILED_STARTS = 5
 _WATCH_S = 0.5
 
 
@@ -69,6 +71,11 @@ def mark_up(directory: Path) -> None:
     """Say that this process came up (the supervisor judges its exit by it: ``came_up``)."""
     with contextlib.suppress(OSError):  # its supervisor is gone with the directory
         (directory / f"up-{os.getpid()}").touch()
+
+
+def exit_status(code: int) -> str:
+    """A child's exit, as a log line says it (``Popen.returncode``)."""
+    return f"signal {-code}" if code < 0 else f"code {code}"
 
 
 def is_up(directory: Path, pid: int) -> bool:

@@ -38,13 +38,21 @@ from pathlib import Path
 
 from ..remote.place import model_dir, owner_dir
 from ..settings import Settings
-from .lifeline import BOOT_FAILURE, ENGINE_BOOT_ERROR, alive, came_up
+from .lifeline import (
+    BOOT_FAILURE,
+    ENGINE_BOOT_ERROR,
+    FAILED_STARTS,
+    alive,
+    came_up,
+    exit_status,
+)
 
 log = logging.getLogger(__name__)
 
 WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worker exits so
 
 _PID_FILE = "engine.pid"
+_FAILED_STARTS_FILE = "engine.failed-starts"  # starts in a row that never came up
 _LOCK_FILE = "engine.lock"
 _WEIGHED = "memory.checked"  # the models' memory was weighed for this master
 # How long a worker that stands down leaves its master to reap the worker that gave up
@@ -134,15 +142,43 @@ class SharedEngine:
 
     def _reap(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        came_up(self.directory, proc.pid)  # its mark, for a supervisor: none here
-        if code != ENGINE_BOOT_ERROR:
-            return
+        up = came_up(self.directory, proc.pid)
+        if code == ENGINE_BOOT_ERROR:  # the model did not load (it wrote why, if it could)
+            why = "the engine process could not load the model (the server log says why)"
+        else:
+            counted = self._count_start(proc.pid, up, code)
+            if counted is None:
+                return
+            why = counted
         failed = self.directory / BOOT_FAILURE
         with contextlib.suppress(OSError):
-            if not failed.exists():  # it could not say why itself
-                failed.write_text("the engine process could not load the model (the server "
-                                  "log says why)")
+            if not failed.exists():
+                failed.write_text(why)
         self.ensure()  # gives up now, rather than at a keeper's next look
+
+    def _count_start(self, pid: int, up: bool, code: int) -> str | None:
+        """An engine's exit counted: why to start none again, after ``FAILED_STARTS`` in a
+        row that exited before they came up (killed as they loaded, a native library's
+        crash), as `embedsvc serve --workers` stops; else None. The workers' keepers would
+        otherwise start one every few seconds, each loading the model, for ever."""
+        try:
+            with _locked(self.directory):
+                counter = self.directory / _FAILED_STARTS_FILE
+                try:
+                    count = 0 if up else int(counter.read_text() or 0) + 1
+                except (OSError, ValueError):
+                    count = 0 if up else 1
+                counter.write_text(str(count))
+        except (FileNotFoundError, OSError):  # its master is stopping: nobody starts another
+            return None
+        if up:
+            return None
+        log.warning("the engine process (pid %d) exited with %s before it came up (%d of %d "
+                    "in a row)", pid, exit_status(code), count, FAILED_STARTS)
+        if count < FAILED_STARTS:
+            return None
+        return (f"it exited before it came up {count} times in a row (last: "
+                f"{exit_status(code)}); the server log says why")
 
 
 def check_memory_once(settings: Settings, master_pid: int) -> None:

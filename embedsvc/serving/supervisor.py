@@ -39,7 +39,7 @@ from ..catalog import catalog, pinned
 from ..remote.place import fresh_dir, model_dir
 from ..settings import Settings
 from .children import child_command
-from .lifeline import ENGINE_BOOT_ERROR, came_up, is_up
+from .lifeline import ENGINE_BOOT_ERROR, FAILED_STARTS, came_up, exit_status, is_up
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ _POLL_S = 0.1
 # is started again after a wait that doubles each time, from the first to the longest; the
 # supervisor stops after this many such starts in a row of one role. One that came up is
 # replaced at once, however short its life: it was killed, not unable to start.
-_FAILED_STARTS = 5
 _FIRST_BACKOFF_S = 0.5
 _LONGEST_BACKOFF_S = 30.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -158,7 +157,7 @@ class Supervisor:
 
     def _judge(self, child: Child, code: int) -> bool:
         """When to replace ``child``, which exited: at once if it came up, else after a
-        backoff; False (stop) after ``_FAILED_STARTS`` in a row that never came up."""
+        backoff; False (stop) after ``FAILED_STARTS`` in a row that never came up."""
         role = f"{child.role}-{child.index}" if child.role == "engine" else child.role
         self._hangup_owed.discard(child.proc.pid)
         if came_up(self._directory_of(child), child.proc.pid):
@@ -166,13 +165,13 @@ class Supervisor:
             delay = 0.0
         else:
             failed = self._failed_starts[role] = self._failed_starts.get(role, 0) + 1
-            if failed >= _FAILED_STARTS:
+            if failed >= FAILED_STARTS:
                 log.error("the %s process exited before it came up %d times in a row (last: "
-                          "%s); stopping", child.role, failed, _status(code))
+                          "%s); stopping", child.role, failed, exit_status(code))
                 return False
             delay = min(_LONGEST_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (failed - 1))
         log.warning("the %s process (pid %d) exited with %s %s; a new one starts in %.1fs",
-                    child.role, child.proc.pid, _status(code),
+                    child.role, child.proc.pid, exit_status(code),
                     "after it came up" if delay == 0 else "before it came up", delay)
         child.restart_at = time.monotonic() + delay
         return True
@@ -286,5 +285,3 @@ def _reuses_port(sock: socket.socket) -> bool:
     return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT))
 
 
-def _status(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"code {code}"

@@ -189,3 +189,48 @@ def test_the_supervisor_backs_off_children_that_never_came_up_and_not_those_that
     finally:
         supervisor._close_listeners()
         shutil.rmtree(supervisor.directory, ignore_errors=True)
+
+
+def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(tmp_path, monkeypatch):
+    """Under gunicorn, the workers' keepers start an engine whenever none runs. One that
+    exited before it came up other than by failing to load its model (killed as it loaded,
+    a native library's crash) wrote no failure, so a new one started every few seconds,
+    each loading the model, for ever. After ``FAILED_STARTS`` in a row the failure is
+    written and none starts again, as `embedsvc serve --workers` stops; an engine that
+    came up starts the count anew."""
+    import shutil
+    import signal
+
+    from embedsvc.serving import shared_engine
+    from embedsvc.serving.lifeline import BOOT_FAILURE, FAILED_STARTS
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # this process as the master: giving up leaves it running (waitress-serve's case)
+    engine = shared_engine.SharedEngine(Settings(), os.getpid())
+    started: list[int] = []
+    monkeypatch.setattr(engine, "_start", lambda: started.append(1))
+
+    def exits(up: bool) -> None:
+        """An engine's life: one that is killed as it loads, or one that came up first."""
+        proc = subprocess.Popen([sys.executable, "-c", "import os, signal, time\n"
+                                 "time.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)"])
+        if up:
+            (engine.directory / f"up-{proc.pid}").touch()  # as lifeline.mark_up writes it
+        engine._reap(proc)
+
+    try:
+        for _ in range(FAILED_STARTS - 1):
+            exits(up=False)
+        exits(up=True)  # one that came up: the count starts anew
+        for _ in range(FAILED_STARTS - 1):
+            exits(up=False)
+            assert not (engine.directory / BOOT_FAILURE).exists()
+            assert engine.ensure() is None
+        exits(up=False)
+        why = (engine.directory / BOOT_FAILURE).read_text()
+        assert f"exited before it came up {FAILED_STARTS} times in a row" in why
+        assert f"signal {signal.SIGKILL}" in why, why
+        count = len(started)
+        assert engine.ensure() is not None and len(started) == count  # none started again
+    finally:
+        shutil.rmtree(engine.root, ignore_errors=True)
