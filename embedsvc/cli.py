@@ -209,6 +209,9 @@ def _child(args: argparse.Namespace) -> int:
     """A process of a multi-process server; its settings are all in the environment."""
     from pathlib import Path
 
+    from .serving.hangup import reload_keys_on_hangup
+
+    reload_keys_on_hangup(None)  # before the imports below
     from .serving import children
 
     settings = Settings.from_env(os.environ)
@@ -220,6 +223,9 @@ def _child(args: argparse.Namespace) -> int:
 
 def _serve(settings: Settings) -> int:
     """``embedsvc serve``: a user's mistake is one line and exit 2 (usage) or 1 (failure)."""
+    from .serving.hangup import reload_keys_on_hangup
+
+    reload_keys_on_hangup(None)  # before the imports below, which take seconds
     from .serving.preflight import LISTEN_ERRNOS, PreflightError, check_serving, listen_failure
 
     try:

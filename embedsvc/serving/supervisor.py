@@ -103,8 +103,11 @@ class Supervisor:
                          self.settings.host, self.probes.getsockname()[1])
             return self._watch()
         finally:
-            self._stop_all()
+            # the fronts stop accepting as they drain; these copies of the listening sockets
+            # must close first, or the kernel would queue new connections and reset them at
+            # the exit
             self._close_listeners()
+            self._stop_all()
             if self.probes is not None:
                 self.probes.close()
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -225,10 +228,9 @@ class Supervisor:
             os._exit(128 + signum)
         log.info("signal %d: draining the fronts, then the engine (up to %.0fs)", signum,
                  self.settings.drain_timeout_s)
+        # the watch ends within _POLL_S, and the listeners close then (``run``): closed here,
+        # a front started meanwhile (at start, or a replacement) was handed a closed one
         self._draining = True
-        # the fronts stop accepting as they drain; these copies of the listening sockets
-        # must close too, or the kernel would queue new connections and reset them at the exit
-        self._close_listeners()
 
     def _close_listeners(self) -> None:
         for listener in self.listeners:

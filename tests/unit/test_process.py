@@ -234,3 +234,28 @@ def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(tmp_path, m
         assert engine.ensure() is not None and len(started) == count  # none started again
     finally:
         shutil.rmtree(engine.root, ignore_errors=True)
+
+
+def test_a_front_started_after_the_supervisors_signal_is_handed_an_open_listener(
+        monkeypatch):
+    """`embedsvc serve --workers N` closed its copies of the listening sockets in its
+    signal handler: a front started after it (the rest of the fronts at start, a
+    replacement) was handed a closed socket's -1, Popen raised, and the supervisor exited
+    with a traceback, leaving the fronts it had started undrained. They now close as the
+    watch ends, after the last start."""
+    import shutil
+    import signal
+
+    from embedsvc.serving import supervisor
+
+    started: list[dict] = []
+    monkeypatch.setattr(supervisor.subprocess, "Popen", lambda cmd, **kwargs: started.append(
+        kwargs) or types.SimpleNamespace(pid=4242, poll=lambda: None))
+    sup = supervisor.Supervisor(Settings(port=0, workers=1))
+    try:
+        sup._on_signal(signal.SIGTERM, None)
+        sup._start("front", sup.listeners[0])
+        assert started and min(started[0]["pass_fds"]) >= 0, started
+    finally:
+        sup._close_listeners()
+        shutil.rmtree(sup.directory, ignore_errors=True)
