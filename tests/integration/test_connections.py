@@ -535,10 +535,9 @@ def test_head_answers_carry_no_body_on_any_route(bounded):
 def test_connections_queued_when_the_drain_begins_are_answered_not_reset(tmp_path):
     """Connections the kernel has queued but the server has not yet taken when the drain
     begins (a rolling restart under load): closing the listener reset them all, a POST cut
-    that way cannot be retried safely. They are taken first and answered, each with
-    ``Connection: close``: here 503 ``draining`` with Retry-After, since the drain refuses
-    new work by the time their requests are read (gunicorn's worker takes them the same
-    way)."""
+    that way cannot be retried safely. They are taken first and answered: 503 ``draining``
+    with Retry-After and ``Connection: close``, since the drain refuses new work by the time
+    their requests are read (gunicorn's worker takes them the same way)."""
     body = json.dumps({"inputs": "queued at the drain"}).encode()
     request = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n" % len(body)) + body
@@ -563,5 +562,8 @@ def test_connections_queued_when_the_drain_begins_are_answered_not_reset(tmp_pat
             finally:
                 sock.close()
         code = server.proc.wait(30)
-    assert all(status in (200, 503) and conn == "close" for status, conn in answers), answers
+    # each answered: served if the loop took it before the signal (as on a busy machine),
+    # else 503 draining; whatever the drain answered closes its connection
+    assert all(status == 200 or (status == 503 and conn == "close")
+               for status, conn in answers), answers
     assert code == 0, server.output()[-2000:]
