@@ -51,7 +51,10 @@ log = logging.getLogger(__name__)
 
 WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worker exits so
 
-_PID_FILE = "engine.pid"
+# locked (flock) by the engine process for its whole life: taken by the worker that starts
+# it and handed over as an inherited descriptor, so there is no moment between the start
+# and the engine's own first line where another worker could find it free
+_ALIVE_FILE = "engine.alive"
 _FAILED_STARTS_FILE = "engine.failed-starts"  # starts in a row that never came up
 _LOCK_FILE = "engine.lock"
 _WEIGHED = "memory.checked"  # the models' memory was weighed for this master
@@ -124,16 +127,26 @@ class SharedEngine:
             return "the engine process could not start; the server log says why"
 
     def _start(self) -> None:
-        """The engine process, unless one is running; under the lock."""
-        if _running(self.directory / _PID_FILE):
-            return
-        cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
-               str(self.directory), "--watch-pid", str(self.master_pid)]
-        if self.index:
-            cmd += ["--model-index", str(self.index)]
-        env = {**os.environ, **self.settings.to_env()}
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        (self.directory / _PID_FILE).write_text(str(proc.pid))
+        """The engine process, unless one is running; under the lock. Whether one runs is
+        its life lock's to say, not a pid file's: a worker that died between the start and
+        the pid file's write left a running engine unlisted (and the next worker started a
+        second one, a second copy of the model), and a pid taken over by another engine
+        process read as this one running."""
+        alive = os.open(self.directory / _ALIVE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # an engine holds it: running (or starting)
+                return
+            cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
+                   str(self.directory), "--watch-pid", str(self.master_pid)]
+            if self.index:
+                cmd += ["--model-index", str(self.index)]
+            env = {**os.environ, **self.settings.to_env()}
+            # the lock goes with the descriptor: the engine holds it until it exits
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=[alive])
+        finally:
+            os.close(alive)  # this worker's copy; an engine started holds its own
         log.info("process %d started the engine process (pid %d), shared while process "
                  "%d lives", os.getpid(), proc.pid, self.master_pid)
         # reap it when it exits (its parent is this process), so that it leaves no zombie
@@ -248,14 +261,3 @@ def flush_logs() -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):  # exiting anyway
             handler.flush()
-
-
-def _running(pid_file: Path) -> bool:
-    """Whether the engine whose pid ``pid_file`` holds is running (and is an engine)."""
-    try:
-        pid = int(pid_file.read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path("/proc").is_dir() else b""
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return False
-    return not cmdline or b"engine" in cmdline

@@ -259,3 +259,47 @@ def test_a_front_started_after_the_supervisors_signal_is_handed_an_open_listener
     finally:
         sup._close_listeners()
         shutil.rmtree(sup.directory, ignore_errors=True)
+
+
+def test_a_shared_engine_is_started_once_while_it_lives_whatever_the_pid_files_say(
+        tmp_path, monkeypatch):
+    """Under gunicorn, whether the shared engine runs was read from a pid file written after
+    its start: a worker killed in between left it unlisted, and the next worker started a
+    second engine (a second copy of the model). The engine now holds a lock for its whole
+    life, taken by the worker that starts it and inherited with its descriptor: while it
+    lives no worker starts another, and once it is gone the next look starts one."""
+    import shutil
+    import signal
+
+    from embedsvc.serving import shared_engine
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    engine = shared_engine.SharedEngine(Settings(), os.getpid())
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def a_stand_in(cmd, **kwargs):  # an engine that only lives, with what it inherits
+        assert kwargs.get("pass_fds"), kwargs
+        proc = popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                     pass_fds=kwargs["pass_fds"], start_new_session=True)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(shared_engine.subprocess, "Popen", a_stand_in)
+    monkeypatch.setattr(engine, "_reap", lambda proc: proc.wait())
+    try:
+        engine._start()
+        for leftover in engine.directory.glob("engine.pid"):
+            leftover.unlink()  # as a worker that died before it wrote one leaves it
+        engine._start()
+        engine._start()
+        assert len(started) == 1  # it runs: none other
+        started[0].send_signal(signal.SIGKILL)
+        started[0].wait(5)
+        engine._start()
+        assert len(started) == 2  # gone: the next look starts one
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(5)
+        shutil.rmtree(engine.root, ignore_errors=True)
