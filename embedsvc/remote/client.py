@@ -50,6 +50,7 @@ from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
 from ..work_kinds import WORK_KINDS
 from . import wire
 from .stream import Stream, connect
+from .wake import WakePipe
 
 log = logging.getLogger(__name__)
 
@@ -211,15 +212,7 @@ class Link:
         self._askers: deque[tuple[type, int | None, _Call]] = deque()  # ``ask``'s
         self._outbox: deque[tuple[float, wire.Frame]] = deque()  # any thread appends
         self._unsent: list[tuple[float, wire.Frame]] = []  # under ``_send_lock``
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        self._signalled = False
-        # over writing the pipe and closing it: a request thread that signals after
-        # ``close`` (a reader leaving, a late ``Cancel``) writes into no descriptor at all,
-        # not into whatever took the pipe's number since
-        self._pipe_lock = threading.Lock()
-        self._pipe_closed = False
+        self._wake = WakePipe()  # frames to send, a reader that leaves: from request threads
         self._heard_at = 0.0
         self._looked_at = time.monotonic()  # the link's last look at the engine (``_tick``)
         self._next_ping = self._next_snapshot = self._next_tick = 0.0
@@ -349,16 +342,12 @@ class Link:
     def post(self, frame: wire.Frame) -> None:
         """``frame`` to the engine, by the link's thread, with whatever else is queued. The
         pipe is written only where no wake-up is pending: the link drains it before it
-        clears the flag, so a wake-up is never lost (see ``_turn``)."""
+        clears the flag, so a wake-up is never lost (wake.py)."""
         self._outbox.append((time.monotonic(), frame))
         self._signal()
 
     def _signal(self) -> None:
-        if not self._signalled:
-            self._signalled = True
-            with self._pipe_lock, contextlib.suppress(OSError):  # a byte is there already
-                if not self._pipe_closed:
-                    os.write(self._wake_w, b"\0")
+        self._wake.wake()
 
     def ask(self, frame: wire.Frame, expect: type, timeout: float) -> Any:
         """One question that has no request id (a scrape): the next ``expect`` that carries
@@ -385,16 +374,12 @@ class Link:
         self.post(wire.Ping(os.getpid()))  # wakes the link's thread now
         if self._thread.is_alive():
             self._thread.join(2)
-        with self._pipe_lock:
-            self._pipe_closed = True
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        self._wake.close()
 
     # -- the link's thread --------------------------------------------------------------------
 
     def _watch(self) -> None:
-        self._poller.register(self._wake_r, _IN)
+        self._poller.register(self._wake.fileno(), _IN)
         try:
             while not self._stop.is_set():
                 if self._stream is None:
@@ -445,12 +430,8 @@ class Link:
     def _turn(self, found: list[tuple[int, int]]) -> None:
         stream = self._stream
         for fd, event in found:
-            if fd == self._wake_r:
-                # drained, then cleared: a post in between finds the flag still set and
-                # writes nothing, and its frame is sent below; one after writes a byte the
-                # next poll sees
-                _drain_pipe(self._wake_r)
-                self._signalled = False
+            if fd == self._wake.fileno():
+                self._wake.woken()  # drained, then cleared (wake.py)
             elif stream is not None and fd == stream.fileno():
                 if event & select.POLLOUT:
                     with self._send_lock:
@@ -749,11 +730,6 @@ def _fused(frames: list[wire.Frame]) -> list[wire.Frame]:
                 # a send that fails before it (an encoding error) is retried as queued
                 out[i] = msgspec.structs.replace(frame, reserved=False)
     return [frame for frame in out if frame is not None]
-
-
-def _drain_pipe(fd: int) -> None:
-    with contextlib.suppress(BlockingIOError):  # a post writes only while none is pending
-        os.read(fd, 4096)
 
 
 class RemotePort:

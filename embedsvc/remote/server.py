@@ -56,6 +56,7 @@ from ..work import Embedded, Work
 from ..work_kinds import WORK_KINDS, kind_of
 from . import wire
 from .stream import Stream, socket_path
+from .wake import WakePipe
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +136,7 @@ class EngineServer:
         self._names = itertools.count(1)
         self._poller = select.poll()
         self._poller.register(self._listener_fd, _IN)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._signalled = False
-        # the pipe is written and closed under this lock: a thread that finishes work after
-        # the loop has closed (its numbers perhaps another file's since) writes nothing
-        self._pipe_lock = threading.Lock()
-        self._pipe_closed = False
+        self._wake = WakePipe()  # jobs finished, /embed_all's answers: from other threads
         self._ready: deque[_Request] = deque()  # granted while parked
         self._done: deque[_Request] = deque()  # finished jobs, and /embed_all's answers
         self._parked: dict[tuple[bytes, int], _Request] = {}
@@ -167,7 +162,7 @@ class EngineServer:
         """The loop, until ``stop`` is set, nothing admitted is left unanswered, and the
         answers have gone (``_lingering``)."""
         poller = self._poller
-        poller.register(self._wake_r, _IN)
+        poller.register(self._wake.fileno(), _IN)
         next_tick = time.monotonic() + _TICK_S
         self._loop_thread = threading.get_ident()
         batcher = self.runner.batcher
@@ -185,8 +180,8 @@ class EngineServer:
                 woke = time.perf_counter()
                 readable = []
                 for fd, event in events:
-                    if fd == self._wake_r:
-                        self._woken()
+                    if fd == self._wake.fileno():
+                        self._wake.woken()
                     elif fd == self._listener_fd:
                         self._accept()
                     else:
@@ -226,11 +221,7 @@ class EngineServer:
             if os.stat(self._listener.getsockname()).st_ino == self._listener_ino:
                 os.unlink(self._listener.getsockname())
         self._listener.close()
-        with self._pipe_lock:
-            self._pipe_closed = True
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        self._wake.close()
 
     # -- frames in ----------------------------------------------------------------------------
 
@@ -625,44 +616,25 @@ class EngineServer:
                 self.runner.admission.cancel(req.ticket)
         req.result = out
         self._finished(req, None)
-        self._wake()
+        self._wake.wake()
 
     # -- answers, from the loop ---------------------------------------------------------------
 
     def _granted(self, req: _Request, ticket: Ticket) -> None:
         """Called by admission (any thread, under its lock): a parked request's turn came."""
         self._ready.append(req)
-        self._wake()
+        self._wake.wake()
 
     def _finished(self, req: _Request, job: Job | None) -> None:
         """Called as a job finishes (the batcher's thread, the watchdog's), which then wakes
         the loop once for all it finished (``Batcher.on_finished``)."""
         self._done.append(req)
 
-    def _woken(self) -> None:
-        """The pipe said a thread appended: drain it, then let the next append write again.
-
-        In this order a thread that appends while the pipe drains finds the flag still set and
-        writes nothing, and its entry is answered by this round (the deques are read after);
-        one that appends after the flag is cleared writes a byte the next poll sees. Cleared
-        before the drain, the byte of an append in between was drained with the flag left
-        set, and no later append wrote again: every answer waited for the tick.
-        """
-        _drain_pipe(self._wake_r)
-        self._signalled = False
-
     def _wake_loop(self) -> None:
         """``Batcher.on_finished``: jobs finished in another thread wake the loop; the loop
         itself (a device it computes, a deadline it enforced) answers them in this turn."""
         if threading.get_ident() != self._loop_thread:
-            self._wake()
-
-    def _wake(self) -> None:
-        if not self._signalled:
-            self._signalled = True
-            with self._pipe_lock, contextlib.suppress(OSError):  # a byte is there already
-                if not self._pipe_closed:
-                    os.write(self._wake_w, b"\0")
+            self._wake.wake()
 
     def _start_granted(self) -> None:
         start = []
@@ -882,13 +854,3 @@ def _listen(path: str) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
-
-
-def _drain_pipe(fd: int) -> None:
-    while True:
-        try:
-            if not os.read(fd, 4096):
-                return
-        except BlockingIOError:
-            return
-

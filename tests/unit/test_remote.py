@@ -24,6 +24,7 @@ from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
 from embedsvc.remote import client as client_module
 from embedsvc.remote import server as server_module
+from embedsvc.remote import wake as wake_module
 from embedsvc.remote import wire
 from embedsvc.remote.client import embedded, error_of
 from embedsvc.remote.place import engine_address, private_dir
@@ -87,7 +88,7 @@ def test_rows_through_the_engine_equal_the_encoders(pair):
 
 def _signal_pending(server: EngineServer) -> bool:
     """Whether the loop's next poll will see a wake-up (a byte in its pipe)."""
-    return bool(select.select([server._wake_r], [], [], 0)[0])
+    return bool(select.select([server._wake], [], [], 0)[0])
 
 
 def test_a_wake_up_during_the_drain_leaves_the_next_one_written(tmp_path, registry, monkeypatch):
@@ -100,17 +101,17 @@ def test_a_wake_up_during_the_drain_leaves_the_next_one_written(tmp_path, regist
     server = EngineServer(engine.runner, engine_address(private_dir(tmp_path / "run")),
                           card={}, state=lambda: "ready", metrics=engine.metrics)
     try:
-        drain = server_module._drain_pipe
+        drain = wake_module.drain
 
         def drain_with_a_signal_in_between(fd: int) -> None:
-            server._wake()  # the batcher's thread, between the loop's wake-up and its drain
+            server._wake.wake()  # the batcher's thread, between the loop's wake-up and its drain
             drain(fd)
 
-        server._wake()  # a finished job: the byte the loop's poll sees
-        monkeypatch.setattr(server_module, "_drain_pipe", drain_with_a_signal_in_between)
-        server._woken()
-        monkeypatch.setattr(server_module, "_drain_pipe", drain)
-        server._wake()  # the next finished job, after the loop read the deques
+        server._wake.wake()  # a finished job: the byte the loop's poll sees
+        monkeypatch.setattr(wake_module, "drain", drain_with_a_signal_in_between)
+        server._wake.woken()
+        monkeypatch.setattr(wake_module, "drain", drain)
+        server._wake.wake()  # the next finished job, after the loop read the deques
         assert _signal_pending(server), "a signal after the wake-up wrote nothing"
     finally:
         server.close()
@@ -119,21 +120,21 @@ def test_a_wake_up_during_the_drain_leaves_the_next_one_written(tmp_path, regist
 
 def test_answers_keep_waking_the_loop_after_a_signal_during_its_drain(served, monkeypatch):
     engine, front, encoder, server = served
-    drain, interleaved = server_module._drain_pipe, []
+    drain, interleaved = wake_module.drain, []
 
     def drain_with_a_signal_in_between(fd: int) -> None:
         if not interleaved:
             interleaved.append(fd)
-            server._wake()
+            server._wake.wake()
         drain(fd)
 
-    monkeypatch.setattr(server_module, "_drain_pipe", drain_with_a_signal_in_between)
+    monkeypatch.setattr(wake_module, "drain", drain_with_a_signal_in_between)
     for text in ("one", "two", "three"):
         out = front.ready().run(Work(EMBED, [text], deadline=time.monotonic() + 5))
         np.testing.assert_allclose(out.vectors[0], encoder.expected(text), rtol=1e-6)
     assert interleaved
     # Idle now: a flag still set must have its byte in the pipe, or no signal will wake it.
-    assert not server._signalled or _signal_pending(server)
+    assert not server._wake.pending or _signal_pending(server)
 
 
 def test_the_engine_reports_its_loops_busy_time_and_its_cpu(served):
@@ -675,7 +676,7 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
         def fileno(self) -> int:
             return here.fileno()
 
-    drain = client_module._drain_pipe
+    drain = wake_module.drain
     during = wire.Cancel(2)
 
     def drain_with_a_post_in_between(fd: int) -> None:
@@ -684,14 +685,14 @@ def test_a_post_during_the_links_drain_is_sent_and_the_next_one_wakes_it(monkeyp
 
     try:
         link.post(wire.Cancel(1))
-        monkeypatch.setattr(client_module, "_drain_pipe", drain_with_a_post_in_between)
+        monkeypatch.setattr(wake_module, "drain", drain_with_a_post_in_between)
         link._stream = Socket()  # type: ignore[assignment]
         link._poller.register(here.fileno(), 0)
-        link._turn([(link._wake_r, select.POLLIN)])
-        monkeypatch.setattr(client_module, "_drain_pipe", drain)
+        link._turn([(link._wake.fileno(), select.POLLIN)])
+        monkeypatch.setattr(wake_module, "drain", drain)
         assert wire.encode(during) in sent
         link.post(wire.Cancel(3))
-        assert select.select([link._wake_r], [], [], 0)[0], "a post after the turn wrote nothing"
+        assert select.select([link._wake], [], [], 0)[0], "a post after the turn wrote nothing"
     finally:
         link.close()
         here.close()
@@ -897,11 +898,11 @@ def test_a_requests_frames_go_out_from_its_own_thread_without_waking_the_link():
         link.send_ids(call, wire.Submit(first, "embed", *ids, reserved=True))
         assert [(type(f).__name__, f.id, f.reserved) for f in sock.sent] == [
             ("Submit", first, False)], sock.sent
-        assert not select.select([link._wake_r], [], [], 0)[0], "the link was woken"
+        assert not select.select([link._wake], [], [], 0)[0], "the link was woken"
         with link._send_lock:  # another thread is sending
             link.send_call(wire.Submit(link.next_id(), "embed", *ids), None)
         assert len(sock.sent) == 1
-        assert select.select([link._wake_r], [], [], 0)[0], "the link was not woken"
+        assert select.select([link._wake], [], [], 0)[0], "the link was not woken"
         link._flush()  # the link's turn
         assert [type(f).__name__ for f in sock.sent] == ["Submit", "Submit"], sock.sent
     finally:
@@ -1111,7 +1112,7 @@ def test_a_reader_leaving_after_the_link_closed_writes_into_no_reused_descriptor
         reader = threading.Thread(target=link.wait, args=(call, 10), name="request-1")
         reader.start()
         assert _soon(link._reader.locked), "the lone request did not read"
-        wake_w = link._wake_w
+        wake_w = link._wake._w
         link.close()  # the reader is in its poll, for up to a tick
         taken += [os.pipe() for _ in range(16)]  # files opened meanwhile take the numbers
         reader.join(5)
@@ -1216,12 +1217,12 @@ def test_work_finished_after_the_engine_closed_writes_into_no_reused_descriptor(
                           card={}, state=lambda: "ready", metrics=engine.metrics)
     taken: list[socket.socket] = []
     try:
-        wake_w = server._wake_w
+        wake_w = server._wake._w
         server.close()
         for _ in range(16):  # sockets opened meanwhile take the numbers (both ends write)
             taken += socket.socketpair()
         assert wake_w in [s.fileno() for s in taken], "the test lost its race for the number"
-        server._wake()
+        server._wake.wake()
         assert not select.select(taken, [], [], 0)[0], f"a byte went into fd {wake_w}"
     finally:
         engine.drain(1)
