@@ -45,7 +45,6 @@ def run_engine(settings: Settings, directory: Path, watch_pids: Iterable[int],
     from ..model.text import describe, text_spec  # the model side: never in a front
     from ..remote.server import EngineServer
 
-    reload_keys_on_hangup(None)
     watch_pids = list(watch_pids)
     serving_process(settings)
     drain: Callable[[str], None] | None = None  # once the model is loaded
@@ -121,7 +120,6 @@ def run_front(settings: Settings, directory: Path, fd: int, probe_fd: int | None
     in the engine process; drain on SIGTERM or when the supervisor is gone."""
     from .server import Server
 
-    reload_keys_on_hangup(None)
     serving_process(settings)
     service = serve_models(settings, lambda own, i: Service(
         own, engine_address=engine_address(model_dir(directory, i))))

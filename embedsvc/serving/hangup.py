@@ -3,10 +3,11 @@
 SIGHUP's default ends a process. A serving program that installed its handler only once
 its model had loaded (or its server had started) was ended by a key rotation's SIGHUP
 that came meanwhile: the load was lost, and ``embedsvc serve --workers N``, which passes
-SIGHUP to its children, counted it as a start that failed (five in a row stop it). Each
-program (``embedsvc serve``, the engine, a front) calls ``reload_keys_on_hangup(None)``
-first thing and again with its service once that exists. Imports nothing else, so that
-``embedsvc serve`` can call it before its model starts loading.
+SIGHUP to its children, counted it as a start that failed (five in a row stop it). The
+command line calls ``reload_keys_on_hangup(None)`` first thing for ``embedsvc serve`` and
+for the engine's and a front's programs (cli.py), before their imports; each program calls
+it again with its service once that exists. Imports nothing else, so that it costs those
+first lines nothing.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class SharedEngine:
                 except (OSError, ValueError):
                     count = 0 if up else 1
                 counter.write_text(str(count))
-        except (FileNotFoundError, OSError):  # its master is stopping: nobody starts another
+        except OSError:  # its master is stopping (the directory gone): nobody starts another
             return None
         if up:
             return None

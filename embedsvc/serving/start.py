@@ -64,7 +64,6 @@ class Loading:
 
 def serve(settings: Settings) -> int:
     """Load the model, then serve until a signal; the exit code."""
-    reload_keys_on_hangup(None)
     configure_logging(settings.log_level, settings.log_format)  # before the loader logs
     if settings.log_level != "debug":
         quiet_model_libraries()

@@ -195,15 +195,11 @@ class Supervisor:
         enforces their quotas). A child still starting gets it once it is up: before it
         sets its handler, SIGHUP would end it (as it imports, before its first line runs),
         and it reads the keys file as it starts anyway."""
-        for child in [*self.engines, *self.fronts]:
-            if child.proc.poll() is not None:
-                continue
-            if is_up(self._directory_of(child), child.proc.pid):
-                child.proc.send_signal(signum)
-            else:
-                self._hangup_owed.add(child.proc.pid)
+        self._hangup_owed.update(child.proc.pid for child in [*self.engines, *self.fronts])
+        self._pass_on_owed()
 
     def _pass_on_owed(self) -> None:
+        """SIGHUP to each child it is owed to that is up now; a child gone owes nothing."""
         for child in [*self.engines, *self.fronts]:
             pid = child.proc.pid
             if pid not in self._hangup_owed:
