@@ -181,7 +181,7 @@ def test_a_front_process_imports_only_the_tokenizer_of_the_model_side():
     model_side = {m for m in ours if m.split(".")[1] in (*MODEL_SIDE, "bulk", "image")}
     assert model_side - FRONT_MODEL == {"embedsvc.remote", "embedsvc.remote.client",
                                         "embedsvc.remote.place", "embedsvc.remote.stream",
-                                        "embedsvc.remote.wire"}
+                                        "embedsvc.remote.wake", "embedsvc.remote.wire"}
     assert not {"onnxruntime", "torch", "transformers", "sentence_transformers"} & modules
 
 
