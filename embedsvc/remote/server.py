@@ -145,6 +145,7 @@ class EngineServer:
         # answers and grants, by front
         self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
+        self._ended: list[bytes] = []  # peers whose connection a send closed, this turn
         self._ponged: dict[bytes, float] = {}  # when each peer's last pong was queued
         self._malformed = 0
         self._most_s = runner.settings.request_timeout_s  # see ``_checked_deadline``
@@ -203,6 +204,8 @@ class EngineServer:
                     self._sweep_dead_fronts()
                     self._sweep_parked()
                 self._flush()
+                if self._ended:
+                    self._end_connections()
                 self._busy_s += time.perf_counter() - woke
         finally:
             batcher.here = False
@@ -737,8 +740,21 @@ class EngineServer:
         """The connection to ``peer`` can take more: what waits goes."""
         stream = self._streams[peer]
         stream.flush()
-        if not stream.pending:
+        if stream.closed:
+            self._ended.append(peer)
+        elif not stream.pending:
             self._poller.modify(stream.fileno(), _IN)
+
+    def _end_connections(self) -> None:
+        """Close the connections a send ended (it failed, the front still there): the front
+        sees the end, fails what it had here with 503 ``engine_gone`` and connects again;
+        what it had here goes as a departed client's."""
+        for peer in self._ended:
+            stream = self._streams.get(peer)
+            if stream is not None and stream.closed:
+                log.warning("a send to a front failed: its connection is closed")
+                self._disconnect(peer)
+        self._ended.clear()
 
     def _send(self, peer: bytes, frame: wire.Frame) -> None:
         stream = self._streams.get(peer)
@@ -747,7 +763,9 @@ class EngineServer:
             return
         had = stream.pending
         stream.send(wire.encode(frame))
-        if stream.pending and not had:  # the rest when its socket can take it
+        if stream.closed:
+            self._ended.append(peer)
+        elif stream.pending and not had:  # the rest when its socket can take it
             self._poller.modify(stream.fileno(), _OUT)
         elif had and not stream.pending:
             self._poller.modify(stream.fileno(), _IN)

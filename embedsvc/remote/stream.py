@@ -19,6 +19,7 @@ holds is ``wire``'s to check.
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 from collections import deque
@@ -31,15 +32,20 @@ _MARK = 0xE5
 # mmap threshold at every read, an mmap and an munmap each time (17 us against 4 us a read,
 # most reads carrying a few hundred bytes).
 _RECV_BYTES = 1 << 18
+# A send that fails with one of these: the peer has closed its end, which the reads will see
+_PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN})
 
 
 class Stream:
     """One end of a connection, non-blocking. ``closed``: the stream has ended (read to its
     end, or the connection failed on a read), or what came is not frames (``broken`` says
     why: a length past ``limit``, no mark where a frame begins), and the connection cannot
-    be read on. A send that fails (the peer has gone) drops what waits to go and every
-    later send (``unsent``), but leaves the stream open: what the peer sent before it went
-    is still read, and its end closes the stream."""
+    be read on. A send that fails because the peer has gone drops what waits to go and
+    every later send (``unsent``), but leaves the stream open: what the peer sent before it
+    went is still read, and its end closes the stream. A send that fails otherwise (no
+    buffer space, no memory) closes it too, as a failed read does: the peer is still there
+    and no end would come, so its owner closes the connection and connects again, where a
+    stream that only stopped sending left both ends waiting on each other for good."""
 
     __slots__ = ("sock", "limit", "closed", "broken", "unsent", "waiting", "_in", "_out",
                  "_fd", "_buf", "_view")
@@ -128,8 +134,8 @@ class Stream:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        except OSError:  # the peer has gone: the reads to its end say so
-            self._lost_out()
+        except OSError as exc:
+            self._failed_out(exc)
             return
         if sent < len(data):
             self._out.append(memoryview(data)[sent:])
@@ -143,8 +149,8 @@ class Stream:
                 sent = self.sock.sendmsg([out[i] for i in range(min(len(out), self._IOV))])
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                self._lost_out()
+            except OSError as exc:
+                self._failed_out(exc)
                 return
             self.waiting -= sent
             while sent and sent >= len(out[0]):
@@ -152,10 +158,15 @@ class Stream:
             if sent:
                 out[0] = out[0][sent:]
 
-    def _lost_out(self) -> None:
-        self.unsent = True
+    def _failed_out(self, exc: OSError) -> None:
+        """A send failed: nothing more goes out; the stream is read on to the peer's end
+        where the peer has gone, and ends now otherwise."""
         self._out.clear()
         self.waiting = 0
+        if exc.errno in _PEER_GONE:
+            self.unsent = True
+        else:
+            self.closed = True
 
     def close(self) -> None:
         self.closed = True

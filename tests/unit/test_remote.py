@@ -5,6 +5,7 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import socket
@@ -18,7 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedsvc.errors import DeadlineExceeded, InvalidRequest, Overloaded, QuotaExceeded
+from embedsvc.errors import (
+    DeadlineExceeded,
+    EngineGone,
+    InvalidRequest,
+    Overloaded,
+    QuotaExceeded,
+    Unavailable,
+)
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
@@ -608,7 +616,6 @@ def test_a_lost_engine_fails_every_waiting_request_at_once_from_the_link(
     """Requests waiting in an engine that goes away each get 503 ``engine_gone`` with
     Retry-After, set on their futures by the link's thread when it sees the loss (no
     request thread looks for it on a tick of its own)."""
-    from embedsvc.errors import EngineGone
     from embedsvc.remote import client as client_module
 
     with serving(tmp_path, registry) as (engine, front, encoder, server, stop):
@@ -703,7 +710,6 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
         served, monkeypatch):
     """Past the drain's wait, the link closes: a request still in the engine gets the
     drain's 503, not a link that is gone from under it."""
-    from embedsvc.errors import Unavailable
 
     engine, front, _, server = served
     taken, _ = _swallowing(server, monkeypatch)
@@ -729,7 +735,6 @@ def test_a_request_that_comes_as_the_front_drains_is_refused_not_lost(served, mo
     request was listed on a link gone from under it, to wait out its deadline. The look
     and the count are now one step under the drain's lock, and a closed link lists
     nothing more."""
-    from embedsvc.errors import Unavailable
 
     _, front, _, _ = served
     port = front._client.port
@@ -1188,7 +1193,6 @@ def test_a_late_answer_to_a_scrape_that_gave_up_answers_no_other(tmp_path):
     next scrape waiting, whose own answer then went to the one after or nowhere: /metrics
     showed numbers a scrape old, for as long as scrapes overlapped. Each answer now carries
     its scrape's ``seq``."""
-    from embedsvc.errors import Unavailable
 
     with _carded_link(tmp_path) as (link, engine):
         with pytest.raises(Unavailable):
@@ -1228,3 +1232,66 @@ def test_work_finished_after_the_engine_closed_writes_into_no_reused_descriptor(
         engine.drain(1)
         for sock in taken:
             sock.close()
+
+
+class _NoBufferSpaceOnce:
+    """A socket whose next send fails as a full kernel buffer pool does (ENOBUFS), the peer
+    still there; the sends after it go."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.failed = False
+
+    def send(self, data):
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+        return self._sock.send(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def _answered(front, text: str) -> bool:
+    try:
+        front.ready(0.5).run(Work(EMBED, [text], deadline=time.monotonic() + 2))
+        return True
+    except (Unavailable, EngineGone):  # loading, or the request the failed send took
+        return False
+
+
+def test_a_front_whose_send_fails_with_the_engine_there_connects_again_and_serves(served):
+    """A front's send that failed with the engine alive (no buffer space) left its
+    connection open with nothing going out: the engine heard nothing more, the front took
+    it for gone and answered 503 ``loading`` to every request until it was restarted. Now
+    the connection ends, the request in it gets 503 ``engine_gone``, and the front
+    connects again and serves."""
+    _, front, _, _ = served
+    assert _answered(front, "before")
+    link = front.ready().port.link
+    stream = link._stream
+    flaky = stream.sock = _NoBufferSpaceOnce(stream.sock)
+    with pytest.raises(EngineGone):  # its frames went nowhere: it is failed, not left waiting
+        front.ready(1).run(Work(EMBED, ["lost"], deadline=time.monotonic() + 10))
+    assert flaky.failed
+    assert _soon(lambda: _answered(front, "after"), timeout=8), link.state
+    assert link._stream is not stream
+
+
+def test_an_engine_whose_send_to_a_front_fails_closes_it_and_the_front_serves_again(served):
+    """The engine's send to a live front that failed (no buffer space) left the connection
+    open and every later answer, pong and card to that front dropped: the request waited
+    out the link's silence, then the front answered 503 ``loading`` for good. Now the
+    engine closes that connection at once: the request gets 503 ``engine_gone`` well before
+    the link would have given up, and the front connects again and serves."""
+    _, front, _, server = served
+    assert _answered(front, "before")
+    (stream,) = server._streams.values()
+    flaky = stream.sock = _NoBufferSpaceOnce(stream.sock)
+    started = time.monotonic()
+    with pytest.raises(EngineGone):
+        front.ready(1).run(Work(EMBED, ["lost"], deadline=time.monotonic() + 10))
+    assert flaky.failed
+    assert time.monotonic() - started < client_module.LOST_AFTER_S
+    assert _soon(lambda: _answered(front, "after"), timeout=8)
+    assert stream.closed and stream not in server._streams.values()

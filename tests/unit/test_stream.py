@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import select
 import socket
 
@@ -146,3 +147,47 @@ def test_a_failed_send_leaves_what_the_peer_sent_before_to_be_read():
     assert _read_all(front, 3) == [b"answer 0", b"answer 1", b"answer 2"]
     assert select.select([front], [], [], 5)[0]
     assert front.read() == [] and front.closed
+
+
+class _NoBufferSpace:
+    """A socket whose sends fail as a full kernel buffer pool does (ENOBUFS: routine on
+    macOS for local sockets, under memory pressure on Linux) while the peer is there."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: bytes) -> int:
+        raise OSError(errno.ENOBUFS, "No buffer space available")
+
+    sendmsg = send
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def test_a_send_that_fails_with_the_peer_still_there_ends_the_stream():
+    """Only a peer that has gone leaves the stream to be read to its end (above). A send
+    that fails otherwise did the same, and no end ever came: the link and the engine each
+    kept a connection on which nothing went out, the front answered 503 ``loading`` until
+    it was restarted. The stream now ends, so that its owner closes it and connects again."""
+    front, engine = _pair()
+    try:
+        front.sock = _NoBufferSpace(front.sock)  # type: ignore[assignment]
+        front.send(b"ping")
+        assert front.closed and not front.unsent and not front.pending
+    finally:
+        front.close()
+        engine.close()
+
+
+def test_a_flush_that_fails_with_the_peer_still_there_ends_the_stream():
+    front, engine = _pair()
+    try:
+        while not front.pending:  # the peer reads nothing: the rest waits to be flushed
+            front.send(b"x" * 65536)
+        front.sock = _NoBufferSpace(front.sock)  # type: ignore[assignment]
+        front.flush()
+        assert front.closed and not front.pending and front.waiting == 0
+    finally:
+        front.close()
+        engine.close()
