@@ -56,6 +56,8 @@ WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts, exiting with it, when a worke
 # and the engine's own first line where another worker could find it free
 _ALIVE_FILE = "engine.alive"
 _FAILED_STARTS_FILE = "engine.failed-starts"  # starts in a row that never came up
+_STARTED_FILE = "engine.started"  # the pid of the last engine started
+_EXIT_PREFIX = "engine.exit-"  # and its pid: how it ended, written by its reaper
 _LOCK_FILE = "engine.lock"
 _WEIGHED = "memory.checked"  # the models' memory was weighed for this master
 # How long a worker that stands down leaves its master to reap the worker that gave up
@@ -115,12 +117,13 @@ class SharedEngine:
         try:
             with _locked(self.directory):
                 failed = self.directory / BOOT_FAILURE
+                if not failed.exists():
+                    self._start()
                 if failed.exists():
                     why = failed.read_text()
                     _give_up(self.root, self.master_pid, "the engine process could not "
                              f"start: {why.strip()}; fix it, then start gunicorn again")
                     return "the engine process could not start: " + why
-                self._start()
                 return None
         except FileNotFoundError:  # another worker gave up: its master is stopping
             _stand_down(self.master_pid)
@@ -138,6 +141,10 @@ class SharedEngine:
                 fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # an engine holds it: running (or starting)
                 return
+            why = self._count_exit()
+            if why is not None:
+                (self.directory / BOOT_FAILURE).write_text(why)
+                return
             cmd = [sys.executable, "-m", "embedsvc", "engine", "--runtime-dir",
                    str(self.directory), "--watch-pid", str(self.master_pid)]
             if self.index:
@@ -145,6 +152,7 @@ class SharedEngine:
             env = {**os.environ, **self.settings.to_env()}
             # the lock goes with the descriptor: the engine holds it until it exits
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=[alive])
+            (self.directory / _STARTED_FILE).write_text(str(proc.pid))
         finally:
             os.close(alive)  # this worker's copy; an engine started holds its own
         log.info("process %d started the engine process (pid %d), shared while process "
@@ -154,44 +162,58 @@ class SharedEngine:
                          daemon=True).start()
 
     def _reap(self, proc: subprocess.Popen) -> None:
+        """Wait for the engine this worker started (its parent), so that it leaves no
+        zombie, and say how it ended: in the log, and to whichever worker starts the next
+        one (``_count_exit``). One that could not load the model stops gunicorn now."""
         code = proc.wait()
-        up = came_up(self.directory, proc.pid)
-        if code == ENGINE_BOOT_ERROR:  # the model did not load (it wrote why, if it could)
-            why = "the engine process could not load the model (the server log says why)"
-        else:
-            counted = self._count_start(proc.pid, up, code)
-            if counted is None:
-                return
-            why = counted
-        failed = self.directory / BOOT_FAILURE
+        with contextlib.suppress(OSError):  # its master is stopping (the directory gone)
+            (self.directory / f"{_EXIT_PREFIX}{proc.pid}").write_text(exit_status(code))
+        if code != ENGINE_BOOT_ERROR:
+            log.log(logging.WARNING if code else logging.INFO,
+                    "the engine process (pid %d) exited with %s", proc.pid, exit_status(code))
+            return
+        failed = self.directory / BOOT_FAILURE  # the model did not load: it wrote why, if it could
         with contextlib.suppress(OSError):
             if not failed.exists():
-                failed.write_text(why)
+                failed.write_text("the engine process could not load the model (the server "
+                                  "log says why)")
         self.ensure()  # gives up now, rather than at a keeper's next look
 
-    def _count_start(self, pid: int, up: bool, code: int) -> str | None:
-        """An engine's exit counted: why to start none again, after ``FAILED_STARTS`` in a
-        row that exited before they came up (killed as they loaded, a native library's
-        crash), as `embedsvc serve --workers` stops; else None. The workers' keepers would
-        otherwise start one every few seconds, each loading the model, for ever."""
+    def _count_exit(self) -> str | None:
+        """The last engine started, which no longer runs (its life lock is free), counted,
+        under the lock: why to start none again, after ``FAILED_STARTS`` in a row that
+        exited before they came up (killed as they loaded, a native library's crash), as
+        `embedsvc serve --workers` stops; else None. Counted here, as the next starts, not
+        by the worker that started it: that worker may have gone (recycled by
+        ``max_requests``, killed), and then the exit of an engine that had come up never
+        started the count anew, nor was a failure counted, and the bound did not hold."""
+        started = self.directory / _STARTED_FILE
         try:
-            with _locked(self.directory):
-                counter = self.directory / _FAILED_STARTS_FILE
-                try:
-                    count = 0 if up else int(counter.read_text() or 0) + 1
-                except (OSError, ValueError):
-                    count = 0 if up else 1
-                counter.write_text(str(count))
-        except OSError:  # its master is stopping (the directory gone): nobody starts another
+            pid = int(started.read_text())
+        except (OSError, ValueError):  # none started yet
             return None
-        if up:
+        started.unlink()
+        exited = self.directory / f"{_EXIT_PREFIX}{pid}"
+        try:
+            status = exited.read_text()
+            exited.unlink()
+        except OSError:  # the worker that started it went first: nobody saw its status
+            status = "its exit status unseen"
+        counter = self.directory / _FAILED_STARTS_FILE
+        if came_up(self.directory, pid):
+            counter.write_text("0")
             return None
-        log.warning("the engine process (pid %d) exited with %s before it came up (%d of %d "
-                    "in a row)", pid, exit_status(code), count, FAILED_STARTS)
+        try:
+            count = int(counter.read_text() or 0) + 1
+        except (OSError, ValueError):
+            count = 1
+        counter.write_text(str(count))
+        log.warning("the engine process (pid %d) exited before it came up (%s; %d of %d in "
+                    "a row)", pid, status, count, FAILED_STARTS)
         if count < FAILED_STARTS:
             return None
-        return (f"it exited before it came up {count} times in a row (last: "
-                f"{exit_status(code)}); the server log says why")
+        return (f"it exited before it came up {count} times in a row (last: {status}); the "
+                "server log says why")
 
 
 def check_memory_once(settings: Settings, master_pid: int) -> None:

@@ -191,13 +191,77 @@ def test_the_supervisor_backs_off_children_that_never_came_up_and_not_those_that
         shutil.rmtree(supervisor.directory, ignore_errors=True)
 
 
-def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(tmp_path, monkeypatch):
+def _dying_engines(engine, monkeypatch, reaped: bool = True):
+    """``engine``'s starts, each an engine killed 0.2 s after its start, after it marked
+    itself up where the test says (``up``, before each start): a list of their processes.
+    ``reaped``: the worker that started each one lives to reap it (else it went first)."""
+    from embedsvc.serving import shared_engine
+
+    real = subprocess.Popen
+    procs: list[subprocess.Popen] = []
+    up = [False]
+
+    def popen(cmd, **kwargs):
+        mark = f"(pathlib.Path({str(engine.directory)!r}) / f'up-{{os.getpid()}}').touch()\n" \
+            if up[0] else ""
+        proc = real([sys.executable, "-c", "import os, pathlib, signal, time\n" + mark +
+                     "time.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)"], **kwargs)
+        procs.append(proc)
+        return proc
+
+    monkeypatch.setattr(shared_engine.subprocess, "Popen", popen)
+    if not reaped:
+        monkeypatch.setattr(engine, "_reap", lambda proc: None)
+    return procs, up
+
+
+def _lives(engine, procs, up, came_up: bool, reaped: bool) -> None:
+    """One engine's life: started by a keeper, then gone."""
+    count = len(procs)
+    up[0] = came_up
+    assert engine.ensure() is None
+    assert len(procs) == count + 1, "no engine started"
+    procs[-1].wait(10)
+    if reaped:  # its worker's reaper says how it ended before the next keeper looks
+        assert _soon(lambda: (engine.directory / f"engine.exit-{procs[-1].pid}").exists())
+    lock = os.open(engine.directory / "engine.alive", os.O_RDWR)
+    try:  # its life lock free: as the next keeper finds it
+        assert _soon(lambda: _lockable(lock))
+    finally:
+        os.close(lock)
+
+
+def _lockable(fd: int) -> bool:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def _soon(condition, timeout: float = 10.0) -> bool:
+    until = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "its-worker-gone"])
+def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(
+        tmp_path, monkeypatch, reaped):
     """Under gunicorn, the workers' keepers start an engine whenever none runs. One that
     exited before it came up other than by failing to load its model (killed as it loaded,
     a native library's crash) wrote no failure, so a new one started every few seconds,
     each loading the model, for ever. After ``FAILED_STARTS`` in a row the failure is
     written and none starts again, as `embedsvc serve --workers` stops; an engine that
-    came up starts the count anew."""
+    came up starts the count anew. Counted by the next start, whichever worker makes it:
+    counted by the worker that started each one, an engine whose worker had gone (recycled
+    by ``max_requests``) was never counted, neither its failure nor its having come up."""
     import shutil
     import signal
 
@@ -207,32 +271,23 @@ def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(tmp_path, m
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     # this process as the master: giving up leaves it running (waitress-serve's case)
     engine = shared_engine.SharedEngine(Settings(), os.getpid())
-    started: list[int] = []
-    monkeypatch.setattr(engine, "_start", lambda: started.append(1))
-
-    def exits(up: bool) -> None:
-        """An engine's life: one that is killed as it loads, or one that came up first."""
-        proc = subprocess.Popen([sys.executable, "-c", "import os, signal, time\n"
-                                 "time.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)"])
-        if up:
-            (engine.directory / f"up-{proc.pid}").touch()  # as lifeline.mark_up writes it
-        engine._reap(proc)
-
+    procs, up = _dying_engines(engine, monkeypatch, reaped)
     try:
         for _ in range(FAILED_STARTS - 1):
-            exits(up=False)
-        exits(up=True)  # one that came up: the count starts anew
-        for _ in range(FAILED_STARTS - 1):
-            exits(up=False)
+            _lives(engine, procs, up, False, reaped)
+        _lives(engine, procs, up, True, reaped)  # one that came up: the count starts anew
+        for _ in range(FAILED_STARTS):
+            _lives(engine, procs, up, False, reaped)
             assert not (engine.directory / BOOT_FAILURE).exists()
-            assert engine.ensure() is None
-        exits(up=False)
-        why = (engine.directory / BOOT_FAILURE).read_text()
+        count = len(procs)
+        why = engine.ensure()  # the last one counted: none starts again
+        assert why is not None and len(procs) == count, why
         assert f"exited before it came up {FAILED_STARTS} times in a row" in why
-        assert f"signal {signal.SIGKILL}" in why, why
-        count = len(started)
-        assert engine.ensure() is not None and len(started) == count  # none started again
+        assert (f"signal {signal.SIGKILL}" if reaped else "exit status unseen") in why, why
+        assert engine.ensure() is not None and len(procs) == count
     finally:
+        for proc in procs:
+            proc.wait(10)
         shutil.rmtree(engine.root, ignore_errors=True)
 
 
