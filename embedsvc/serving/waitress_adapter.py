@@ -78,7 +78,7 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     ChunkedReceiver: ("chunk_remainder", "__len__"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
-                    "handle_accept", "accept", "readable", "set_socket_options", "fix_addr"),
+                    "handle_accept", "readable", "set_socket_options", "fix_addr"),
     ThreadedTaskDispatcher: ("active_count", "shutdown"),
     Error: ("code", "reason"),
 }
@@ -465,15 +465,17 @@ class Server(TcpWSGIServer):
         return ready and time.monotonic() >= self.paused_until
 
     def handle_accept(self) -> bool:
-        """Take one connection the kernel has queued; whether there was one."""
+        """Take one connection the kernel has queued; whether there was one (a client
+        that left while queued counts: others may wait behind it)."""
         try:
-            accepted = self.accept()
+            sock, addr = self.socket.accept()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except ConnectionAbortedError:
+            return True
         except OSError as exc:  # out of descriptors all the same
             self._pause_accepting(exc)
             return False
-        if accepted is None:
-            return False
-        sock, addr = accepted
         if len(self.active_channels) >= self.bounds.max_connections:
             self._turn_away(sock)
             return True
@@ -558,8 +560,11 @@ def start_draining(server: Server) -> None:
     Closed with connections still queued, the listener reset them all: a request cut that
     way cannot be retried safely. gunicorn's worker takes them the same way."""
     server.draining = True
-    while server.socket is not None and server.handle_accept():  # nonblocking
-        pass
+    # at most a backlog's worth: the loop's other connections wait meanwhile, and a storm
+    # of new ones would otherwise keep it here past the drain's deadline
+    for _ in range(server.adj.backlog):
+        if server.socket is None or not server.handle_accept():  # nonblocking
+            break
     server.accepting = False
     dispatcher.close(server)
 

@@ -70,6 +70,66 @@ def test_close_soon_ends_the_loop_whose_wake_up_pipe_is_closed(caplog):
         server.task_dispatcher.shutdown(timeout=1)
 
 
+class _Listener:
+    """A listening socket whose next accept meets a client that left while queued
+    (ECONNABORTED), then the real ones; or one with four times ``storm`` in its queue."""
+
+    def __init__(self, sock: socket.socket, storm: int = 0) -> None:
+        self._sock = sock
+        self.aborted = False
+        self.storm = storm
+        self.accepts = 0
+
+    def accept(self):
+        self.accepts += 1
+        if self.storm:  # clients that connect as fast as the loop accepts, for a while
+            if self.accepts > 4 * self.storm:
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+            return socket.socketpair()[0], ("127.0.0.1", 40000 + self.accepts)
+        if not self.aborted:
+            self.aborted = True
+            raise ConnectionAbortedError(103, "Software caused connection abort")
+        return self._sock.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_the_drain_takes_the_connections_queued_behind_one_that_left():
+    """waitress's accept reads ECONNABORTED (a queued client that reset) as an empty
+    queue: the drain stopped there and closed the listener on every connection queued
+    behind it, which were reset."""
+    server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
+                                     bounds=dataclasses.replace(BOUNDS, max_connections=8),
+                                     ident="test")
+    clients = [socket.create_connection(("127.0.0.1", server.effective_port))
+               for _ in range(3)]
+    try:
+        listener = server.socket = _Listener(server.socket)
+        waitress_adapter.start_draining(server)
+        assert listener.aborted and waitress_adapter.open_connections(server) == 3
+    finally:
+        for client in clients:
+            client.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
+def test_the_drain_takes_at_most_a_backlog_of_connections():
+    """The drain's accepts run in the loop's thread, where every other connection waits:
+    a storm of new connections kept it there, past the drain's deadline."""
+    server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
+                                     bounds=dataclasses.replace(BOUNDS, max_connections=10_000),
+                                     ident="test")
+    try:
+        listener = server.socket = _Listener(server.socket, storm=server.adj.backlog)
+        waitress_adapter.start_draining(server)
+        assert listener.accepts == server.adj.backlog and server.socket is None
+    finally:
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
 def test_an_unknown_waitress_version_is_named(monkeypatch):
     monkeypatch.setattr(internals, "version", lambda name: "9.0.0")
     assert any("9.0.0" in m for m in waitress_adapter.check_internals())
