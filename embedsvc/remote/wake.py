@@ -7,9 +7,10 @@ clears the flag (``woken``): a thread that wakes it while the pipe drains finds 
 set and writes nothing, and what it asked for is seen by the loop's turn, which looks after
 the drain; one after writes a byte the next poll sees. Cleared before the drain, a byte
 written in between was drained with the flag left set, no later wake-up wrote again, and
-the loop waited for its tick. Writing and closing happen under one lock: a thread that
-wakes a closed loop (work finished after it ended, a reader leaving a closed link) writes
-into no descriptor at all, not into whatever took the pipe's number since.
+the loop waited for its tick. Writing, draining and closing happen under one lock: a thread
+that wakes a closed loop (work finished after it ended, a reader leaving a closed link)
+writes into no descriptor at all, and a loop still turning after its close reads none,
+not whatever took the pipe's number since.
 """
 
 from __future__ import annotations
@@ -42,8 +43,13 @@ class WakePipe:
                     os.write(self._w, b"\0")
 
     def woken(self) -> None:
-        """Drained, then cleared (in the loop's thread, as its poll saw the pipe)."""
-        drain(self._r)
+        """Drained, then cleared (in the loop's thread, as its poll saw the pipe). Not
+        once closed: a link closed while its thread still ran (its join timed out) read
+        whatever had taken the pipe's number since."""
+        with self._lock:
+            if self._closed:
+                return
+            drain(self._r)
         self.pending = False
 
     def close(self) -> None:

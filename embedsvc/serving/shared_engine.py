@@ -150,8 +150,11 @@ class SharedEngine:
             if self.index:
                 cmd += ["--model-index", str(self.index)]
             env = {**os.environ, **self.settings.to_env()}
-            # the lock goes with the descriptor: the engine holds it until it exits
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=[alive])
+            try:  # the lock goes with the descriptor: the engine holds it until it exits
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=[alive])
+            except OSError as exc:  # the interpreter gone (a venv replaced under gunicorn)
+                (self.directory / BOOT_FAILURE).write_text(f"{cmd[0]} could not be run: {exc}")
+                return
             (self.directory / _STARTED_FILE).write_text(str(proc.pid))
         finally:
             os.close(alive)  # this worker's copy; an engine started holds its own

@@ -9,13 +9,15 @@ On SIGTERM or SIGINT it drains as one process
 does: the fronts stop accepting and finish what they admitted, then the engine finishes what
 is left and exits, then the supervisor. A second signal ends every child at once.
 
-Where the platform has ``SO_REUSEPORT`` (Linux, the BSDs, macOS), each front accepts on a
-listening socket of its own, all bound to the one port: the kernel spreads new connections
-over them evenly by their addresses. On one shared socket the front that happened to wake
-first took a burst of connections, and a keep-alive client stays where it landed (27 of 32
-clients on one of two fronts was seen). The supervisor keeps every front's socket, so a
-front's replacement inherits it with the connections that queued there meanwhile (they wait
-for it, and are not reset). Elsewhere the fronts share one socket, as gunicorn's workers do.
+On Linux, each front accepts on a listening socket of its own, all bound to the one port
+in one ``SO_REUSEPORT`` group: the kernel spreads new connections over them evenly by their
+addresses (macOS and the BSDs take the option but do not spread: one socket of the group
+gets every connection, so there the fronts share one socket). On one shared socket the
+front that happened to wake first took a burst of connections, and a keep-alive client
+stays where it landed (27 of 32 clients on one of two fronts was seen). The supervisor
+keeps every front's socket, so a front's replacement inherits it with the connections that
+queued there meanwhile (they wait for it, and are not reset). Elsewhere the fronts share
+one socket, as gunicorn's workers do.
 
 Example::
 
@@ -31,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,10 @@ from .children import child_command
 from .lifeline import ENGINE_BOOT_ERROR, FAILED_STARTS, came_up, exit_status, is_up
 
 log = logging.getLogger(__name__)
+
+# Linux spreads a port's new connections over the sockets of one SO_REUSEPORT group; macOS
+# and the BSDs accept the option, but one socket of the group gets them all
+_SPREADS = sys.platform.startswith("linux")
 
 _POLL_S = 0.1
 # A child that dies before it came up (the engine serving its socket, a front accepting)
@@ -255,8 +262,9 @@ def _stop(procs: list[subprocess.Popen], deadline: float, signum: int) -> None:
 
 def _listeners(host: str, port: int, count: int) -> list[socket.socket]:
     """One listening socket per front on ``port`` (its first one chooses a port 0), all in
-    one ``SO_REUSEPORT`` group; one shared socket where the platform has no such option."""
-    first = _listen(host, port, reuse_port=count > 1)
+    one ``SO_REUSEPORT`` group; one shared socket where the platform does not spread a
+    group's connections."""
+    first = _listen(host, port, reuse_port=count > 1 and _SPREADS)
     if count == 1 or not _reuses_port(first):
         return [first]
     port = first.getsockname()[1]

@@ -358,3 +358,35 @@ def test_a_shared_engine_is_started_once_while_it_lives_whatever_the_pid_files_s
             proc.kill()
             proc.wait(5)
         shutil.rmtree(engine.root, ignore_errors=True)
+
+
+def test_an_engine_that_cannot_be_run_stops_gunicorn_with_the_reason(tmp_path, monkeypatch):
+    """An interpreter gone from under a running gunicorn (its venv replaced by a deploy):
+    the start's FileNotFoundError read as another worker having given up, so each worker
+    stood down quietly, was replaced, and did the same, for ever."""
+    import shutil
+
+    from embedsvc.serving import shared_engine
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(shared_engine.sys, "executable", str(tmp_path / "gone" / "python"))
+    engine = shared_engine.SharedEngine(Settings(), os.getpid())  # this process the master
+    try:
+        why = engine.ensure()
+        assert why is not None and "gone/python could not be run" in why, why
+    finally:
+        shutil.rmtree(engine.root, ignore_errors=True)
+
+
+def test_the_fronts_share_one_socket_where_the_platform_does_not_spread_a_group(monkeypatch):
+    """macOS and the BSDs take SO_REUSEPORT but give one socket of the group every
+    connection: there a socket per front left all but one front idle."""
+    from embedsvc.serving import supervisor
+
+    monkeypatch.setattr(supervisor, "_SPREADS", False)
+    socks = supervisor._listeners("127.0.0.1", 0, 3)
+    try:
+        assert len(socks) == 1
+    finally:
+        for sock in socks:
+            sock.close()

@@ -1295,3 +1295,23 @@ def test_an_engine_whose_send_to_a_front_fails_closes_it_and_the_front_serves_ag
     assert time.monotonic() - started < client_module.LOST_AFTER_S
     assert _soon(lambda: _answered(front, "after"), timeout=8)
     assert stream.closed and stream not in server._streams.values()
+
+
+def test_a_closed_wake_pipe_reads_no_descriptor_that_took_its_number():
+    """A link closed while its thread still turned (the close's join timed out) drained its
+    pipe's number after the close: whatever had taken that number since (a connection, a
+    body's file) lost its bytes to it."""
+    pipe = wake_module.WakePipe()
+    number = pipe.fileno()
+    pipe.close()
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    if r != number:
+        os.dup2(r, number)  # another descriptor with the closed pipe's number
+    try:
+        os.write(w, b"someone else's")
+        pipe.woken()  # as its loop's last poll saw the number readable
+        assert os.read(number, 64) == b"someone else's"
+    finally:
+        for fd in {r, w, number}:
+            os.close(fd)
