@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,6 +80,8 @@ class GraphCache:
             with _locked(path):
                 if _identity(path) not in (None, failed):  # another process published one
                     found = _try_load(path, load)
+                if found is None:
+                    _sweep(path)
                 return (found[0] if found is not None else _publish(path, build, load)), path
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
@@ -128,6 +130,19 @@ def _publish(path: Path, build: Callable[[Path], object], load: Callable[[Path],
         return loaded
     finally:
         _discard(tmp)
+
+
+def _sweep(path: Path) -> None:
+    """Remove what a build of ``path`` that never finished left (its process killed as it
+    loaded the model: a model-sized file each time); under ``path``'s lock, which every
+    build of it holds, so no temporary of it found here is still being written."""
+    mine = re.compile(rf"\.{re.escape(path.stem)}\.\d+-[0-9a-f]{{8}}\.tmp"
+                      + re.escape(path.suffix))
+    for left in path.parent.glob(f".{path.stem}.*.tmp{path.suffix}"):
+        if mine.fullmatch(left.name):
+            log.info("removing %s, left by a build that did not finish", left.name)
+            with suppress(OSError):
+                _discard(left)
 
 
 def _discard(path: Path) -> None:

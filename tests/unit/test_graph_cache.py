@@ -75,6 +75,24 @@ def _start(root: str, counter: str, out: str) -> None:
     Path(out).write_text(cache.get_or_build(cache.path("m", "12" * 32), build, load)[0])
 
 
+def test_what_a_build_that_never_finished_left_is_removed_by_the_next_build(tmp_path):
+    """A process killed as it built a graph (an engine whose supervisor died as it loaded,
+    a SIGKILL) left its temporary, a model-sized file, and nothing removed it: each such
+    start left another. The next build of the same graph, under the lock every build
+    holds, removes them; another graph's are not its to touch."""
+    cache, build = GraphCache(tmp_path), Builder()
+    path = cache.path("m", "ab" * 32)
+    other = cache.path("m2", "cd" * 32)
+    left = [path.with_name(f".{path.stem}.{pid}-0123abcd.tmp{path.suffix}") for pid in (7, 99)]
+    theirs = other.with_name(f".{other.stem}.7-0123abcd.tmp{other.suffix}")
+    for file in (*left, theirs):
+        file.write_text("half a graph")
+    assert cache.get_or_build(path, build, load) == (GOOD, path)
+    assert not any(file.exists() for file in left) and theirs.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".locks", path.name,
+                                                                 theirs.name])
+
+
 def test_processes_starting_together_build_once_and_all_read_the_whole_file(tmp_path):
     counter = tmp_path / "builds"
     ctx = multiprocessing.get_context("spawn")
