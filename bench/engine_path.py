@@ -17,6 +17,10 @@ This is the engine's code alone: ``bench/workers.py frames`` adds the poll and a
 its own, and ``bench/workers.py sim`` puts it beside fronts and wrk on the same cores, where
 the same Python cost about three times as much (bench/RESULTS.md, 2026-12-06 21:35).
 
+``--gap-ms G`` also runs this tree's bursts each after a wait of G ms (a sleep, as the loop
+waits in its poll between wake-ups), each burst timed on its own: the same calls, run as a
+serving engine that is not saturated runs them, against back to back.
+
 With ``--valgrind N`` it counts instructions instead (valgrind's callgrind): the difference
 between a process that runs N + 100 bursts and one that runs 100, so that start-up cancels,
 with the hash seed fixed. It does not move with the machine's load, but still by a few
@@ -31,6 +35,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -45,7 +50,8 @@ from bench.run import (  # noqa: E402 - the path above makes the repository impo
 BURSTS = (1, 10)  # requests a burst
 
 # Run in the child, with the tree first on sys.path: argv burst, requests (0: count the
-# bursts below instead of timing), bursts.
+# bursts below instead of timing), bursts, and the wait before each burst (seconds; 0: none,
+# the round timed whole).
 CHILD = r"""
 import itertools, json, logging, math, socket, sys, tempfile, time
 from pathlib import Path
@@ -59,6 +65,7 @@ from embedsvc.settings import Settings
 
 logging.disable(logging.WARNING)
 size, requests, bursts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+gap = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 service = Service(Settings(log_level="warning"), encoder=fake_encoder())
 service.start(background=False)
 runner = service.runner
@@ -97,20 +104,27 @@ if not requests:
 best = math.inf
 for _ in range(7):
     frames = [frame() for _ in range(max(1, requests // size))]
-    started = time.thread_time()
+    used, started = 0.0, time.thread_time()
     for data in frames:
+        if gap:
+            time.sleep(gap)
+            started = time.thread_time()
         burst(data)
-    best = min(best, (time.thread_time() - started) / (len(frames) * size) * 1e6)
+        if gap:
+            used += time.thread_time() - started
+    if not gap:
+        used = time.thread_time() - started
+    best = min(best, used / (len(frames) * size) * 1e6)
 print(json.dumps(best))
 """
 
 
 def run_child(tree: Path, size: int, requests: int, bursts: int = 0,
-              wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+              wrapper: tuple[str, ...] = (), gap_s: float = 0.0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([*wrapper, sys.executable, "-c", CHILD, str(size), str(requests),
-                           str(bursts)], cwd=tree, env=env, check=True, capture_output=True,
-                          text=True)
+                           str(bursts), str(gap_s)], cwd=tree, env=env, check=True,
+                          capture_output=True, text=True)
 
 
 def instructions(tree: Path, size: int, bursts: int) -> float:
@@ -127,8 +141,12 @@ def main() -> None:
     parser.add_argument("--valgrind", type=int, metavar="N",
                         help="count instructions instead, over N bursts of each size (slow; "
                              "--rounds is then the number of counts per tree)")
+    parser.add_argument("--gap-ms", type=float, default=0.0, metavar="G",
+                        help="also time this tree's bursts each after a G ms wait")
     args = parser.parse_args()
     trees = {"baseline": baseline_tree(args.baseline), "this": args.tree}
+    if args.gap_ms and not args.valgrind:
+        trees[f"this, after {args.gap_ms:g} ms"] = args.tree
     found: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         for size in BURSTS:
@@ -136,7 +154,9 @@ def main() -> None:
                 if args.valgrind:
                     got = instructions(tree, size, args.valgrind)
                 else:
-                    got = json.loads(run_child(tree, size, args.requests).stdout.splitlines()[-1])
+                    gap = args.gap_ms / 1000 if name.startswith("this, after") else 0.0
+                    got = json.loads(run_child(tree, size, args.requests, gap_s=gap)
+                                     .stdout.splitlines()[-1])
                 found.setdefault((name, size), []).append(got)
                 print(f"round {r + 1} {name}, bursts of {size}: {got:,.1f} "
                       + ("instructions" if args.valgrind else "us") + " a request", flush=True)
@@ -147,6 +167,15 @@ def main() -> None:
     print("| requests a burst | baseline | this | this / baseline |")
     print("|---:|---:|---:|---:|")
     print("\n".join(baseline_rows(BURSTS, found, ",.1f")))
+    waited = f"this, after {args.gap_ms:g} ms"
+    if any(name == waited for name, _ in found):
+        print(f"\nThis tree's bursts back to back and each after a {args.gap_ms:g} ms wait "
+              "(each burst timed on its own), median of the rounds:\n")
+        print(f"| requests a burst | back to back | after {args.gap_ms:g} ms | ratio |")
+        print("|---:|---:|---:|---:|")
+        for size in BURSTS:
+            back, after = median(found["this", size]), median(found[waited, size])
+            print(f"| {size} | {back:,.1f} | {after:,.1f} | {after / back:.2f}x |")
 
 
 if __name__ == "__main__":
