@@ -501,7 +501,12 @@ class Link:
         if self._keeper is not None and self.state in ("loading", "unhealthy") \
                 and now >= self._next_keep:
             self._next_keep = now + LOST_AFTER_S  # none has answered: start one if needed
-            self._failed(self._keeper())
+            try:
+                why = self._keeper()
+            except Exception:  # noqa: BLE001 - a full disk, say: the next look tries again
+                log.exception("starting the engine process failed; trying again")
+            else:
+                self._failed(why)
         if now >= self._next_ping:
             self._next_ping = now + _PING_S
             self._pinged = self.state != "loading"

@@ -25,6 +25,7 @@ worker is ever forked from a process that holds one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -58,6 +59,10 @@ _ALIVE_FILE = "engine.alive"
 _FAILED_STARTS_FILE = "engine.failed-starts"  # starts in a row that never came up
 _STARTED_FILE = "engine.started"  # the pid of the last engine started
 _EXIT_PREFIX = "engine.exit-"  # and its pid: how it ended, written by its reaper
+# a start that fails with one of these will fail the same way each time: the program is not
+# there, or cannot be run
+_CANNOT_RUN = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC,
+                         errno.ENOTDIR})
 _LOCK_FILE = "engine.lock"
 _WEIGHED = "memory.checked"  # the models' memory was weighed for this master
 # How long a worker that stands down leaves its master to reap the worker that gave up
@@ -152,17 +157,26 @@ class SharedEngine:
             env = {**os.environ, **self.settings.to_env()}
             try:  # the lock goes with the descriptor: the engine holds it until it exits
                 proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=[alive])
-            except OSError as exc:  # the interpreter gone (a venv replaced under gunicorn)
-                (self.directory / BOOT_FAILURE).write_text(f"{cmd[0]} could not be run: {exc}")
+            except OSError as exc:
+                if exc.errno in _CANNOT_RUN:  # the interpreter gone (a venv replaced by a deploy)
+                    (self.directory / BOOT_FAILURE).write_text(
+                        f"{cmd[0]} could not be run: {exc}")
+                else:  # out of processes, memory or descriptors for now: the next look retries
+                    log.warning("the engine process could not be started (%s); trying again",
+                                exc)
                 return
-            (self.directory / _STARTED_FILE).write_text(str(proc.pid))
+            # reap it when it exits (its parent is this process), so that it leaves no zombie
+            threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
+                             daemon=True).start()
+            try:
+                (self.directory / _STARTED_FILE).write_text(str(proc.pid))
+            except OSError as exc:  # a full disk: it serves all the same
+                log.warning("the engine process's start could not be noted (%s): its exit "
+                            "will not be counted", exc)
         finally:
             os.close(alive)  # this worker's copy; an engine started holds its own
         log.info("process %d started the engine process (pid %d), shared while process "
                  "%d lives", os.getpid(), proc.pid, self.master_pid)
-        # reap it when it exits (its parent is this process), so that it leaves no zombie
-        threading.Thread(target=self._reap, args=(proc,), name="embedsvc-engine-reaper",
-                         daemon=True).start()
 
     def _reap(self, proc: subprocess.Popen) -> None:
         """Wait for the engine this worker started (its parent), so that it leaves no

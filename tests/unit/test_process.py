@@ -390,3 +390,36 @@ def test_the_fronts_share_one_socket_where_the_platform_does_not_spread_a_group(
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_an_engine_start_that_fails_for_now_is_tried_again_not_given_up(tmp_path, monkeypatch):
+    """A start that fails for a passing reason (EAGAIN: the container's process limit, for
+    a moment; ENOMEM) is not the engine's failure: written as one, it stopped gunicorn with
+    the wrong cause, and left waitress-serve unhealthy after forks worked again."""
+    import errno
+    import shutil
+
+    from embedsvc.serving import shared_engine
+    from embedsvc.serving.lifeline import BOOT_FAILURE
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    engine = shared_engine.SharedEngine(Settings(), os.getpid())  # this process the master
+    procs, up = _dying_engines(engine, monkeypatch)
+    started = shared_engine.subprocess.Popen
+    tries = []
+
+    def out_of_processes(cmd, **kwargs):
+        tries.append(cmd)
+        if len(tries) == 1:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return started(cmd, **kwargs)
+
+    monkeypatch.setattr(shared_engine.subprocess, "Popen", out_of_processes)
+    try:
+        assert engine.ensure() is None and not procs
+        assert not (engine.directory / BOOT_FAILURE).exists()
+        assert engine.ensure() is None and len(procs) == 1  # the next look starts it
+    finally:
+        for proc in procs:
+            proc.wait(10)
+        shutil.rmtree(engine.root, ignore_errors=True)

@@ -1315,3 +1315,22 @@ def test_a_closed_wake_pipe_reads_no_descriptor_that_took_its_number():
     finally:
         for fd in {r, w, number}:
             os.close(fd)
+
+
+def test_a_keeper_that_raises_leaves_the_link_alive_to_try_again(tmp_path, monkeypatch):
+    """gunicorn's keeper (``SharedEngine.ensure``) writes files: one that raised (a full
+    disk) ended the link's thread, and the front answered 503 ``loading`` for good."""
+    monkeypatch.setattr(client_module, "LOST_AFTER_S", 0.05)  # the keeper's interval
+    calls: list[float] = []
+
+    def keeper() -> str | None:
+        calls.append(time.monotonic())
+        raise OSError(28, "No space left on device")
+
+    link = client_module.Link(engine_address(private_dir(tmp_path / "run")), keeper=keeper)
+    link.start()
+    try:
+        assert _soon(lambda: len(calls) >= 3), calls
+        assert link._thread.is_alive()
+    finally:
+        link.close()
