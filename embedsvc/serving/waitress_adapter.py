@@ -64,6 +64,13 @@ from .internals import missing_internals
 
 log = logging.getLogger(__name__)
 
+# Errors accept() returns for one queued connection, not for the listener: a client that
+# reset while queued, and (Linux, accept(2)) the network errors pending on the new socket,
+# which are to be treated as EAGAIN. The next connection may be fine.
+_PENDING_ERRORS = frozenset(getattr(errno, name) for name in (
+    "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET", "EHOSTUNREACH",
+    "EOPNOTSUPP", "ENETUNREACH") if hasattr(errno, name))
+
 SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproject.toml
 # name -> attributes this module reads or overrides; check_internals() verifies each
 INTERNALS: dict[Any, tuple[str, ...]] = {
@@ -469,12 +476,12 @@ class Server(TcpWSGIServer):
         that left while queued counts: others may wait behind it)."""
         try:
             sock, addr = self.socket.accept()
-        except (BlockingIOError, InterruptedError):
-            return False
-        except ConnectionAbortedError:
-            return True
-        except OSError as exc:  # out of descriptors all the same
-            self._pause_accepting(exc)
+        except OSError as exc:
+            if exc.errno in _PENDING_ERRORS:  # that connection failed: the next may be fine
+                return True
+            if isinstance(exc, (BlockingIOError, InterruptedError)):
+                return False
+            self._pause_accepting(exc)  # out of descriptors all the same
             return False
         if len(self.active_channels) >= self.bounds.max_connections:
             self._turn_away(sock)

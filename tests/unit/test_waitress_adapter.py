@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import errno
 import json
 import socket
 import threading
@@ -74,8 +75,10 @@ class _Listener:
     """A listening socket whose next accept meets a client that left while queued
     (ECONNABORTED), then the real ones; or one with four times ``storm`` in its queue."""
 
-    def __init__(self, sock: socket.socket, storm: int = 0) -> None:
+    def __init__(self, sock: socket.socket, storm: int = 0,
+                 error: OSError | None = None) -> None:
         self._sock = sock
+        self.error = error or ConnectionAbortedError(errno.ECONNABORTED, "connection abort")
         self.aborted = False
         self.storm = storm
         self.accepts = 0
@@ -88,24 +91,28 @@ class _Listener:
             return socket.socketpair()[0], ("127.0.0.1", 40000 + self.accepts)
         if not self.aborted:
             self.aborted = True
-            raise ConnectionAbortedError(103, "Software caused connection abort")
+            raise self.error
         return self._sock.accept()
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
 
 
-def test_the_drain_takes_the_connections_queued_behind_one_that_left():
+@pytest.mark.parametrize("error", [ConnectionAbortedError(errno.ECONNABORTED, "abort"),
+                                   OSError(errno.EPROTO, "Protocol error")],
+                         ids=["aborted", "network-error"])
+def test_the_drain_takes_the_connections_queued_behind_one_that_left(error):
     """waitress's accept reads ECONNABORTED (a queued client that reset) as an empty
     queue: the drain stopped there and closed the listener on every connection queued
-    behind it, which were reset."""
+    behind it, which were reset. Linux's accept also returns the network errors pending on
+    one connection (EPROTO, ENETDOWN...), to be retried."""
     server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
                                      bounds=dataclasses.replace(BOUNDS, max_connections=8),
                                      ident="test")
     clients = [socket.create_connection(("127.0.0.1", server.effective_port))
                for _ in range(3)]
     try:
-        listener = server.socket = _Listener(server.socket)
+        listener = server.socket = _Listener(server.socket, error=error)
         waitress_adapter.start_draining(server)
         assert listener.aborted and waitress_adapter.open_connections(server) == 3
     finally:
