@@ -18,6 +18,8 @@ from embedsvc.serving.process import (
 )
 from embedsvc.settings import Settings
 
+from ..waiting import soon
+
 
 def fake_torch(bad_fork: bool | None):
     cuda = types.SimpleNamespace()
@@ -223,10 +225,10 @@ def _lives(engine, procs, up, came_up: bool, reaped: bool) -> None:
     assert len(procs) == count + 1, "no engine started"
     procs[-1].wait(10)
     if reaped:  # its worker's reaper says how it ended before the next keeper looks
-        assert _soon(lambda: (engine.directory / f"engine.exit-{procs[-1].pid}").exists())
+        assert soon(lambda: (engine.directory / f"engine.exit-{procs[-1].pid}").exists())
     lock = os.open(engine.directory / "engine.alive", os.O_RDWR)
     try:  # its life lock free: as the next keeper finds it
-        assert _soon(lambda: _lockable(lock))
+        assert soon(lambda: _lockable(lock))
     finally:
         os.close(lock)
 
@@ -239,15 +241,6 @@ def _lockable(fd: int) -> bool:
     except BlockingIOError:
         return False
     fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
-
-
-def _soon(condition, timeout: float = 10.0) -> bool:
-    until = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.01)
     return True
 
 

@@ -42,6 +42,7 @@ from embedsvc.settings import Settings
 from embedsvc.work import EMBED, SPARSE, TOKENS, Embedded, Work
 
 from ..frames import FrameSocket
+from ..waiting import soon
 
 
 @pytest.fixture
@@ -543,20 +544,10 @@ def test_a_request_the_engine_never_answers_ends_past_its_deadline(served, monke
     # the reservation went with the ids, so the ids went alone, admitted on arrival
     assert [type(frame) for frame in taken] == [wire.Submit], taken
     assert not taken[0].reserved
-    assert _soon(lambda: cancelled == [taken[0].id]), cancelled
+    assert soon(lambda: cancelled == [taken[0].id]), cancelled
     monkeypatch.undo()  # the engine answers again, on the same port
     out = front.ready().run(Work(EMBED, ["answered"], deadline=time.monotonic() + 5))
     assert out.vectors.shape == (1, 6)
-
-
-def _soon(condition, timeout: float = 10.0) -> bool:
-    """Whether ``condition()`` holds within ``timeout`` seconds."""
-    until = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _in_threads(target, args: list) -> list[threading.Thread]:
@@ -637,7 +628,7 @@ def test_a_lost_engine_fails_every_waiting_request_at_once_from_the_link(
                 errors.append(exc)
 
         threads = _in_threads(request, list(range(6)))
-        assert _soon(lambda: _submits(taken) == 6), taken
+        assert soon(lambda: _submits(taken) == 6), taken
         stop.set()  # nothing admitted: the engine's loop ends and its socket closes
         for thread in threads:
             thread.join(10)
@@ -656,7 +647,7 @@ def test_a_departed_clients_request_is_cancelled_in_the_engine_then_499(served, 
     with pytest.raises(ClientDisconnected):
         front.ready().run(work)
     # its room was reserved, then given back: it was never tokenized, so no ids were sent
-    assert _soon(lambda: len(cancelled) == 1), (taken, cancelled)
+    assert soon(lambda: len(cancelled) == 1), (taken, cancelled)
     assert [type(f) for f in taken] == [wire.Reserve] and cancelled == [taken[0].id], taken
 
 
@@ -722,7 +713,7 @@ def test_a_request_still_waiting_when_the_front_closes_its_link_gets_503_drainin
             errors.append(exc)
 
     (thread,) = _in_threads(request, [0])
-    assert _soon(lambda: _submits(taken) == 1)
+    assert soon(lambda: _submits(taken) == 1)
     front._link.close()
     thread.join(10)
     assert [type(e) for e in errors] == [Unavailable] and errors[0].code == "draining", errors
@@ -839,7 +830,7 @@ def test_a_reservation_holds_room_before_its_ids_come_and_they_are_computed_unde
         row = embedded(answer, EMBED).vectors[0]
         np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected("reserved first"),
                                    rtol=1e-6)
-    assert _soon(lambda: admission.used_inputs == 0)
+    assert soon(lambda: admission.used_inputs == 0)
 
 
 def test_a_reservation_given_back_or_refused_frees_its_room_and_its_ids_are_dropped(pair):
@@ -880,7 +871,7 @@ def test_a_reservation_whose_ids_never_come_ends_at_its_deadline(pair):
     admission = engine.runner.admission
     with _raw(front) as sock:
         sock.send(wire.encode(wire.Reserve(9, "embed", 4, 40, timeout=0.3)))
-        assert _soon(lambda: admission.used_inputs == 4)
+        assert soon(lambda: admission.used_inputs == 4)
         (late,) = _next(sock, 3000)
         assert isinstance(late, wire.Failed) and late.status == 504 and late.id == 9, late
     assert admission.used_inputs == 0
@@ -982,7 +973,7 @@ def test_a_stopping_engine_sends_the_answers_its_fronts_have_not_taken_yet(tmp_p
         ids = front.ready().tokens(texts)
         with _raw(front) as sock:
             sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids), timeout=30.0)))
-            assert _soon(lambda: not server.in_flight and any(
+            assert soon(lambda: not server.in_flight and any(
                 s.pending for s in server._streams.values()), 10), "no answer waiting"
             stop.set()
             time.sleep(0.3)  # the loop has seen the stop, and nothing in flight
@@ -1052,7 +1043,7 @@ def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
 
     monkeypatch.setattr(client_module._Call, "settle", recorded)
     with _carded_link(tmp_path) as (link, engine):
-        assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
+        assert soon(lambda: not link._reading), "the link kept reading with nothing waiting"
 
         def answer(request_id: int) -> None:
             engine.send(wire.encode(wire.Failed(request_id, 400, "invalid_request_error",
@@ -1068,20 +1059,20 @@ def test_a_lone_request_reads_its_own_answer_and_hands_the_link_the_others(
 
         first = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
         reader = wait("request-1", first)
-        assert _soon(link._reader.locked), "the lone request did not read"
+        assert soon(link._reader.locked), "the lone request did not read"
         second = link.send_call(wire.Submit(2, EMBED, b"", b""), None)
         other = wait("request-2", second)
         assert [f.id for f in _frames_of(engine, wire.Submit, 2)] == [1, 2]
         answer(1)
         reader.join(5)
         assert waited == {"request-1": True} and settled == [(1, "request-1")]
-        assert _soon(lambda: link._reading, 5), "the reader left and no thread reads"
+        assert soon(lambda: link._reading, 5), "the reader left and no thread reads"
         answer(2)
         other.join(5)
         assert waited == {"request-1": True, "request-2": True}
         assert settled == [(1, "request-1"), (2, "embedsvc-engine-link")]
         assert first.answer.message == "answer 1" and second.answer.message == "answer 2"
-        assert _soon(lambda: not link._reading), "the link kept reading with nothing waiting"
+        assert soon(lambda: not link._reading), "the link kept reading with nothing waiting"
 
 
 def test_lone_requests_through_the_engine_read_their_own_answers(served, monkeypatch):
@@ -1112,11 +1103,11 @@ def test_a_reader_leaving_after_the_link_closed_writes_into_no_reused_descriptor
     taken: list[tuple[int, int]] = []
     with _carded_link(tmp_path) as (link, _), contextlib.ExitStack() as closing:
         closing.callback(lambda: [os.close(fd) for fds in taken for fd in fds])
-        assert _soon(lambda: not link._reading)
+        assert soon(lambda: not link._reading)
         call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
         reader = threading.Thread(target=link.wait, args=(call, 10), name="request-1")
         reader.start()
-        assert _soon(link._reader.locked), "the lone request did not read"
+        assert soon(link._reader.locked), "the lone request did not read"
         wake_w = link._wake._w
         link.close()  # the reader is in its poll, for up to a tick
         taken += [os.pipe() for _ in range(16)]  # files opened meanwhile take the numbers
@@ -1152,10 +1143,10 @@ def test_a_link_pings_at_once_after_the_card_and_reads_its_pong_as_it_comes(
     with _carded_link(tmp_path, wake=False) as (link, engine):
         assert link.fronts == []
         _frames_of(engine, wire.Ping, timeout=2.0)
-        assert _soon(lambda: link._reading, 2), "the link does not read for its pong"
+        assert soon(lambda: link._reading, 2), "the link does not read for its pong"
         engine.send(wire.encode(wire.Pong(4242, "ready", 8, fronts=[11, 12])))
-        assert _soon(lambda: link.fronts == [11, 12], 2)
-        assert _soon(lambda: not link._reading, 2), "the link kept reading after its pong"
+        assert soon(lambda: link.fronts == [11, 12], 2)
+        assert soon(lambda: not link._reading, 2), "the link kept reading after its pong"
 
 
 def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connection(
@@ -1166,7 +1157,7 @@ def test_a_request_answered_as_it_takes_the_reader_does_not_wait_on_the_connecti
     slice would hold it for the whole wait)."""
     monkeypatch.setattr(client_module, "_TICK_S", 30.0)
     with _carded_link(tmp_path) as (link, _):
-        assert _soon(lambda: not link._reading)  # its first ping waits for its next tick
+        assert soon(lambda: not link._reading)  # its first ping waits for its next tick
         call = link.send_call(wire.Submit(1, EMBED, b"", b""), None)
         reader = link._reader
 
@@ -1274,7 +1265,7 @@ def test_a_front_whose_send_fails_with_the_engine_there_connects_again_and_serve
     with pytest.raises(EngineGone):  # its frames went nowhere: it is failed, not left waiting
         front.ready(1).run(Work(EMBED, ["lost"], deadline=time.monotonic() + 10))
     assert flaky.failed
-    assert _soon(lambda: _answered(front, "after"), timeout=8), link.state
+    assert soon(lambda: _answered(front, "after"), timeout=8), link.state
     assert link._stream is not stream
 
 
@@ -1293,7 +1284,7 @@ def test_an_engine_whose_send_to_a_front_fails_closes_it_and_the_front_serves_ag
         front.ready(1).run(Work(EMBED, ["lost"], deadline=time.monotonic() + 10))
     assert flaky.failed
     assert time.monotonic() - started < client_module.LOST_AFTER_S
-    assert _soon(lambda: _answered(front, "after"), timeout=8)
+    assert soon(lambda: _answered(front, "after"), timeout=8)
     assert stream.closed and stream not in server._streams.values()
 
 
@@ -1330,7 +1321,7 @@ def test_a_keeper_that_raises_leaves_the_link_alive_to_try_again(tmp_path, monke
     link = client_module.Link(engine_address(private_dir(tmp_path / "run")), keeper=keeper)
     link.start()
     try:
-        assert _soon(lambda: len(calls) >= 3), calls
+        assert soon(lambda: len(calls) >= 3), calls
         assert link._thread.is_alive()
     finally:
         link.close()
