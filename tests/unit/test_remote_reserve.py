@@ -24,7 +24,8 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
-from tests.unit.test_remote import _in_threads, _next, _raw, _soon, serving
+from tests.unit.test_remote import _in_threads, _next, _raw, serving
+from tests.waiting import soon
 
 
 @contextlib.contextmanager
@@ -69,8 +70,8 @@ def test_a_reservation_of_a_request_failed_when_the_engine_went_silent_is_given_
         thread.join(5)
         assert [type(e) for e in errors] == [EngineGone], errors
         resume.set()
-        assert _soon(lambda: front.state == "ready", 5)
-        assert _soon(lambda: admission.used_inputs == 0, 3), \
+        assert soon(lambda: front.state == "ready", 5)
+        assert soon(lambda: admission.used_inputs == 0, 3), \
             (admission.used_inputs, server._reserved)
         assert admission.used_tokens == 0
 
@@ -161,7 +162,7 @@ def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
                 if isinstance(f, wire.Failed)] == [(2, 400)]
         assert [f.id for f in server._outbox[b"front"] if isinstance(f, wire.Granted)] == [3]
         server._outbox.clear()
-        assert _soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
+        assert soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
         answered = server._outbox[b"front"]
         assert sorted(f.id for f in answered if isinstance(f, wire.Answer)) == [1, 3]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
@@ -185,7 +186,7 @@ def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
         server._reserve(burst)
         server._submit(burst)
         assert server._malformed == 1 and list(server._running) == [(b"front", 1)]
-        assert _soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
+        assert soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
         assert [type(f) for f in server._outbox[b"front"]] == [wire.Answer]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
 
@@ -229,7 +230,7 @@ def test_a_front_that_connects_again_frees_the_room_of_its_earlier_connection(
             assert admission.used_inputs == 3
             new.send(wire.encode(wire.Hello(alive)))
             assert [type(f) for f in _next(new)] == [wire.Card]
-            assert _soon(lambda: admission.used_inputs == 0, 4), admission.used_inputs
+            assert soon(lambda: admission.used_inputs == 0, 4), admission.used_inputs
 
 
 def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_comes_back(
@@ -251,7 +252,7 @@ def test_a_request_id_already_in_use_is_dropped_and_the_first_requests_room_come
             ids = wire.pack_ids([[1, 5, 2]])
             sock.send(wire.encode(wire.Submits([twice, twice])))
             sock.send(wire.encode(wire.Submit(1, "embed", *ids, timeout=30.0)))
-            assert _soon(lambda: server._malformed == 3, 3), server._malformed
+            assert soon(lambda: server._malformed == 3, 3), server._malformed
             assert admission.used_inputs == 5
             for request_id in (1, 2):
                 sock.send(wire.encode(wire.Cancel(request_id)))
@@ -274,7 +275,7 @@ def test_a_request_parked_in_an_engine_that_drains_gets_503_with_retry_after(
                                                tell=True)))  # all the room
             assert [type(f) for f in _next(sock)] == [wire.Granted]
             thread, errors = _waiting_for_a_grant(front)  # parked: no room
-            assert _soon(lambda: admission.waiting == 1, 5)
+            assert soon(lambda: admission.waiting == 1, 5)
             admission.close()  # the engine's drain begins
             thread.join(5)
         assert [(e.status, e.code) for e in errors] == [(503, "draining")], errors
@@ -315,7 +316,7 @@ def test_a_reservation_cancelled_as_its_client_leaves_counts_its_inputs_dropped(
                                                timeout=30.0, tell=True)))  # all but 2
             assert [type(f) for f in _next(sock)] == [wire.Granted]
             sock.send(wire.encode(wire.Reserve(2, "embed", 5, 50, timeout=30.0, tell=True)))
-            assert _soon(lambda: admission.waiting == 1, 5)  # parked: 5 do not fit in 2
+            assert soon(lambda: admission.waiting == 1, 5)  # parked: 5 do not fit in 2
             before = dropped()
             sock.send(wire.encode(wire.Cancel(2)))  # the parked one's client left
             assert [(f.id, f.status) for f in _next(sock)] == [(2, 499)]
