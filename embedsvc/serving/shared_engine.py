@@ -210,12 +210,12 @@ class SharedEngine:
         except (OSError, ValueError):  # none started yet
             return None
         started.unlink()
-        exited = self.directory / f"{_EXIT_PREFIX}{pid}"
         try:
-            status = exited.read_text()
-            exited.unlink()
+            status = (self.directory / f"{_EXIT_PREFIX}{pid}").read_text()
         except OSError:  # the worker that started it went first: nobody saw its status
             status = "its exit status unseen"
+        for said in self.directory.glob(f"{_EXIT_PREFIX}*"):  # its, and any a late reaper
+            said.unlink(missing_ok=True)  # wrote after its engine was counted
         counter = self.directory / _FAILED_STARTS_FILE
         if came_up(self.directory, pid):
             counter.write_text("0")

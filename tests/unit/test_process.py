@@ -277,6 +277,7 @@ def test_a_shared_engine_that_never_comes_up_is_not_started_for_ever(
         assert why is not None and len(procs) == count, why
         assert f"exited before it came up {FAILED_STARTS} times in a row" in why
         assert (f"signal {signal.SIGKILL}" if reaped else "exit status unseen") in why, why
+        assert not list(engine.directory.glob("engine.exit-*"))  # each read once, then gone
         assert engine.ensure() is not None and len(procs) == count
     finally:
         for proc in procs:
