@@ -493,11 +493,9 @@ class Link:
             self._read_as_link(stream, wait=False)
             if stream.closed:
                 self._disconnected()
-        silent = now - self._heard_at > LOST_AFTER_S
-        if self.card is not None and self.state != "loading" and silent:
+        if self.card is not None and self.state != "loading" \
+                and now - self._heard_at > LOST_AFTER_S:
             self._lost(f"no answer for {LOST_AFTER_S}s")
-        if silent and stream is not None and stream.unsent and self._stream is stream:
-            self._disconnected()  # nothing goes out on it, and no end came: connect again
         if self._keeper is not None and self.state in ("loading", "unhealthy") \
                 and now >= self._next_keep:
             self._next_keep = now + LOST_AFTER_S  # none has answered: start one if needed

@@ -12,7 +12,7 @@ is left and exits, then the supervisor. A second signal ends every child at once
 On Linux, each front accepts on a listening socket of its own, all bound to the one port
 in one ``SO_REUSEPORT`` group: the kernel spreads new connections over them evenly by their
 addresses (macOS and the BSDs take the option but do not spread: one socket of the group
-gets every connection, so there the fronts share one socket). On one shared socket the
+would get every connection). On one shared socket the
 front that happened to wake first took a burst of connections, and a keep-alive client
 stays where it landed (27 of 32 clients on one of two fronts was seen). The supervisor
 keeps every front's socket, so a front's replacement inherits it with the connections that
