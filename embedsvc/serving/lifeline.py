@@ -62,8 +62,8 @@ def alive(pid: int, fd: int | None = None) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process has its pid now: ours has gone
-        return False
+    except PermissionError:  # it runs as another user: gunicorn's master under --user
+        return True
     return True
 
 

@@ -417,3 +417,22 @@ def test_an_engine_start_that_fails_for_now_is_tried_again_not_given_up(tmp_path
         for proc in procs:
             proc.wait(10)
         shutil.rmtree(engine.root, ignore_errors=True)
+
+
+def test_a_watched_process_of_another_user_is_alive(monkeypatch):
+    """gunicorn --user: the master runs as root, its workers and their engine as the user,
+    and signal 0 to the master is refused (EPERM) while it runs. Without a pidfd to watch
+    (an older kernel, macOS), that refusal must not read as the master gone: the engine
+    would drain as soon as it loaded."""
+    from embedsvc.serving import lifeline
+
+    def refused(pid, signum):
+        raise PermissionError(1, "Operation not permitted")
+
+    def gone(pid, signum):
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(lifeline.os, "kill", refused)
+    assert lifeline.alive(4242)
+    monkeypatch.setattr(lifeline.os, "kill", gone)
+    assert not lifeline.alive(4242)
