@@ -465,6 +465,7 @@ class Admission:
                 left = ticket.deadline - time.monotonic()
                 if left <= 0:
                     self._take_back(ticket)
+                    self.metrics.dropped_inputs.labels(reason="timeout").inc(ticket.inputs)
                     raise deadline_error()
                 if disconnected is not None and disconnected():
                     self._take_back(ticket)

@@ -571,8 +571,8 @@ class EngineServer:
             self._dropped(parked.ticket.inputs)
             self._reply(peer, failed(request_id, _gone()))
 
-    def _dropped(self, inputs: int) -> None:
-        self.metrics.dropped_inputs.labels(reason="disconnected").inc(inputs)
+    def _dropped(self, inputs: int, reason: str = "disconnected") -> None:
+        self.metrics.dropped_inputs.labels(reason=reason).inc(inputs)
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -722,6 +722,7 @@ class EngineServer:
                 del self._parked[key]
             else:  # granted meanwhile: it starts
                 continue
+            self._dropped(req.ticket.inputs, "timeout" if late else "disconnected")
             self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
 
     def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed | wire.Granted) -> None:

@@ -174,12 +174,16 @@ def test_a_waiter_whose_client_left_goes_and_its_inputs_count_as_dropped(registr
                                      {"reason": "disconnected"}) == 3
 
 
-def test_a_waiter_still_waiting_at_its_deadline_gets_504():
-    a = gate()  # no measured rate yet: nothing to predict with, so it waits
+def test_a_waiter_still_waiting_at_its_deadline_gets_504_and_its_inputs_count_as_dropped(
+        registry):
+    """As a waiter whose client left: the metric says why queued inputs never ran."""
+    a = gate(registry)  # no measured rate yet: nothing to predict with, so it waits
     a.admit(4, 10, later())
     with pytest.raises(DeadlineExceeded):
-        a.admit(1, 1, time.monotonic() + 0.1)
+        a.admit(2, 1, time.monotonic() + 0.1)
     assert a.waiting == 0 and a.used_inputs == 4
+    assert registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                     {"reason": "timeout"}) == 2
 
 
 def test_draining_refuses_new_requests_with_503():

@@ -292,11 +292,17 @@ def test_a_reservation_whose_ids_never_come_holds_its_room_no_longer_than_the_ti
     # the loop's steps, driven in their order
     with _loop_steps(tmp_path, registry, Settings(request_timeout_s=0.5)) as (server, admission):
         server._reserve(_Burst.of(b"front", wire.Reserve(1, "embed", 3, 30, timeout=year)))
-        assert admission.used_inputs == 3
+        server._reserve(_Burst.of(b"front", wire.Reserve(2, "embed", admission.limit, 30,
+                                                         timeout=year)))  # parked: no room
+        assert admission.used_inputs == 3 and admission.waiting == 1
         time.sleep(0.6)
         server._sweep_parked()
-        assert [(f.id, f.status) for f in server._outbox.get(b"front", [])] == [(1, 504)]
-        assert admission.used_inputs == 0 and not server.in_flight
+        assert sorted((f.id, f.status) for f in server._outbox.get(b"front", [])) == \
+            [(1, 504), (2, 504)]
+        assert admission.used_inputs == 0 and not admission.waiting and not server.in_flight
+        # counted as one process counts a waiter past its deadline
+        assert registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                         {"reason": "timeout"}) == 3 + admission.limit
 
 
 def test_a_reservation_cancelled_as_its_client_leaves_counts_its_inputs_dropped(
