@@ -10,7 +10,9 @@ embedsvc in one process, ``--workers 2`` and ``--workers 4`` over the simulated 
 (bench/sim_server.py), a bare waitress app and the same bare app under ``gunicorn -w 2``
 (bench/bare_server.py; ``--only ...,bare-handoff`` adds the bare app with the one hand-off
 to another thread that embedsvc's batcher makes, ``bare-handoff-python`` the same with 100
-us of plain Python a request, about embedsvc's own request path); with each server's CPU per
+us of plain Python a request, about embedsvc's own request path, and ``bare-gunicorn-w4`` the
+bare app under ``gunicorn -w 4``: what four HTTP processes on these cores cost against two,
+beside ``--workers 4`` against ``--workers 2``); with each server's CPU per
 request (every process of it) and, for ``--workers``, the engine process's own
 (``/proc/PID/stat``'s utime and stime before and after the measured seconds, over the
 requests answered).
@@ -77,9 +79,11 @@ from bench import run  # noqa: E402 - the path above makes the repository import
 SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "sim-w4": "embedsvc --workers 4",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2",
+       "bare-gunicorn-w4": "bare app, gunicorn -w 4",
        "bare-handoff": "bare app, a thread hand-off a request",
        "bare-handoff-python": "bare app, a hand-off and 100 us of Python a request"}
-ASKED_FOR = {"bare-handoff", "bare-handoff-python"}  # run where --only names it, never by default
+# run where --only names them, never by default
+ASKED_FOR = {"bare-gunicorn-w4", "bare-handoff", "bare-handoff-python"}
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
 
 
@@ -273,6 +277,8 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
                   "- " + ratio_line(results, sc, "sim", "bare-handoff-python")]
     if _of(results, "sim-w4", sc):  # more fronts than cores: no lower than --workers 2
         lines.append("- " + ratio_line(results, sc, "sim-w4", "sim-w2"))
+    if _of(results, "bare-gunicorn-w4", sc):  # what more HTTP processes than cores cost alone
+        lines.append("- " + ratio_line(results, sc, "bare-gunicorn-w4", "bare-gunicorn-w2"))
     lines += tree_lines(results, labels, sc)
     lines += ["- " + p50_line(results, sc, name) for name in labels
               if name.startswith("sim-w") and _of(results, name, sc) and _of(results, "sim", sc)]
