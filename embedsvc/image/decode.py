@@ -10,9 +10,10 @@ EXIF orientation applied. Every refusal is an ``InvalidImage`` (400, invalid_req
 so a route answers it in its family's error shape.
 
 URLs (``http``/``https``) are fetched only when ``ImagePolicy.url_hosts`` lists the host,
-with connect and read timeouts, a size cap, no redirects at all, and never to a loopback,
-private, link-local, multicast or reserved address: every address the name resolves to is
-checked, and the connection goes to the checked address (no second lookup to rebind).
+with a connect timeout and a read timeout for the whole body, a size cap, no redirects at
+all, and never to a loopback, private, link-local, multicast or reserved address: every
+address the name resolves to is checked, and the connection goes to the checked address (no
+second lookup to rebind). A malformed URL is a 400 like any other refusal.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import ipaddress
 import re
 import socket
 import ssl
+import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 MiB = 1024 * 1024
+_CHUNK = 64 * 1024  # a fetched body is read in pieces of at most this, each under the time left
 DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?"
                       r"(?P<params>(;[\w.+-]+=(?:[\w.+-]+|\"[\w.+-]*\"))*);base64,",
                       re.ASCII | re.IGNORECASE)
@@ -70,9 +73,10 @@ def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
     """The image a client named by ``source`` (a data URI, or a URL the policy allows),
     decoded, first frame, EXIF orientation applied."""
     try:
-        if source.startswith("data:"):
+        scheme = source[:8].lower()  # URI schemes are case-insensitive (RFC 3986)
+        if scheme.startswith("data:"):
             return decode_bytes(data_uri_bytes(source, policy), policy)
-        if source.startswith(("http://", "https://")):
+        if scheme.startswith(("http://", "https://")):
             return decode_bytes(fetch(source, policy), policy)
         raise InvalidImage("an image must be a base64 data URI (data:image/png;base64,...)"
                            + (" or an http(s) URL" if policy.url_hosts else ""),
@@ -147,24 +151,28 @@ def bomb(size: str, policy: ImagePolicy) -> InvalidImage:
 
 def fetch(url: str, policy: ImagePolicy) -> bytes:
     """The body at ``url`` if the policy allows its host and its addresses, else a 400."""
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
     if not policy.url_hosts:
         raise InvalidImage("image URLs are not fetched by this server; send a base64 data URI",
                            code="image_url_disabled")
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:  # a bracket left open, a port out of range or not a number
+        raise InvalidImage(f"the image URL is malformed: {exc}", code="image_source") from exc
     if host not in policy.url_hosts:
         raise InvalidImage(f"image URLs are fetched only from {', '.join(policy.url_hosts)}",
                            code="image_url_host")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     address = public_address(host, port)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    named = f"[{host}]" if ":" in host else host  # the Host header: no userinfo in it
     conn = connection(parts.scheme, host, address, port, policy)
     try:
         conn.connect()
         assert conn.sock is not None
-        conn.sock.settimeout(policy.read_timeout_s)  # connected: now the read timeout holds
-        conn.request("GET", path, headers={"Host": parts.netloc, "Accept": "image/*"})
-        return read_capped(conn.getresponse(), policy)
+        conn.request("GET", path, headers={
+            "Host": named if parts.port is None else f"{named}:{port}", "Accept": "image/*"})
+        return read_capped(conn, policy)
     except (OSError, http.client.HTTPException) as exc:
         raise InvalidImage(f"the image URL could not be fetched: {exc}",
                            code="image_fetch_failed") from exc
@@ -228,13 +236,33 @@ class PinnedHTTPS(http.client.HTTPSConnection):
             sock, server_hostname=self.server_name)
 
 
-def read_capped(response: http.client.HTTPResponse, policy: ImagePolicy) -> bytes:
-    """The body of a 200 response, read under the read timeout and the size cap."""
-    if response.status != 200:
-        what = "redirects are not followed" if 300 <= response.status < 400 else "not 200"
-        raise InvalidImage(f"the image URL answered {response.status} ({what})",
-                           code="image_fetch_failed")
-    body = response.read(policy.max_bytes + 1)
-    if len(body) > policy.max_bytes:
-        raise too_large(len(body), policy)
-    return body
+def read_capped(conn: http.client.HTTPConnection, policy: ImagePolicy) -> bytes:
+    """The body of a 200 response on ``conn``, whole within the read timeout (a server that
+    sends a byte at a time does not hold the request past it) and under the size cap."""
+    sock = conn.sock  # the response's, once conn hands it over (a server that closes)
+    assert sock is not None
+    until = time.monotonic() + policy.read_timeout_s
+    sock.settimeout(policy.read_timeout_s)
+    response = conn.getresponse()
+    try:
+        if response.status != 200:
+            what = "redirects are not followed" if 300 <= response.status < 400 else "not 200"
+            raise InvalidImage(f"the image URL answered {response.status} ({what})",
+                               code="image_fetch_failed")
+        chunks, size = [], 0
+        while size <= policy.max_bytes:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise InvalidImage(f"the image URL did not send its image within "
+                                   f"{policy.read_timeout_s:g}s", code="image_fetch_failed")
+            sock.settimeout(left)
+            chunk = response.read1(min(_CHUNK, policy.max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > policy.max_bytes:
+            raise too_large(size, policy)
+        return b"".join(chunks)
+    finally:
+        response.close()  # conn no longer holds its socket when the server closes

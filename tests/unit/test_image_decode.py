@@ -7,6 +7,7 @@ import io
 import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -122,6 +123,21 @@ def test_a_gif_gives_its_first_frame():
 
 def test_a_url_is_refused_when_fetching_is_off():
     refused("https://images.example.com/cat.png", "image_url_disabled")
+    refused("http://[", "image_url_disabled")  # not parsed at all while fetching is off
+
+
+@pytest.mark.parametrize("url", ["http://[", "https://[::1/x.png", "http://a]b/",
+                                 "http://images.test:99999/x.png",
+                                 "http://images.test:abc/x.png"])
+def test_a_malformed_url_is_a_400_not_a_500(url):
+    """urlsplit and its port raise ValueError on these: a 500 with a traceback, it was."""
+    refused(url, "image_source", ImagePolicy(url_hosts=("images.test",)))
+
+
+def test_schemes_are_read_whatever_their_case():
+    assert decode_image("DATA:image/png;base64," + base64.b64encode(
+        encode(Image.new("RGB", (3, 3)))).decode()).size == (3, 3)
+    refused("HTTPS://images.example.com/cat.png", "image_url_disabled")
 
 
 def test_a_host_off_the_list_is_refused():
@@ -198,6 +214,46 @@ def test_a_body_over_the_cap_is_refused(server):
     url, handler = server
     handler.body = b"x" * 6000
     refused(url, "image_too_large", FETCHING)
+
+
+def test_a_server_that_sends_its_body_slowly_is_cut_off_at_the_read_timeout(server):
+    """The read timeout bounds the whole body: a byte every 50 ms (each read well inside
+    the timeout) held the request thread for as long as the server cared to send."""
+    url, handler = server
+    body = encode(Image.new("RGB", (9, 9)))
+
+    def slowly(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:  # the fetch gave up, as it should
+            pass
+
+    handler.do_GET = slowly
+    started = time.monotonic()
+    refused(url, "image_fetch_failed", ImagePolicy(url_hosts=("images.test",),
+                                                   read_timeout_s=0.5))
+    assert time.monotonic() - started < 2
+
+
+def test_the_host_header_names_the_host_and_port_and_no_credentials(server):
+    url, handler = server
+    handler.body = encode(Image.new("RGB", (9, 9)))
+    seen = []
+    answer = handler.do_GET
+
+    def record(self) -> None:
+        seen.append(self.headers["Host"])
+        answer(self)
+
+    handler.do_GET = record
+    decode_image(url.replace("http://", "http://user:secret@"), FETCHING)
+    assert seen == [url.split("/")[2]]  # images.test:PORT
 
 
 def test_without_pillow_one_line_names_the_extra(monkeypatch):
