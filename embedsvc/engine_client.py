@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
@@ -368,16 +369,18 @@ class EngineClient:
         the request is still wanted."""
         if not refs:
             return []
-        from .image.decode import decode_image
+        from .image.decode import decode_image, decoding
 
         policy, preprocess = self._image_side()
         cost = self.info.image_tokens
         out = []
         for i, ref in enumerate(refs):
-            still_wanted(self.metrics, len(refs) - i, deadline, disconnected)
-            started = time.monotonic()
-            out.append(Pixels(preprocess.one(decode_image(ref.source, policy, param=ref.param)),
-                              cost))
+            wanted = partial(still_wanted, self.metrics, len(refs) - i, deadline, disconnected)
+            wanted()
+            with decoding(wanted):  # one at a time per CPU in this process: bounded memory
+                started = time.monotonic()
+                pixels = preprocess.one(decode_image(ref.source, policy, param=ref.param))
+            out.append(Pixels(pixels, cost))
             self.metrics.image_preprocess.observe(time.monotonic() - started)
         return out
 

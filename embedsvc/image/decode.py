@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import http.client
 import io
 import ipaddress
+import os
 import re
 import socket
 import ssl
+import struct
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -39,6 +44,12 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 MiB = 1024 * 1024
+# images decoded and preprocessed at once in one process: one a CPU (decoders release the
+# interpreter lock; more at once would only hold more full-size copies, some 350 MiB each
+# for the largest RGBA image MAX_IMAGE_PIXELS lets in)
+_SLOTS = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(
+    os, "sched_getaffinity") else os.cpu_count() or 1)
+_WATCH_S = 0.5  # how often a request waiting for a slot looks at its deadline and client
 _CHUNK = 64 * 1024  # a fetched body is read in pieces of at most this, each under the time left
 DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?"
                       r"(?P<params>(;[\w.+-]+=(?:[\w.+-]+|\"[\w.+-]*\"))*);base64,",
@@ -86,6 +97,19 @@ def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
         raise
 
 
+@contextlib.contextmanager
+def decoding(still_wanted: Callable[[], None]) -> Iterator[None]:
+    """Hold one of this process's decode slots (``_SLOTS``) for an image's decoding and
+    preprocessing; ``still_wanted`` raises, while it waits, once its request is not (past
+    its deadline, its client gone)."""
+    while not _SLOTS.acquire(timeout=_WATCH_S):
+        still_wanted()
+    try:
+        yield
+    finally:
+        _SLOTS.release()
+
+
 def data_uri_bytes(uri: str, policy: ImagePolicy) -> bytes:
     """The bytes of a base64 data URI, refused before decoding when its text is too long."""
     match = DATA_URI.match(uri)
@@ -123,8 +147,12 @@ def decode_bytes(data: bytes, policy: ImagePolicy = DEFAULT) -> Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidImage(f"the image could not be decoded ({exc}); is it truncated?",
                            code="undecodable_image") from exc
-    upright = ImageOps.exif_transpose(image)
-    return upright if upright is not None else image
+    try:
+        ImageOps.exif_transpose(image, in_place=True)  # no second full-size copy
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+        raise InvalidImage(f"the image's EXIF data is malformed ({exc}), so which way up it "
+                           "is cannot be read", code="undecodable_image") from exc
+    return image
 
 
 def open_header(data: bytes, policy: ImagePolicy) -> Image:

@@ -44,7 +44,6 @@ class Preprocessor:
     scale: float | None = 1 / 255
     mean: tuple[float, ...] | None = (0.5, 0.5, 0.5)
     std: tuple[float, ...] | None = (0.5, 0.5, 0.5)
-    convert_rgb: bool = True
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Preprocessor:
@@ -62,7 +61,6 @@ class Preprocessor:
             scale=float(on("rescale_factor", 1 / 255)) if on("do_rescale", True) else None,
             mean=tuple(on("image_mean", ())) or None if on("do_normalize", True) else None,
             std=tuple(on("image_std", ())) or None if on("do_normalize", True) else None,
-            convert_rgb=bool(on("do_convert_rgb", True)),
         )
 
     @classmethod
@@ -74,8 +72,10 @@ class Preprocessor:
         return np.stack([self.one(image) for image in images])
 
     def one(self, image: Image) -> np.ndarray:
-        """One image as float32 CHW."""
-        image = to_rgb(image) if self.convert_rgb else image
+        """One image as float32 CHW. Every image is made RGB, whatever ``do_convert_rgb``
+        says (SigLIP's configs carry ``null``): the vision tower takes three channels, and
+        a grey, palette or transparent image left as it is cannot be normalised."""
+        image = to_rgb(image)
         target = self.target_size(image.size)
         if target is not None:
             box = self.kept_box(image.size, target)
@@ -143,12 +143,18 @@ class Preprocessor:
 
 
 def to_rgb(image: Image) -> Image:
-    """RGB, any transparency composited over white (transformers' ``convert_to_rgb``)."""
+    """RGB, any transparency composited over white (transformers' ``convert_to_rgb``), with
+    as few full-size copies as that takes: none for an RGB image; for one with alpha, the
+    RGBA form (unless it is one) and the white canvas it is pasted on through its alpha,
+    which gives alpha_composite's pixels exactly (every value under every alpha)."""
     pil = require_pillow()
+    if image.mode == "RGB" and image.info.get("transparency") is None:
+        return image
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = pil.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return pil.Image.alpha_composite(white, rgba).convert("RGB")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        out = pil.Image.new("RGB", rgba.size, (255, 255, 255))
+        out.paste(rgba, (0, 0), rgba)
+        return out
     return image.convert("RGB")
 
 

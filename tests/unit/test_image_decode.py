@@ -114,6 +114,24 @@ def test_exif_orientation_is_applied():
     assert upright.getpixel((5, 5))[0] > 200  # the left edge turned to the top
 
 
+def test_malformed_exif_is_a_400_not_a_500():
+    """A broken TIFF header in the EXIF block: exif_transpose raised SyntaxError outside
+    the decoder's guard, a 500 with a traceback."""
+    image = Image.new("RGB", (24, 18), (200, 30, 40))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    webp = encode(image, "WEBP", exif=exif.tobytes())
+    bad = webp.replace(b"MM\x00*", b"XX\x00*", 1).replace(b"II*\x00", b"XX*\x00", 1)
+    assert bad != webp
+    refused(uri(bad, "image/webp"), "undecodable_image")
+    png = encode(image)  # an eXIf chunk, its CRC right, its TIFF header not
+    body = b"XX\x00*\x00\x00\x00\x08\x00\x00"
+    exif_chunk = struct.pack(">I", len(body)) + b"eXIf" + body + struct.pack(
+        ">I", zlib.crc32(b"eXIf" + body))
+    end = png.rfind(b"IEND") - 4
+    refused(uri(png[:end] + exif_chunk + png[end:]), "undecodable_image")
+
+
 def test_a_gif_gives_its_first_frame():
     frames = [Image.new("RGB", (6, 6), colour) for colour in ((255, 0, 0), (0, 0, 255))]
     buf = io.BytesIO()
@@ -263,3 +281,26 @@ def test_without_pillow_one_line_names_the_extra(monkeypatch):
     with pytest.raises(ImportError) as info:
         require_pillow()
     assert str(info.value) == "images need Pillow: pip install 'embedsvc[image]'"
+
+
+def test_decodes_at_once_are_bounded_and_a_waiting_request_still_ends(monkeypatch):
+    """One image decoded at a time per CPU in a process: each can hold some 350 MiB of
+    full-size copies, and 16 request threads decoding at once held gigabytes. A request
+    that waits for a slot still ends at its deadline (``still_wanted`` raises)."""
+    slots = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(decode, "_SLOTS", slots)
+    monkeypatch.setattr(decode, "_WATCH_S", 0.05)
+    looks = []
+
+    def late() -> None:
+        looks.append(1)
+        if len(looks) >= 2:
+            raise InvalidRequest("past its deadline")
+
+    # the one slot held, a second decode waits, and its request ends meanwhile
+    with decode.decoding(late), pytest.raises(InvalidRequest), decode.decoding(late):
+        pytest.fail("a second decode ran beside the first")
+    assert len(looks) == 2
+    with pytest.raises(ValueError), decode.decoding(late):  # a failed decode frees its slot
+        raise ValueError("undecodable")
+    assert slots.acquire(blocking=False)

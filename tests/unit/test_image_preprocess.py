@@ -93,6 +93,22 @@ def test_the_config_decides_the_steps(tmp_path):
     np.testing.assert_array_equal(got, np.moveaxis(np.asarray(image), -1, 0).astype(np.float32))
 
 
+@pytest.mark.parametrize("setting", [None, False])
+def test_every_image_is_made_rgb_whatever_do_convert_rgb_says(tmp_path, setting):
+    """SigLIP's configs written by transformers 4 carry ``"do_convert_rgb": null``: read as
+    "do not convert", a grey, palette or transparent image kept its 1, 2 or 4 channels and
+    its normalisation raised (a 500). The tower takes three channels whatever it says."""
+    transformers.SiglipImageProcessorPil().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {**config, "do_convert_rgb": setting}))
+    ours, default = Preprocessor.from_dir(tmp_path), Preprocessor.from_config(config)
+    for mode in MODES:
+        image = generated(mode, (40, 30), 0)
+        np.testing.assert_array_equal(ours([image]), default([image]))
+        assert ours([image]).shape == (1, 3, *default.output_shape()[1:])
+
+
 def test_a_long_strip_resizes_only_what_the_crop_keeps(monkeypatch):
     """A 1,000,000 x 1 PNG of a few KB resized whole to a shortest edge of 224 would be 224
     gigapixels; only the crop's region is resized, close to what resizing it whole gives."""
