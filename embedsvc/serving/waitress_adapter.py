@@ -439,10 +439,12 @@ class Server(TcpWSGIServer):
         # sends as activity, and a client reading a large answer slowly leaves the kernel's
         # send buffer full for longer than that (no send is possible meanwhile), so waitress
         # closed it mid-answer. Output waiting is bounded by SEND_TIMEOUT_S below instead.
+        # Nor one with a request arriving: its head and body have their own deadlines
+        # (``expired``), which answer 408; the idle close came first and answered nothing.
         cutoff = now - self.adj.channel_timeout
         for channel in self.active_channels.values():
             if not channel.requests and not channel.total_outbufs_len \
-                    and channel.last_activity < cutoff:
+                    and channel.request is None and channel.last_activity < cutoff:
                 channel.will_close = True
         mono = time.monotonic()
         for channel in list(self.active_channels.values()):

@@ -396,6 +396,23 @@ def test_an_answer_still_leaving_is_not_closed_as_an_idle_connection():
         server.task_dispatcher.shutdown(timeout=1)
 
 
+def test_a_body_still_arriving_is_not_closed_as_an_idle_connection():
+    """A request whose body stops short is the body timeout's to answer (408), not the idle
+    sweep's: with IDLE_TIMEOUT_S (30 s by default) below BODY_TIMEOUT_S (60 s), the sweep
+    closed it first, and the client got no answer at all."""
+    bounds = Bounds(header_timeout_s=3, body_timeout_s=3, idle_timeout_s=1, max_connections=4,
+                    max_body_bytes=1000)
+    with serving(answering(b"ok"), bounds=bounds) as server, connect(server) as sock:
+        sock.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        sock.settimeout(10)
+        started = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+        assert time.monotonic() - started > 2  # at the body timeout, not the idle one
+
+
 def test_a_head_with_content_length_and_chunked_is_refused_and_its_connection_closed():
     """Content-Length beside Transfer-Encoding: chunked is how a request is smuggled past a
     proxy that reads the length: 400, as gunicorn answers it, and the connection closed
