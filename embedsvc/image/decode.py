@@ -28,7 +28,6 @@ import os
 import re
 import socket
 import ssl
-import struct
 import threading
 import time
 import warnings
@@ -149,7 +148,8 @@ def decode_bytes(data: bytes, policy: ImagePolicy = DEFAULT) -> Image:
                            code="undecodable_image") from exc
     try:
         ImageOps.exif_transpose(image, in_place=True)  # no second full-size copy
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+    except Exception as exc:  # noqa: BLE001 - Pillow's EXIF parser on a client's bytes:
+        # SyntaxError, struct.error and others, all of them a malformed block
         raise InvalidImage(f"the image's EXIF data is malformed ({exc}), so which way up it "
                            "is cannot be read", code="undecodable_image") from exc
     return image
