@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 
 _CHARS_PER_TOKEN = 4  # for the admission estimate only; settled to the exact count after
 _TOKENIZE_CHUNK = 256  # inputs tokenized between two looks at the deadline and the client
+# the most tokens of a text counted to say its length in a refusal (a body of megabytes is
+# not tokenized whole to say how far past the limit it is)
+_COUNT_MOST = 1 << 16
 _CALIBRATION_BATCH = 64  # calibration texts per request through the model
 T = TypeVar("T")
 
@@ -339,6 +342,11 @@ class EngineClient:
             exact = True
         if max(map(len, content), default=0) <= room:  # nothing to cut or refuse
             return list(map(text.wrap, content))
+        if not truncate and not exact:  # a text refused: its length counted, up to a bound
+            i = next(i for i, ids in enumerate(content) if len(ids) > room)
+            counted = len(text.tokenize([inputs[i]], _COUNT_MOST, direction)[0])  # type: ignore[list-item]
+            raise rules.too_many_tokens(i, counted + special, room + special,
+                                        at_least=counted >= _COUNT_MOST)
         return [text.wrap(rules.fit(i, ids, room, special=special, truncate=truncate,
                                     direction=direction, exact=exact))
                 for i, ids in enumerate(content)]

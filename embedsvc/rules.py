@@ -137,11 +137,18 @@ def fit(i: int, ids: list[int], room: int, *, special: int, truncate: bool, dire
     if len(ids) <= room:
         return ids
     if not truncate:
-        count = f"{len(ids) + special} tokens, more" if exact else "more tokens"
-        raise InputRefused(
-            i, f"has {count} than this model's limit of {room + special}; "
-            "shorten it or ask for truncation", "input_too_long")
+        raise too_many_tokens(i, len(ids) + special if exact else None, room + special)
     return ids[:room] if direction == "right" else ids[len(ids) - room:]
+
+
+def too_many_tokens(i: int, tokens: int | None, limit: int, *, at_least: bool = False
+                    ) -> InputRefused:
+    """400 for input ``i`` of ``tokens`` tokens (at least that many; more than the limit
+    when uncounted) over the model's ``limit``."""
+    count = "more tokens" if tokens is None else \
+        f"{'at least ' if at_least else ''}{tokens} tokens, more"
+    return InputRefused(i, f"has {count} than this model's limit of {limit}; shorten it or "
+                        "ask for truncation", "input_too_long")
 
 
 def prompted(prompts: dict[str, str], name: str | None, inputs: list[Any]) -> list[Any]:

@@ -101,8 +101,20 @@ def test_over_long_inputs_are_400_when_truncation_is_off(fake, registry):
     text = " ".join(["w"] * 30)
     err = assert_error(client.post("/v1/embeddings", json={"input": text}), 400,
                        "invalid_request_error", "input")
-    assert "more tokens than this model's limit of 16" in err["message"]
+    # the length given, counted on the refusal (as the contract asks), not "more tokens"
+    assert "has 32 tokens, more than this model's limit of 16" in err["message"], err
     assert client.post("/embed", json={"inputs": text, "truncate": True}).status_code == 200
+
+
+def test_a_refused_texts_length_is_counted_only_up_to_a_bound(fake, registry, monkeypatch):
+    """A body of megabytes is not tokenized whole to say how far past the limit it is."""
+    from embedsvc import engine_client
+
+    monkeypatch.setattr(engine_client, "_COUNT_MOST", 20)
+    client = make_app(fake, registry, auto_truncate=False).test_client()
+    err = assert_error(client.post("/v1/embeddings", json={"input": " ".join(["w"] * 30)}),
+                       400, "invalid_request_error", "input")
+    assert "has at least 22 tokens, more than this model's limit of 16" in err["message"], err
 
 
 def test_embed_can_refuse_truncation_per_request(client):
