@@ -49,7 +49,8 @@ _LOADING = "the model is still loading; retry in a few seconds"
 _SETTLE_S = 5.0
 # The HTTP side's metric families, which no model owns (Service.exposition)
 _HTTP_FAMILIES = ("embedsvc_requests", "embedsvc_request_duration", "embedsvc_tenant_",
-                  "embedsvc_connections_closed", "embedsvc_open_connections", "process_")
+                  "embedsvc_connections_closed", "embedsvc_open_connections", "process_",
+                  "embedsvc_rejections")  # refusals, most of them before a model is chosen
 
 
 def load_encoder(

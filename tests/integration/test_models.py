@@ -123,14 +123,24 @@ def test_the_models_routes_list_every_model(several):
     ranked = loopback.post(server.url + "/v2/rerank", json={
         "model": "reranker", "query": "q", "documents": ["a"]}, timeout=30)
     assert ranked.status_code == 200
+    refused = loopback.post(server.url + "/v2/rerank", json={
+        "model": "reranker", "query": "q", "documents": []}, timeout=30)
+    assert refused.status_code == 400
     counted = 'embedsvc_model_requests_total{model="reranker",route="/v2/rerank",status="200"}'
+    # refusals are the service's, by reason: they were all labelled the first model's
+    rejected = 'embedsvc_rejections_total{reason="invalid"}'
+    # the series of every process: each engine's, and each of the 2 fronts'
+    processes = 1 if launch == "one process" else len(about["models"]) + 2
     deadline = time.monotonic() + 5  # another HTTP process's counts arrive within a second
     while True:
         metrics = loopback.get(server.url + "/metrics", timeout=30).text
-        if counted in metrics or time.monotonic() > deadline:
+        every = counted in metrics and rejected in metrics and \
+            len(samples(metrics, "process_resident_memory_bytes")) >= processes
+        if every or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert counted in metrics
+    assert counted in metrics and rejected in metrics
+    assert "embedsvc_rejections_total{model=" not in metrics
     assert 'embedsvc_model_request_duration_seconds_count{model="reranker",route="/v2/rerank"}' \
         in metrics
     for name in (EMBEDDER, "reranker", "sparse"):
