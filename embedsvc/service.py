@@ -282,8 +282,8 @@ class Service:
             if service is not self:
                 service.keyring, service.quotas = self.keyring, self.quotas
                 self.others.append(service)
-            for key in (name, *aliases):
-                self._named[key] = service
+            for key in (name, *aliases):  # "x:latest" is "x", as the catalog reads it
+                self._named[key] = self._named[key.removesuffix(":latest")] = service
 
     def choose(self, name: str | None, kinds: frozenset[str] | None, timeout: float
                ) -> Service:
@@ -437,6 +437,8 @@ def serve_models(settings: Settings, make: Callable[[Settings, int], Service]) -
     if len(services) > 1:
         services[0].serve_also([(entry.name, entry.aliases, service)
                                 for entry, service in zip(entries, services, strict=True)])
+    elif settings.models or settings.models_file:  # one model listed: the name it is given
+        services[0].name = entries[0].name  # as its engine process takes it (children.py)
     return services[0]
 
 

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .. import __version__
-from ..errors import ApiError, InvalidRequest, NotFound
+from ..errors import ApiError, InvalidRequest, NotFound, Unavailable
 from ..work import EMBED, ModelInfo
 from .bodies import as_list, parse
 from .schemas import OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaShowRequest
@@ -67,10 +67,15 @@ def embeddings(call: Call) -> Reply:
 
 def tags(call: Call) -> Reply:
     """GET /api/tags: the served models, as ``ollama list`` shows models."""
-    infos = [call.info]
-    if call.service.others:
-        infos = [service.ready(max(0.0, call.deadline - time.monotonic())).info
-                 for service in call.service.models]
+    if not call.service.others:
+        infos = [call.info]
+    else:  # those that can answer, as /v1/models lists them: one engine being replaced
+        infos = []  # leaves the others listed
+        for service in call.service.models:
+            try:
+                infos.append(service.ready(max(0.0, call.deadline - time.monotonic())).info)
+            except Unavailable:
+                continue
     return json_reply({"models": [{
         **_listed(info), "modified_at": _listed_at()} for info in infos]})
 
@@ -98,9 +103,9 @@ def show(call: Call) -> Reply:
     asked = req.model or req.name
     if asked is None:
         raise InvalidRequest("'model' is required", param="model", code="invalid_model")
-    call.model = asked  # with several models, the one it names (404 for any other)
+    call.model = asked  # with several models, the one it names or aliases (404 for others)
     info = call.info
-    if not named(info, asked):
+    if not call.service.others and not named(info, asked):
         raise NotFound(f"model '{asked}' not found; this server serves '{ollama_name(info)}' "
                        "(see /api/tags)", param="model", code="model_not_found")
     return json_reply({
