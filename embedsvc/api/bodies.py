@@ -79,8 +79,9 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     first = exc.errors(include_url=False)[0]
     loc = [str(x) for x in first["loc"]]
     param = loc[0] if loc else None
+    where = ".".join(loc) or None  # a nested field by its whole path: 'inputs.sentences'
     if first["type"] == "missing":
-        message = f"'{param}' is required"
+        message = f"'{where}' is required"
     else:
-        message = f"'{param}': {first['msg']}"
+        message = f"'{where}': {first['msg']}"
     return InvalidRequest(message, param=param, code="invalid_" + (param or "body"))

@@ -237,7 +237,7 @@ class Tracing:
 def _attributes(call: TracedCall, status: int) -> dict[str, Any]:
     """The server span's attributes once the request is answered."""
     out: dict[str, Any] = {"http.response.status_code": status}
-    model = call.service.model
+    model = (call.chosen or call.service).model  # with several models, the one chosen
     if model is not None:
         out["embedsvc.model"] = model.name
     work, answer = call.ran, call.answer

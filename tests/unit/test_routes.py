@@ -274,3 +274,14 @@ def test_tokenize_takes_teis_add_special_tokens_and_prompt_name(fake, registry, 
                  "invalid_request_error", "prompt_name")
     assert_error(client.post("/tokenize", json={"inputs": "hi", "add_special_tokens": "no"}),
                  400, "invalid_request_error", "add_special_tokens")
+
+
+def test_a_nested_fields_error_names_its_whole_path(client):
+    """'inputs' was sent; what is missing is inside it. The message named the top field."""
+    err = assert_error(client.post("/similarity", json={"inputs": {"source_sentence": "a"}}),
+                       400, "invalid_request_error", "inputs")
+    assert err["message"] == "'inputs.sentences' is required", err
+    err = assert_error(client.post("/similarity", json={
+        "inputs": {"source_sentence": 1, "sentences": ["b"]}}), 400, "invalid_request_error",
+        "inputs")
+    assert err["message"].startswith("'inputs.source_sentence': "), err
