@@ -526,8 +526,10 @@ class Batcher:
         with self._lock:
             if self.alive or self._stopping or self._thread is None:
                 return False
+            # counted before the new thread is seen alive: /health's 200 after a death
+            # implies the count (a scrape between the two read a restart not counted)
+            self.metrics.batcher_restarts.inc()
             self.start()
-        self.metrics.batcher_restarts.inc()
         log.warning("batcher thread restarted; %d inputs were waiting", len(self._pending))
         return True
 
