@@ -156,6 +156,10 @@ def _entry(base: Settings, row: dict[str, Any]) -> Entry:
                                                 for a in aliases):
         raise SettingsError(f"model {name}: aliases must be a list of names, each 1-128 "
                             "letters, digits and ._:/-")
+    if "max_queue" in own and "max_inputs_per_request" not in own and \
+            base.max_inputs_per_request == min(2048, base.max_queue or 2048):
+        # the base's was derived from its own MAX_QUEUE: this model's derives from its own
+        own = {**own, "max_inputs_per_request": None}
     try:
         settings = dataclasses.replace(base, model=source, models="", models_file=None, **own)
     except (TypeError, ValueError) as exc:

@@ -110,3 +110,17 @@ def test_a_run_reads_its_models_file_as_it_found_it(tmp_path):
     assert pinned(Settings(models="x="), run).models_file is None  # MODELS: nothing to copy
     missing = Settings(models_file=str(tmp_path / "gone.toml"))
     assert pinned(missing, tmp_path / "elsewhere") == missing  # catalog() says why
+
+
+def test_a_models_own_queue_bound_derives_its_own_inputs_per_request(tmp_path):
+    """MAX_INPUTS_PER_REQUEST, unset, is derived from MAX_QUEUE (at most 2048): a model's own
+    max_queue of 100 kept the base's 2048 and stopped the start, blaming a setting the user
+    never set. One set explicitly above the model's bound still says so."""
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nname = "a"\nsource = "/m/a"\n[models.settings]\n'
+                    'max_queue = 100\n\n[[models]]\nname = "b"\nsource = "/m/b"\n')
+    first, second = catalog(Settings(models_file=str(path)))
+    assert (first.settings.max_queue, first.settings.max_inputs_per_request) == (100, 100)
+    assert second.settings.max_inputs_per_request == 2048
+    with pytest.raises(SettingsError, match="MAX_INPUTS_PER_REQUEST"):
+        catalog(Settings(models_file=str(path), max_inputs_per_request=500))
