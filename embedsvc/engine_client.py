@@ -387,7 +387,8 @@ class EngineClient:
             wanted()
             with decoding(wanted):  # one at a time per CPU in this process: bounded memory
                 started = time.monotonic()
-                pixels = preprocess.one(decode_image(ref.source, policy, param=ref.param))
+                pixels = preprocess.one(decode_image(ref.source, policy, param=ref.param,
+                                                     where=ref.where))
             out.append(Pixels(pixels, cost))
             self.metrics.image_preprocess.observe(time.monotonic() - started)
         return out

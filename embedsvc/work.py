@@ -55,10 +55,12 @@ class Pair(list):
 @dataclass(frozen=True)
 class ImageRef:
     """An image input as a client sent it (a data URI, or a URL where fetching is allowed);
-    ``param`` names it in errors. The front side decodes and preprocesses it to ``Pixels``."""
+    ``param`` names it in errors (the field, as the error shape's ``param``), ``where`` in their
+message. The front side decodes and preprocesses it to ``Pixels``."""
 
     source: str
     param: str = "input"
+    where: str = ""  # which of the request's inputs it is, as its 400 names it: "input[3]"
 
 
 class Pixels:

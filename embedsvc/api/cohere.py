@@ -129,7 +129,8 @@ def _sent(req: CohereEmbedRequest) -> tuple[str, list[Any]]:
     if param == "texts":
         return param, req.texts  # type: ignore[return-value]
     if param == "images":
-        return param, [ImageRef(source, "images") for source in req.images or []]
+        return param, [ImageRef(source, "images", f"images[{i}]")
+                       for i, source in enumerate(req.images or [])]
     return param, [_content(item, i) for i, item in enumerate(req.inputs or [])]
 
 

@@ -83,15 +83,15 @@ def _inputs(req: TypedEmbeddingsRequest) -> list[Any]:
         return [_message(m, i) for i, m in enumerate(req.messages)]
     inputs = as_list(req.input)
     if req.modality == "image":
-        return [_image(item) for item in inputs]
+        return [_image(item, i) for i, item in enumerate(inputs)]
     return inputs
 
 
-def _image(item: Any) -> Any:
+def _image(item: Any, i: int) -> Any:
     """An item of ``input`` under ``modality: image``: a string is an image; token ids are
     refused, not embedded as text the client did not send."""
     if type(item) is str:
-        return ImageRef(item, "input")
+        return ImageRef(item, "input", f"input[{i}]")
     if type(item) is list:
         raise InvalidRequest("with 'modality': 'image', 'input' holds images (base64 data "
                              "URIs), not token ids", param="input", code="invalid_input")

@@ -142,7 +142,7 @@ def content_item(item: Any, where: str, shape: Shape | None = None) -> str | Ima
         if type(source) is dict:
             source = source.get("url")
         if type(source) is str:
-            return ImageRef(source, where.partition("[")[0].partition(".")[0])
+            return ImageRef(source, where.partition("[")[0].partition(".")[0], where)
     top = where.partition("[")[0].partition(".")[0]
     what = shape.what if shape is not None else "a text or an image"
     raise InvalidRequest(f"'{where}' must be {what}; it is not: a text is a string or "

@@ -79,7 +79,7 @@ DEFAULT = ImagePolicy()
 
 
 def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
-                 param: str | None = None) -> Image:
+                 param: str | None = None, where: str = "") -> Image:
     """The image a client named by ``source`` (a data URI, or a URL the policy allows),
     decoded, first frame, EXIF orientation applied."""
     try:
@@ -93,6 +93,8 @@ def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
                            code="image_source")
     except InvalidImage as err:
         err.param = param
+        if where:  # which of several images it was
+            err.message = f"{where}: {err.message}"
         raise
 
 
@@ -118,7 +120,9 @@ def data_uri_bytes(uri: str, policy: ImagePolicy) -> bytes:
     if len(text) * 3 // 4 > policy.max_bytes + 2:
         raise too_large(len(text) * 3 // 4, policy)
     try:
-        return base64.b64decode(_BASE64_SPACE.sub(b"", text.encode("ascii")), validate=True)
+        raw = _BASE64_SPACE.sub(b"", text.encode("ascii"))
+        raw += b"=" * (-len(raw) % 4)  # its padding, which some encoders leave out
+        return base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as exc:  # UnicodeEncodeError too: not ASCII
         raise InvalidImage(f"the data URI is not valid base64: {exc}", code="bad_base64") from exc
 

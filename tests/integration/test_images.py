@@ -222,9 +222,14 @@ def test_hostile_images_get_a_4xx_and_the_server_serves_on(served):
             assert error["message"] and (code is None or error["code"] == code), (name, error)
     resp = loopback.post(server.url + "/v2/embed", json={"images": [huge]}, timeout=60)
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
-    # a refused image on Cohere's route too
+    # a refused image on Cohere's route too; each names which image it was
     resp = loopback.post(server.url + "/v2/embed", json={"images": [svg]}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "images", resp.text
+    assert resp.json()["error"]["message"].startswith("images[0]: "), resp.text
+    resp = loopback.post(server.url + "/v1/embeddings", json={"input": [
+        {"image": data_uri(images()[0])}, "a text", {"image": svg}]}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input", resp.text
+    assert resp.json()["error"]["message"].startswith("input[2]: "), resp.text
     assert rss_kib(server.pid) - before < 200 * 1024  # the stated bound: 200 MiB
     same(openai_rows(post(server, "/v1/embeddings", {"input": [{"image": data_uri(
         images()[0])}]})), want["images"][:1])

@@ -154,6 +154,14 @@ def test_a_malformed_url_is_a_400_not_a_500(url):
     refused(url, "image_source", ImagePolicy(url_hosts=("images.test",)))
 
 
+def test_base64_without_its_padding_is_read():
+    padded = [base64.b64encode(encode(Image.new("RGB", (w, 3)))).decode() for w in range(1, 9)]
+    data = next(d for d in padded if d.endswith("="))  # a PNG whose length needs padding
+    assert decode_image("data:image/png;base64," + data.rstrip("=")).size[1] == 3
+    whole = next(d for d in padded if not d.endswith("="))
+    refused("data:image/png;base64," + whole + "A", "bad_base64")  # no padding makes it whole
+
+
 def test_schemes_are_read_whatever_their_case():
     assert decode_image("DATA:image/png;base64," + base64.b64encode(
         encode(Image.new("RGB", (3, 3)))).decode()).size == (3, 3)

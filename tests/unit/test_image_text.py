@@ -107,14 +107,16 @@ def test_images_that_do_not_add_up_are_refused(change):
 
 @pytest.mark.parametrize("item,want", [
     ({"text": "a"}, "a"), ({"type": "text", "text": "a"}, "a"),
-    ({"image": "data:x"}, ImageRef("data:x", "input")),
-    ({"type": "image_url", "image_url": "data:x"}, ImageRef("data:x", "input")),
-    ({"type": "image_url", "image_url": {"url": "data:x"}}, ImageRef("data:x", "input")),
+    ({"image": "data:x"}, ImageRef("data:x", "input", "input[2]")),
+    ({"type": "image_url", "image_url": "data:x"}, ImageRef("data:x", "input", "input[2]")),
+    ({"type": "image_url", "image_url": {"url": "data:x"}},
+     ImageRef("data:x", "input", "input[2]")),
 ])
 def test_content_items_of_every_client(item, want):
+    """An image keeps which input it was, for its 400 to say (param: the field alone)."""
     from embedsvc.api.shapes import content_item
 
-    assert content_item(item, "input[0]") == want
+    assert content_item(item, "input[2]") == want
 
 
 @pytest.mark.parametrize("item", [{"image": 3}, {"type": "audio", "audio": "x"}, {}, 1.5,
