@@ -377,7 +377,7 @@ class EngineClient:
         the request is still wanted."""
         if not refs:
             return []
-        from .image.decode import decode_image, decoding
+        from .image.decode import decode_bytes, decoding, refusals_named, source_bytes
 
         policy, preprocess = self._image_side()
         cost = self.info.image_tokens
@@ -385,10 +385,11 @@ class EngineClient:
         for i, ref in enumerate(refs):
             wanted = partial(still_wanted, self.metrics, len(refs) - i, deadline, disconnected)
             wanted()
-            with decoding(wanted):  # one at a time per CPU in this process: bounded memory
-                started = time.monotonic()
-                pixels = preprocess.one(decode_image(ref.source, policy, param=ref.param,
-                                                     where=ref.where))
+            with refusals_named(ref.param, ref.where):
+                data = source_bytes(ref.source, policy)  # a URL fetched outside a slot
+                with decoding(wanted):  # one at a time per CPU in this process: bounded memory
+                    started = time.monotonic()
+                    pixels = preprocess.one(decode_bytes(data, policy))
             out.append(Pixels(pixels, cost))
             self.metrics.image_preprocess.observe(time.monotonic() - started)
         return out

@@ -74,12 +74,28 @@ def as_list(value: Any) -> list[Any]:
     return value
 
 
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A field's place as a client writes it: 'inputs.sentences', 'embedding_types[0]';
+    the names pydantic gives the members of a union ('str', 'list[int]') left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _UNION_MEMBERS:
+            out += f".{part}" if out else part
+    return out
+
+
+# what pydantic's error locations name a union's members by, among the fields' names
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
 def _invalid(exc: ValidationError) -> InvalidRequest:
     # the fields that can be long are checked by their shapes, so the errors here are few
     first = exc.errors(include_url=False)[0]
     loc = [str(x) for x in first["loc"]]
     param = loc[0] if loc else None
-    where = ".".join(loc) or None  # a nested field by its whole path: 'inputs.sentences'
+    where = _path(first["loc"]) or None  # a nested field by its whole path
     if first["type"] == "missing":
         message = f"'{where}' is required"
     else:

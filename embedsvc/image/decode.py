@@ -29,12 +29,11 @@ import re
 import socket
 import ssl
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from ..errors import InvalidRequest
 from . import require_pillow
@@ -49,7 +48,8 @@ MiB = 1024 * 1024
 _SLOTS = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(
     os, "sched_getaffinity") else os.cpu_count() or 1)
 _WATCH_S = 0.5  # how often a request waiting for a slot looks at its deadline and client
-_CHUNK = 64 * 1024  # a fetched body is read in pieces of at most this, each under the time left
+_CHUNK = 64 * 1024  # a fetched body is read in pieces of at most this
+_URL_SAFE = "/%:@!$&'()*+,;=-._~?"  # what a URL's path and query keep as they are
 DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?"
                       r"(?P<params>(;[\w.+-]+=(?:[\w.+-]+|\"[\w.+-]*\"))*);base64,",
                       re.ASCII | re.IGNORECASE)
@@ -82,20 +82,33 @@ def decode_image(source: str, policy: ImagePolicy = DEFAULT, *,
                  param: str | None = None, where: str = "") -> Image:
     """The image a client named by ``source`` (a data URI, or a URL the policy allows),
     decoded, first frame, EXIF orientation applied."""
+    with refusals_named(param, where):
+        return decode_bytes(source_bytes(source, policy), policy)
+
+
+@contextlib.contextmanager
+def refusals_named(param: str | None, where: str = "") -> Iterator[None]:
+    """An image's refusal raised in the block names the field (``param``, the error shape's)
+    and, in its message, which input it was (``where``: "input[3]")."""
     try:
-        scheme = source[:8].lower()  # URI schemes are case-insensitive (RFC 3986)
-        if scheme.startswith("data:"):
-            return decode_bytes(data_uri_bytes(source, policy), policy)
-        if scheme.startswith(("http://", "https://")):
-            return decode_bytes(fetch(source, policy), policy)
-        raise InvalidImage("an image must be a base64 data URI (data:image/png;base64,...)"
-                           + (" or an http(s) URL" if policy.url_hosts else ""),
-                           code="image_source")
+        yield
     except InvalidImage as err:
         err.param = param
-        if where:  # which of several images it was
+        if where:
             err.message = f"{where}: {err.message}"
         raise
+
+
+def source_bytes(source: str, policy: ImagePolicy = DEFAULT) -> bytes:
+    """The encoded bytes ``source`` names: a data URI's, or a URL's the policy allows."""
+    scheme = source[:8].lower()  # URI schemes are case-insensitive (RFC 3986)
+    if scheme.startswith("data:"):
+        return data_uri_bytes(source, policy)
+    if scheme.startswith(("http://", "https://")):
+        return fetch(source, policy)
+    raise InvalidImage("an image must be a base64 data URI (data:image/png;base64,...)"
+                       + (" or an http(s) URL" if policy.url_hosts else ""),
+                       code="image_source")
 
 
 @contextlib.contextmanager
@@ -152,6 +165,8 @@ def decode_bytes(data: bytes, policy: ImagePolicy = DEFAULT) -> Image:
                            code="undecodable_image") from exc
     try:
         ImageOps.exif_transpose(image, in_place=True)  # no second full-size copy
+    except MemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - Pillow's EXIF parser on a client's bytes:
         # SyntaxError, struct.error and others, all of them a malformed block
         raise InvalidImage(f"the image's EXIF data is malformed ({exc}), so which way up it "
@@ -199,20 +214,44 @@ def fetch(url: str, policy: ImagePolicy) -> bytes:
         raise InvalidImage(f"image URLs are fetched only from {', '.join(policy.url_hosts)}",
                            code="image_url_host")
     address = public_address(host, port)
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    # a path or query of other than ASCII, percent-encoded as a browser sends it
+    path = quote(parts.path or "/", safe=_URL_SAFE) + (
+        f"?{quote(parts.query, safe=_URL_SAFE)}" if parts.query else "")
     named = f"[{host}]" if ":" in host else host  # the Host header: no userinfo in it
     conn = connection(parts.scheme, host, address, port, policy)
+    late = threading.Event()
+    timer: threading.Timer | None = None
     try:
         conn.connect()
         assert conn.sock is not None
+        # one deadline for the whole answer, head and body: a server that sends it a byte
+        # at a time (or 100 Continue after 100 Continue) has its connection shut at it
+        timer = threading.Timer(policy.read_timeout_s, _cut, (conn.sock, late))
+        timer.daemon = True
+        timer.start()
         conn.request("GET", path, headers={
             "Host": named if parts.port is None else f"{named}:{port}", "Accept": "image/*"})
-        return read_capped(conn, policy)
+        body = read_capped(conn, policy)
+        if late.is_set():  # cut as it ended: what came may be short of the whole
+            raise http.client.HTTPException("cut at the read timeout")
+        return body
     except (OSError, http.client.HTTPException) as exc:
+        if late.is_set():
+            raise InvalidImage(f"the image URL did not send its image within "
+                               f"{policy.read_timeout_s:g}s", code="image_fetch_failed") from exc
         raise InvalidImage(f"the image URL could not be fetched: {exc}",
                            code="image_fetch_failed") from exc
     finally:
+        if timer is not None:
+            timer.cancel()
         conn.close()
+
+
+def _cut(sock: socket.socket, late: threading.Event) -> None:
+    """The fetch's deadline: the connection shut, so that whatever read waits on it ends."""
+    late.set()
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def public_address(host: str, port: int) -> str:
@@ -272,12 +311,10 @@ class PinnedHTTPS(http.client.HTTPSConnection):
 
 
 def read_capped(conn: http.client.HTTPConnection, policy: ImagePolicy) -> bytes:
-    """The body of a 200 response on ``conn``, whole within the read timeout (a server that
-    sends a byte at a time does not hold the request past it) and under the size cap."""
-    sock = conn.sock  # the response's, once conn hands it over (a server that closes)
-    assert sock is not None
-    until = time.monotonic() + policy.read_timeout_s
-    sock.settimeout(policy.read_timeout_s)
+    """The body of a 200 response on ``conn``, under the size cap (``fetch`` bounds the
+    time)."""
+    assert conn.sock is not None
+    conn.sock.settimeout(policy.read_timeout_s)
     response = conn.getresponse()
     try:
         if response.status != 200:
@@ -286,11 +323,6 @@ def read_capped(conn: http.client.HTTPConnection, policy: ImagePolicy) -> bytes:
                                code="image_fetch_failed")
         chunks, size = [], 0
         while size <= policy.max_bytes:
-            left = until - time.monotonic()
-            if left <= 0:
-                raise InvalidImage(f"the image URL did not send its image within "
-                                   f"{policy.read_timeout_s:g}s", code="image_fetch_failed")
-            sock.settimeout(left)
             chunk = response.read1(min(_CHUNK, policy.max_bytes + 1 - size))
             if not chunk:
                 break

@@ -44,6 +44,7 @@ class Preprocessor:
     scale: float | None = 1 / 255
     mean: tuple[float, ...] | None = (0.5, 0.5, 0.5)
     std: tuple[float, ...] | None = (0.5, 0.5, 0.5)
+    convert_rgb: bool = True
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Preprocessor:
@@ -61,6 +62,7 @@ class Preprocessor:
             scale=float(on("rescale_factor", 1 / 255)) if on("do_rescale", True) else None,
             mean=tuple(on("image_mean", ())) or None if on("do_normalize", True) else None,
             std=tuple(on("image_std", ())) or None if on("do_normalize", True) else None,
+            convert_rgb=bool(on("do_convert_rgb", True)),  # null: no, as transformers reads it
         )
 
     @classmethod
@@ -72,10 +74,12 @@ class Preprocessor:
         return np.stack([self.one(image) for image in images])
 
     def one(self, image: Image) -> np.ndarray:
-        """One image as float32 CHW. Every image is made RGB, whatever ``do_convert_rgb``
-        says (SigLIP's configs carry ``null``): the vision tower takes three channels, and
-        a grey, palette or transparent image left as it is cannot be normalised."""
-        image = to_rgb(image)
+        """One image as float32 CHW. Where ``do_convert_rgb`` is off (SigLIP's configs carry
+        ``null``), an RGB image is taken as it is, as transformers takes it; any other is
+        made RGB still (transformers fails on it): the vision tower takes three channels,
+        and a grey, palette or transparent image left as it is cannot be normalised."""
+        if self.convert_rgb or image.mode != "RGB":
+            image = to_rgb(image)
         target = self.target_size(image.size)
         if target is not None:
             box = self.kept_box(image.size, target)

@@ -623,7 +623,8 @@ class Link:
             if call.cancelled_at is None:
                 if call.disconnected():  # type: ignore[misc]
                     call.cancelled_at = now
-                    self._outbox.append((now, wire.Cancel(call.id)))  # after its Submit
+                    # after its Submit; the engine counts what it had of it as dropped
+                    self._outbox.append((now, wire.Cancel(call.id, dropped="disconnected")))
             elif now - call.cancelled_at > _CANCEL_GRACE_S and self.forget(call):
                 call.settle(error=ClientDisconnected("the client disconnected",
                                                      code="client_disconnected"))
@@ -808,6 +809,10 @@ class RemotePort:
         if tell:
             try:
                 self._await_grant(call, work)
+            except ApiError as exc:  # its deadline or its client gone as it waited: dropped
+                self.cancel(call, exc.reason if exc.reason in ("timeout", "disconnected")
+                            else "")
+                raise
             except BaseException:
                 self.cancel(call)
                 raise
@@ -840,14 +845,16 @@ class RemotePort:
         error.headers["Retry-After"] = str(max(1, math.ceil(until - now)))
         raise error
 
-    def cancel(self, call: _Call) -> None:
+    def cancel(self, call: _Call, dropped: str = "") -> None:
         """A reservation whose request ends before its ids were sent, given back (``Cancel``:
-        the engine frees its room); a no-op once they were."""
+        the engine frees its room, and counts its inputs dropped for the reason ``dropped``
+        says, if any: none where this front counted them, or they are no drop, as a 400 found
+        as it tokenized); a no-op once they were."""
         if call.submitted:
             return
         call.submitted = True  # once
         if self.link.forget(call) and call.cancelled_at is None:  # else the link did
-            self.link.post(wire.Cancel(call.id))
+            self.link.post(wire.Cancel(call.id, dropped=dropped))
         self._done()
 
     def submit(self, work: Work, call: _Call) -> Pending:

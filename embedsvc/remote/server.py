@@ -61,6 +61,7 @@ from .wake import WakePipe
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.1  # how often parked requests are checked for their deadline and their client
+_DROPPED = ("", "disconnected", "timeout")  # what a front's Cancel may say of its inputs
 _BACKLOG = 128  # connections not yet accepted (one a front, and a scrape's at a time)
 _IN, _OUT = select.POLLIN, select.POLLIN | select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -306,7 +307,7 @@ class EngineServer:
 
     def _dispatch(self, peer: bytes, frame: Any) -> None:
         if isinstance(frame, wire.Cancel):
-            self._cancel(peer, frame.id)
+            self._cancel(peer, frame.id, frame.dropped)
         elif isinstance(frame, wire.Ping):
             self._seen(peer, frame.pid)
             now = time.monotonic()
@@ -549,10 +550,15 @@ class EngineServer:
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front, deadline=deadline)
 
-    def _cancel(self, peer: bytes, request_id: int) -> None:
-        """The front's client left: a reservation or a parked request goes now (499), its
-        inputs counted dropped as one process counts them; a queued one loses its inputs
-        at the watchdog's next look (``Batcher.cancel_due``), then answers 499."""
+    def _cancel(self, peer: bytes, request_id: int, dropped: str = "") -> None:
+        """The front gave a request up: a reservation or a parked request goes now (499),
+        its inputs counted dropped for the reason ``dropped`` says (as one process counts
+        them: its client left, its deadline passed as it waited for room), none where it is
+        empty; a queued one loses its inputs at the watchdog's next look
+        (``Batcher.cancel_due``), then answers 499."""
+        if dropped not in _DROPPED:
+            self._refuse_frame(f"Cancel {request_id}: a reason it cannot have ({dropped[:40]!r})")
+            dropped = ""
         key = (peer, request_id)
         req = self._parked.get(key) or self._running.get(key) or self._reserved.get(key)
         if req is not None:
@@ -561,18 +567,19 @@ class EngineServer:
         if reserved is not None:
             assert reserved.ticket is not None
             self._give_back(reserved)
-            self._dropped(reserved.ticket.inputs)
+            self._dropped(reserved.ticket.inputs, dropped)
             self._reply(peer, failed(request_id, _gone()))
             return
         parked = self._parked.get((peer, request_id))
         if parked is not None and parked.ticket is not None and \
                 self.runner.admission.withdraw(parked.ticket):
             del self._parked[(peer, request_id)]
-            self._dropped(parked.ticket.inputs)
+            self._dropped(parked.ticket.inputs, dropped)
             self._reply(peer, failed(request_id, _gone()))
 
-    def _dropped(self, inputs: int, reason: str = "disconnected") -> None:
-        self.metrics.dropped_inputs.labels(reason=reason).inc(inputs)
+    def _dropped(self, inputs: int, reason: str) -> None:
+        if reason:
+            self.metrics.dropped_inputs.labels(reason=reason).inc(inputs)
 
     # -- the model ----------------------------------------------------------------------------
 

@@ -96,6 +96,10 @@ class Submit(Frame):
 
 class Cancel(Frame):
     id: int
+    # why the front gave the request up, when its inputs are to be counted dropped by the
+    # engine ("disconnected", "timeout"); empty when not: the front counted them, or they
+    # are no drop (a 400 found as it tokenized, the engine gone)
+    dropped: str = ""
 
 
 class Ping(Frame):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import socket
 import struct
@@ -267,6 +268,85 @@ def test_a_server_that_sends_its_body_slowly_is_cut_off_at_the_read_timeout(serv
     refused(url, "image_fetch_failed", ImagePolicy(url_hosts=("images.test",),
                                                    read_timeout_s=0.5))
     assert time.monotonic() - started < 2
+
+
+def test_a_server_that_sends_its_head_slowly_is_cut_off_at_the_read_timeout(monkeypatch):
+    """The read timeout bounds the whole answer, head included: a status line and headers
+    a byte at a time (each read inside the timeout) held the request for as long as the
+    server cared to send them."""
+    monkeypatch.setattr(decode, "public_address", lambda host, port: "127.0.0.1")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def slowly() -> None:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 200:
+                conn.sendall(bytes([byte]))
+                time.sleep(0.02)
+
+    threading.Thread(target=slowly, daemon=True).start()
+    started = time.monotonic()
+    with listener:
+        err = refused(f"http://images.test:{listener.getsockname()[1]}/cat.png",
+                      "image_fetch_failed", ImagePolicy(url_hosts=("images.test",),
+                                                        read_timeout_s=0.5))
+    assert time.monotonic() - started < 2 and "within 0.5s" in err.message
+
+
+def test_a_path_of_other_than_ascii_is_fetched_percent_encoded(server):
+    """http.client refused it with UnicodeEncodeError, past the fetch's guard: a 500."""
+    url, handler = server
+    handler.body = encode(Image.new("RGB", (9, 9)))
+    paths = []
+    answer = handler.do_GET
+
+    def record(self) -> None:
+        paths.append(self.path)
+        answer(self)
+
+    handler.do_GET = record
+    assert decode_image(url.replace("cat.png", "café.png?q=ü"), FETCHING).size == (9, 9)
+    assert paths == ["/caf%C3%A9.png?q=%C3%BC"]
+
+
+def test_a_slow_url_holds_no_decode_slot_meanwhile(server, monkeypatch):
+    """A URL is fetched outside the process's decode slots: one slow server held a slot
+    for its whole fetch, and every image behind it waited, data URIs included."""
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from embedsvc.engine_client import EngineClient
+    from embedsvc.image.preprocess import Preprocessor
+    from embedsvc.metrics import Metrics
+
+    url, handler = server
+    png = encode(Image.new("RGB", (9, 9)))
+
+    def slowly(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(png)))
+        self.end_headers()
+        time.sleep(1.5)
+        with contextlib.suppress(OSError):
+            self.wfile.write(png)
+
+    handler.do_GET = slowly
+    monkeypatch.setattr(decode, "_SLOTS", threading.BoundedSemaphore(1))
+    client = types.SimpleNamespace(metrics=Metrics(CollectorRegistry()),
+                                   info=types.SimpleNamespace(image_tokens=1),
+                                   _image_side=lambda: (FETCHING, Preprocessor()))
+    fetching = threading.Thread(target=EngineClient.images, args=(
+        client, [types.SimpleNamespace(source=url, param="input", where="")]),
+        kwargs={"deadline": time.monotonic() + 30})
+    fetching.start()
+    time.sleep(0.3)  # the fetch under way
+    started = time.monotonic()
+    (pixels,) = EngineClient.images(client, [types.SimpleNamespace(
+        source=uri(png), param="input", where="")], deadline=time.monotonic() + 30)
+    assert time.monotonic() - started < 0.8  # not behind the fetch's 1.5 s
+    fetching.join(10)
 
 
 def test_the_host_header_names_the_host_and_port_and_no_credentials(server):

@@ -107,6 +107,16 @@ def test_every_image_is_made_rgb_whatever_do_convert_rgb_says(tmp_path, setting)
         image = generated(mode, (40, 30), 0)
         np.testing.assert_array_equal(ours([image]), default([image]))
         assert ours([image]).shape == (1, 3, *default.output_shape()[1:])
+    # an RGB image is taken as it is, as transformers takes it: its colour key (tRNS) is
+    # not composited over white where the config asks for no conversion
+    rgb = np.zeros((40, 30, 3), np.uint8)
+    rgb[:, :15] = (0, 255, 0)
+    buf = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buf, "PNG", transparency=(0, 255, 0))
+    keyed = Image.open(io.BytesIO(buf.getvalue()))
+    keyed.load()
+    theirs = transformers.AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
+    assert np.abs(ours([keyed]) - their_pixels(theirs, keyed)).max() <= TOLERANCE
 
 
 def test_a_long_strip_resizes_only_what_the_crop_keeps(monkeypatch):

@@ -520,7 +520,8 @@ def _swallowing(server, monkeypatch) -> tuple[list[wire.Reserve | wire.Submit], 
 
     monkeypatch.setattr(server, "_reserve", lambda burst: None)
     monkeypatch.setattr(server, "_submit", swallow)
-    monkeypatch.setattr(server, "_cancel", lambda peer, request_id: cancelled.append(request_id))
+    monkeypatch.setattr(server, "_cancel",
+                        lambda peer, request_id, dropped="": cancelled.append(request_id))
     return taken, cancelled
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
+import pytest
+
 from embedsvc.admission import Admission
-from embedsvc.errors import EngineGone
+from embedsvc.errors import ApiError, EngineGone
 from embedsvc.metrics import Metrics
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.remote import client as client_module
@@ -324,10 +327,71 @@ def test_a_reservation_cancelled_as_its_client_leaves_counts_its_inputs_dropped(
             sock.send(wire.encode(wire.Reserve(2, "embed", 5, 50, timeout=30.0, tell=True)))
             assert soon(lambda: admission.waiting == 1, 5)  # parked: 5 do not fit in 2
             before = dropped()
-            sock.send(wire.encode(wire.Cancel(2)))  # the parked one's client left
+            # the parked one's client left
+            sock.send(wire.encode(wire.Cancel(2, dropped="disconnected")))
             assert [(f.id, f.status) for f in _next(sock)] == [(2, 499)]
             assert dropped() == before + 5
-            sock.send(wire.encode(wire.Cancel(1)))  # and the granted one's
+            sock.send(wire.encode(wire.Cancel(1, dropped="disconnected")))  # the granted one's
             assert [(f.id, f.status) for f in _next(sock)] == [(1, 499)]
             assert dropped() == before + 5 + admission.limit - 2
         assert admission.used_inputs == 0 and not admission.waiting
+
+
+def test_a_reservation_given_back_for_no_drop_counts_nothing(tmp_path, registry):
+    """A front gives a reservation back after a 400 it found as it tokenized, or after it
+    counted the drop itself (its deadline, its client, as it tokenized): its Cancel says no
+    reason, and the engine counts nothing (it counted every Cancel as a client gone: twice
+    for those, and a drop for a 400). A reason no front sends is one line, and no count."""
+    def dropped() -> float:
+        return sum(registry.get_sample_value("embedsvc_dropped_inputs_total",
+                                             {"reason": r}) or 0.0
+                   for r in ("disconnected", "timeout"))
+
+    with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
+        admission = engine.runner.admission
+        with _raw(front) as sock:
+            sock.send(wire.encode(wire.Reserve(1, "embed", 3, 10, timeout=30.0, tell=True)))
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            sock.send(wire.encode(wire.Cancel(1)))
+            assert [(f.id, f.status) for f in _next(sock)] == [(1, 499)]
+            sock.send(wire.encode(wire.Reserve(2, "embed", 3, 10, timeout=30.0, tell=True)))
+            assert [type(f) for f in _next(sock)] == [wire.Granted]
+            sock.send(wire.encode(wire.Cancel(2, dropped="because")))
+            assert [(f.id, f.status) for f in _next(sock)] == [(2, 499)]
+            assert dropped() == 0
+        assert admission.used_inputs == 0 and not admission.waiting
+
+
+def test_a_front_and_its_engine_count_each_drop_once_and_for_its_reason(tmp_path, registry):
+    """Under --workers N, the service's dropped inputs are what one process counts: a
+    request that waited for room past its deadline, once as ``timeout`` (the engine counted
+    the front's Cancel as a client gone); a client gone as the front tokenized, once (the
+    front counted it, and the engine again); a 400 found as the front tokenized, not at all
+    (counted as a client gone)."""
+    def dropped(front: Service) -> dict[str, float]:
+        text = front.exposition().decode()
+        return {reason: float(value) for reason, value in re.findall(
+            r'^embedsvc_dropped_inputs_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
+
+    with serving(tmp_path, registry) as (engine, front, _, _server, _stop):
+        client = front.ready()
+        with pytest.raises(ApiError) as refused:  # a text past the limit, not truncated
+            client.run(Work(EMBED, ["w " * 40, "short"], deadline=time.monotonic() + 30,
+                            truncate=False))
+        assert refused.value.status == 400
+        with pytest.raises(ApiError) as left:  # its client gone as it is tokenized
+            client.run(Work(EMBED, ["a b", "c d", "e f"], deadline=time.monotonic() + 30,
+                            disconnected=lambda: True))
+        assert left.value.status == 499
+        admission = engine.runner.admission
+        room = admission.admit(admission.limit, 1, time.monotonic() + 60)  # all of it
+        try:
+            with pytest.raises(ApiError) as late:  # enough inputs to wait for its grant
+                client.run(Work(EMBED, ["w"] * 10, deadline=time.monotonic() + 0.5))
+            assert late.value.status == 504
+        finally:
+            admission.cancel(room)
+        assert soon(lambda: dropped(front) == {"disconnected": 3.0, "timeout": 10.0}, 5), \
+            dropped(front)
+        time.sleep(0.3)  # nothing more comes
+        assert dropped(front) == {"disconnected": 3.0, "timeout": 10.0}

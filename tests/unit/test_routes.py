@@ -285,3 +285,11 @@ def test_a_nested_fields_error_names_its_whole_path(client):
         "inputs": {"source_sentence": 1, "sentences": ["b"]}}), 400, "invalid_request_error",
         "inputs")
     assert err["message"].startswith("'inputs.source_sentence': "), err
+    # pydantic's names of a union's members are no field of the client's; an item, [i]
+    refused = client.post("/api/embed", json={"model": "m", "input": "a", "keep_alive": []})
+    assert refused.status_code == 400
+    assert refused.get_json()["error"].startswith("'keep_alive': "), refused.get_json()
+    err = assert_error(client.post("/v2/embed", json={
+        "texts": ["a"], "input_type": "search_query", "embedding_types": ["x"]}), 400,
+        "invalid_request_error", "embedding_types")
+    assert err["message"].startswith("'embedding_types[0]': "), err
