@@ -219,6 +219,36 @@ def server(monkeypatch) -> Iterator[tuple[str, type[Handler]]]:
     httpd.shutdown()
 
 
+def answering_slowly(handler: type[Handler], body: bytes, *, first_s: float = 0.0,
+                     each_byte_s: float = 0.0) -> None:
+    """``handler`` answers ``body`` after ``first_s``, a byte every ``each_byte_s``."""
+    def slowly(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        time.sleep(first_s)
+        with contextlib.suppress(OSError):  # the fetch gave up, as it should
+            for i in range(0, len(body), 1 if each_byte_s else len(body)):
+                self.wfile.write(body[i:i + 1] if each_byte_s else body)
+                self.wfile.flush()
+                time.sleep(each_byte_s)
+
+    handler.do_GET = slowly  # type: ignore[method-assign]
+
+
+def recording(handler: type[Handler], what) -> list:
+    """What ``what`` reads of each request ``handler`` answers, as it answers them."""
+    seen: list = []
+    answer = handler.do_GET
+
+    def record(self) -> None:
+        seen.append(what(self))
+        answer(self)
+
+    handler.do_GET = record  # type: ignore[method-assign]
+    return seen
+
+
 FETCHING = ImagePolicy(url_hosts=("images.test",), max_bytes=5000)
 
 
@@ -249,21 +279,7 @@ def test_a_server_that_sends_its_body_slowly_is_cut_off_at_the_read_timeout(serv
     """The read timeout bounds the whole body: a byte every 50 ms (each read well inside
     the timeout) held the request thread for as long as the server cared to send."""
     url, handler = server
-    body = encode(Image.new("RGB", (9, 9)))
-
-    def slowly(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            for i in range(len(body)):
-                self.wfile.write(body[i:i + 1])
-                self.wfile.flush()
-                time.sleep(0.05)
-        except OSError:  # the fetch gave up, as it should
-            pass
-
-    handler.do_GET = slowly
+    answering_slowly(handler, encode(Image.new("RGB", (9, 9))), each_byte_s=0.05)
     started = time.monotonic()
     refused(url, "image_fetch_failed", ImagePolicy(url_hosts=("images.test",),
                                                    read_timeout_s=0.5))
@@ -298,14 +314,7 @@ def test_a_path_of_other_than_ascii_is_fetched_percent_encoded(server):
     """http.client refused it with UnicodeEncodeError, past the fetch's guard: a 500."""
     url, handler = server
     handler.body = encode(Image.new("RGB", (9, 9)))
-    paths = []
-    answer = handler.do_GET
-
-    def record(self) -> None:
-        paths.append(self.path)
-        answer(self)
-
-    handler.do_GET = record
+    paths = recording(handler, lambda request: request.path)
     assert decode_image(url.replace("cat.png", "café.png?q=ü"), FETCHING).size == (9, 9)
     assert paths == ["/caf%C3%A9.png?q=%C3%BC"]
 
@@ -323,16 +332,7 @@ def test_a_slow_url_holds_no_decode_slot_meanwhile(server, monkeypatch):
 
     url, handler = server
     png = encode(Image.new("RGB", (9, 9)))
-
-    def slowly(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(png)))
-        self.end_headers()
-        time.sleep(1.5)
-        with contextlib.suppress(OSError):
-            self.wfile.write(png)
-
-    handler.do_GET = slowly
+    answering_slowly(handler, png, first_s=1.5)
     monkeypatch.setattr(decode, "_SLOTS", threading.BoundedSemaphore(1))
     client = types.SimpleNamespace(metrics=Metrics(CollectorRegistry()),
                                    info=types.SimpleNamespace(image_tokens=1),
@@ -352,14 +352,7 @@ def test_a_slow_url_holds_no_decode_slot_meanwhile(server, monkeypatch):
 def test_the_host_header_names_the_host_and_port_and_no_credentials(server):
     url, handler = server
     handler.body = encode(Image.new("RGB", (9, 9)))
-    seen = []
-    answer = handler.do_GET
-
-    def record(self) -> None:
-        seen.append(self.headers["Host"])
-        answer(self)
-
-    handler.do_GET = record
+    seen = recording(handler, lambda request: request.headers["Host"])
     decode_image(url.replace("http://", "http://user:secret@"), FETCHING)
     assert seen == [url.split("/")[2]]  # images.test:PORT
 
