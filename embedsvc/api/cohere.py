@@ -91,7 +91,7 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
     if param == "texts":
         texts = typed.with_role(call.info, inputs, req.input_type, _ROLES, "input_type")
         work = call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
-                         truncate=truncate, direction=direction, codes=codes)
+                         truncate=truncate, direction=direction, codes=codes, param="texts")
     else:
         if codes:
             raise InvalidRequest(f"{', '.join(codes)} embeddings of images are not served; "

@@ -61,7 +61,7 @@ def _embed_body(info: ModelInfo, vectors: Any, call: Call, tokens: int) -> dict[
 def embeddings(call: Call) -> Reply:
     """POST /api/embeddings (legacy): one prompt, the model's raw vector, as Ollama gives it."""
     req = parse(OllamaEmbeddingsRequest, call)
-    out = call.run(call.work(EMBED, [req.prompt], normalize=False))
+    out = call.run(call.work(EMBED, [req.prompt], normalize=False, param="prompt"))
     return embedded_reply({"embedding": out.vectors[0]}, out, 1)
 
 

@@ -49,6 +49,7 @@ def embed(call: Call) -> Reply:
     req = parse(EmbedRequest, call)
     inputs = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
     out = call.run(call.work(EMBED, inputs, normalize=req.normalize, dimensions=req.dimensions,
+                             param="inputs",
                              truncate=req.truncate, direction=req.truncation_direction))
     return embedded_reply(out.vectors, out, len(inputs))
 
@@ -57,7 +58,7 @@ def embed_all(call: Call) -> Reply:
     """POST /embed_all: the TEI shape, per input one raw vector per token."""
     req = parse(EmbedAllRequest, call)
     inputs = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
-    out = call.run(call.work(TOKENS, inputs, truncate=req.truncate,
+    out = call.run(call.work(TOKENS, inputs, truncate=req.truncate, param="inputs",
                              direction=req.truncation_direction))
     reply = json_reply(out.token_vectors, headers=[("x-compute-tokens", str(out.tokens))])
     reply.inputs, reply.tokens = len(inputs), out.tokens
@@ -108,6 +109,7 @@ def predict(call: Call) -> Reply:
     req = parse(PredictRequest, call)
     single, inputs = _predict_inputs(req.inputs)
     out = call.run(call.work(SCORE, inputs, raw=req.raw_scores, truncate=req.truncate,
+                             param="inputs",
                              direction=req.truncation_direction))
     labels = call.info.labels
     predictions = [
@@ -123,6 +125,7 @@ def embed_sparse(call: Call) -> Reply:
     req = parse(EmbedSparseRequest, call)
     texts = rules.prompted(call.info.prompts, req.prompt_name, as_list(req.inputs))
     out = call.run(call.work(SPARSE, texts, normalize=False, truncate=req.truncate,
+                             param="inputs",
                              direction=req.truncation_direction))
     body = [elements(idx, val) for idx, val in out.sparse or ()]
     return embedded_reply(body, out, len(texts))
@@ -139,6 +142,7 @@ def similarity(call: Call) -> Reply:
                                         [req.inputs.source_sentence, *req.inputs.sentences])
     rules.check_listed(sentences, "inputs.sentences")
     out = call.run(call.work(EMBED, [source, *sentences], normalize=True, truncate=truncate,
+                             param="inputs",
                              direction=direction))
     cosines = out.vectors[1:] @ out.vectors[0]
     return embedded_reply([float(c) for c in cosines], out, len(sentences) + 1)

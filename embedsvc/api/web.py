@@ -73,8 +73,17 @@ class Call:
                     flow=self.tenant or self.flow, tenant=self.tenant, **options)
 
     def run(self, work: Work) -> Embedded:
-        """``work``'s answer from the engine (its rows, in input order)."""
-        return (self._client or self.engine_client()).run(work)
+        """``work``'s answer from the engine (its rows, in input order). A refusal of its
+        inputs names the route's field (``work.param``: 'inputs', 'texts', 'prompt'), where
+        the rules name them all 'input', as OpenAI's route calls them."""
+        try:
+            return (self._client or self.engine_client()).run(work)
+        except InvalidRequest as exc:
+            if work.param != "input" and exc.param == "input":
+                exc.param = work.param
+                if exc.message.startswith("'input'"):
+                    exc.message = f"'{work.param}'" + exc.message[len("'input'"):]
+            raise
 
     @property
     def info(self) -> ModelInfo:

@@ -120,7 +120,7 @@ def test_a_refused_texts_length_is_counted_only_up_to_a_bound(fake, registry, mo
 def test_embed_can_refuse_truncation_per_request(client):
     text = " ".join(["w"] * 30)
     resp = client.post("/embed", json={"inputs": text, "truncate": False})
-    assert_error(resp, 400, "invalid_request_error", "input")
+    assert_error(resp, 400, "invalid_request_error", "inputs")  # /embed's field
 
 
 def test_tokenize_gives_ids_text_and_offsets(client):
@@ -293,3 +293,18 @@ def test_a_nested_fields_error_names_its_whole_path(client):
         "texts": ["a"], "input_type": "search_query", "embedding_types": ["x"]}), 400,
         "invalid_request_error", "embedding_types")
     assert err["message"].startswith("'embedding_types[0]': "), err
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/embed", {"inputs": []}, "inputs"),
+    ("/embed", {"inputs": ["ok", ""]}, "inputs"),
+    ("/embed_all", {"inputs": [""]}, "inputs"),
+    ("/v2/embed", {"texts": ["ok", ""], "input_type": "search_query"}, "texts"),
+    ("/v1/embeddings", {"input": ["ok", ""]}, "input"),
+])
+def test_a_refused_input_names_the_routes_own_field(client, route, body, field):
+    """The rules name every list 'input', as OpenAI's route calls it; TEI's routes call it
+    'inputs' and Cohere's 'texts', and a client's error named a field it never sent."""
+    resp = client.post(route, json=body)
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == field, \
+        resp.get_json()

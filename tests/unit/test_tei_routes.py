@@ -52,13 +52,13 @@ def test_embed_takes_the_models_token_ids_with_or_without_special_tokens(client,
 
 def test_embed_token_id_errors(client):
     err = assert_error(client.post("/embed", json={"inputs": [[5, 1000]]}), 400,
-                       "invalid_request_error", "input")
+                       "invalid_request_error", "inputs")  # the route's field, as below
     assert err["code"] == "invalid_token_id"
     err = assert_error(client.post("/embed", json={"inputs": ["a", [5]]}), 400,
                        "invalid_request_error", "inputs")
     assert "token ids" in err["message"]
     assert_error(client.post("/embed", json={"inputs": [[5], []]}), 400,
-                 "invalid_request_error", "input")
+                 "invalid_request_error", "inputs")
     err = assert_error(client.post("/embed", json={"inputs": [5], "prompt_name": "query"}), 400,
                        "invalid_request_error", "prompt_name")
 
@@ -83,7 +83,7 @@ def test_embed_all_truncates_like_embed(client):
     body = client.post("/embed_all", json={"inputs": words}).get_json()
     assert np.array(body).shape == (1, 16, 8)
     err = assert_error(client.post("/embed_all", json={"inputs": words, "truncate": False}),
-                       400, "invalid_request_error", "input")
+                       400, "invalid_request_error", "inputs")
     assert err["code"] == "input_too_long"
 
 

@@ -74,7 +74,7 @@ def test_cohere_refuses_what_it_cannot_honour(client, fake):
         assert_error(client.post("/v2/embed", json=body), 400, "invalid_request_error", param)
     long = " ".join(["word"] * 40)  # past the fake's 16 tokens
     assert_error(client.post("/v2/embed", json={"texts": [long], "truncate": "NONE"}),
-                 400, "invalid_request_error", "input")
+                 400, "invalid_request_error", "texts")  # the field it was sent in
     assert_still_serving(client, fake)
 
 
