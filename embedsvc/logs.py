@@ -58,6 +58,9 @@ def configure_logging(level: str, fmt: str) -> None:
     logging.getLogger("embedsvc").debug("logging configured in pid %d", os.getpid())
 
 
+_quieted = False  # quiet_model_libraries has run in this process
+
+
 def quiet_model_libraries() -> None:
     """Switch off the model libraries' progress bars and warnings in this process.
 
@@ -65,7 +68,16 @@ def quiet_model_libraries() -> None:
     still show, and anything that stops the model from loading reaches our log as the error.
     Imports none of them: a process that serves without PyTorch never loads transformers, and
     one that does reads the settings left in its environment when it first imports it.
+
+    Once a process: a second look would find a library that the model's loader thread is
+    importing meanwhile (``embedsvc serve`` starts it between its two looks) listed in
+    ``sys.modules`` but half made, and importing from it there raised ImportError (a
+    circular import, to Python): the start failed.
     """
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 

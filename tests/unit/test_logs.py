@@ -2,6 +2,8 @@
 
 import logging
 import os
+import subprocess
+import sys
 
 import orjson
 
@@ -39,3 +41,22 @@ def test_waitress_lines_take_the_format_of_ours(capsys):
             f" WARNING [{os.getpid()}] waitress: total open connections reached the limit")
     finally:
         configure_logging("info", "plain")
+
+
+def test_the_model_libraries_are_quieted_once_not_looked_at_half_imported():
+    """``embedsvc serve`` quiets them, starts the model's loader thread, then quiets them
+    again: the second look found transformers in sys.modules, half imported by the loader,
+    imported from it and raised ImportError (a circular import, to Python): the start
+    failed (a CI run's README test). Run in a process of its own: the quieting is global."""
+    code = """
+import sys, types
+from embedsvc import logs
+assert "transformers" not in sys.modules
+logs.quiet_model_libraries()
+sys.modules["transformers"] = types.ModuleType("transformers")  # as the loader has it
+logs.quiet_model_libraries()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
