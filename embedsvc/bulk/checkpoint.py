@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .errors import JobChanged
+from .errors import BulkError, JobChanged
 from .parts import PART_SUFFIX, PartWriter, assemble, row_type
 from .records import Position, Record, image_files
 
@@ -193,13 +193,19 @@ class Checkpoint:
                ) -> int:
         """Commit the last part and join all parts aside the output (within ``joining``,
         where a signal may cut the work short: the parts stay), then rename the output into
-        place and remove the directory: from the rename on, the job is done."""
+        place and remove the directory: from the rename on, the job is done. Parts that do
+        not hold the rows the manifest counts are never put in place (``BulkError``; the
+        parts and the joined file aside stay, to be looked at)."""
         aside = self.target.with_name(self.target.name + ".tmp")
         with joining():
             self.commit()
             parts = [self.dir / p["file"] for p in self._manifest["parts"]]
             rows = assemble(self.kind, parts, aside, self._manifest["dimension"] or 0,
                             self._manifest.get("row_type", "<f4"))
+        if rows != self.done.records:
+            raise BulkError(f"the parts in {self.dir} hold {rows} rows where {self.done.records} "
+                            f"inputs were done; {self.target} was not written (run again with "
+                            "--restart)")
         os.replace(aside, self.target)
         shutil.rmtree(self.dir)
         return rows

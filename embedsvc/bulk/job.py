@@ -147,17 +147,26 @@ class _Job:
             for chunk in chunks:
                 pending.append((chunk, pool.submit(embedder, [r.text for r, _ in chunk])))
                 while pending and (len(pending) >= concurrency or pending[0][1].done()):
-                    self._write(*pending.popleft(), source, stop)
+                    self._write_first(pending, source, stop)
                 stop.check()
             while pending:
-                self._write(*pending.popleft(), source, stop)
+                self._write_first(pending, source, stop)
         except Interrupted:
+            # only chunks in input order from the first: one still computing stops it, so
+            # that no row after a gap is committed (the resume would start past the gap)
             while pending and _succeeded(pending[0][1]):
-                self._write(*pending.popleft(), source, stop)
+                self._write_first(pending, source, stop)
             self.checkpoint.commit()
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _write_first(self, pending: deque[tuple[Chunk, Future]], source: Path,
+                     stop: StopSignals) -> None:
+        """The first chunk in flight written, then taken off: an interrupt while it is
+        waited for leaves it first, not written and not skipped."""
+        self._write(*pending[0], source, stop)
+        pending.popleft()
 
     def _write(self, chunk: Chunk, future: Future, source: Path, stop: StopSignals) -> None:
         rows, used = _result(chunk, future, source, stop)

@@ -750,3 +750,56 @@ def test_a_large_row_group_is_read_a_few_rows_at_a_time(tmp_path, monkeypatch):
     assert sizes[0] == records._PROBE_ROWS and max(sizes[1:]) <= 4 and sum(sizes) == 50
     assert [r.text for r, _ in read_records(source)] == texts
     assert [r.text for r, _ in read_records(source, start=Position(13))] == texts[13:]
+
+
+def test_an_interrupt_while_the_first_chunk_computes_commits_no_row_past_it(tmp_path):
+    """The first chunk in flight is slow, those after it finish: an interrupt while the job
+    waits for the first took it off the queue unwritten, then committed the later ones and
+    moved the resume point past it. The rerun left that chunk's rows out (and under .npy,
+    every later row belonged to another input), yet renamed the short file into place."""
+    import signal
+    import threading
+    import time
+
+    from embedsvc.bulk.interrupt import Interrupted, StopSignals
+
+    class SlowFirst(HashEmbedder):
+        def __call__(self, texts):
+            if "t1" in texts:
+                time.sleep(1.0)
+            return super().__call__(texts)
+
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"t{i}\n" for i in range(1, 41)))
+    whole, resumed = tmp_path / "whole.npy", tmp_path / "resumed.npy"
+    run_job(source, whole, HashEmbedder(), chunk_size=4, concurrency=4)
+    options = BulkOptions(str(source), str(resumed), chunk_size=4, concurrency=4)
+    threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with StopSignals() as stop, pytest.raises(Interrupted):
+        embed_file(options, SlowFirst(), stop=stop)
+    manifest = orjson.loads((parts_dir(resumed) / "manifest.json").read_bytes())
+    assert manifest["done"]["records"] == 0 and manifest["parts"] == []  # nothing past a gap
+    summary = run_job(source, resumed, HashEmbedder(), chunk_size=4, concurrency=4)
+    assert (summary.inputs, summary.resumed) == (40, 0)
+    assert np.array_equal(np.load(resumed), np.load(whole))
+
+
+def test_parts_short_of_the_rows_done_are_never_put_in_place(tmp_path):
+    """The output is renamed into place only when its parts hold every row done."""
+    _, inputs = write_inputs(tmp_path, n=12)
+    target = tmp_path / "out.npy"
+    checkpoint = Checkpoint.open(target, ".npy", {"job": "t"}, part_size=100, part_seconds=60,
+                                 restart=False)
+    records = list(read_records(inputs["txt"]))
+    rows = HashEmbedder().rows([r.text for r, _ in records])
+    checkpoint.write([r for r, _ in records[:6]], rows[:6], records[5][1])
+    checkpoint.commit()
+    manifest = parts_dir(target) / "manifest.json"
+    data = orjson.loads(manifest.read_bytes())
+    data["done"]["records"] = 12  # the manifest says more than the parts hold
+    manifest.write_bytes(orjson.dumps(data))
+    again = Checkpoint.open(target, ".npy", {"job": "t"}, part_size=100, part_seconds=60,
+                            restart=False)
+    with pytest.raises(BulkError, match="hold 6 rows where 12 inputs were done"):
+        again.finish()
+    assert not target.exists() and parts_dir(target).exists()
