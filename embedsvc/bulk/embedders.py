@@ -46,9 +46,17 @@ class Embedder(Protocol):
 
 
 def local_identity(settings: Settings, kind: str | None = None) -> dict[str, Any]:
-    """What the in-process vectors depend on, known before the model loads."""
-    return {"model": settings.model or "bundled", "device": settings.device,
-            "dtype": settings.dtype, "kind": kind or expected_kind(settings)}
+    """What the in-process vectors depend on, known before the model loads. The graph too,
+    where it is not the default's (a job begun in float and resumed with QUANTIZE=int8 mixed
+    two graphs' vectors in one file); a default one adds nothing, so that a job begun
+    before this was recorded resumes."""
+    identity = {"model": settings.model or "bundled", "device": settings.device,
+                "dtype": settings.dtype, "kind": kind or expected_kind(settings)}
+    if settings.quantize != "none":
+        identity["quantize"] = settings.quantize
+    if settings.backend != "auto":
+        identity["backend"] = settings.backend
+    return identity
 
 
 class LocalEmbedder:

@@ -188,6 +188,9 @@ def _parse_line(path: PurePath, line: int, raw: bytes, jsonl: bool, text_field: 
                         f"name the {_FIELD_NOUN[flag]} field with {flag}") from None
     if not isinstance(text, str):  # an empty one is the engine's to refuse, as over HTTP
         raise BulkError(f"{path}:{line}: {text_field!r} must be a string")
+    if id_field is not None and id_field not in row:  # named: never the line number instead
+        raise BulkError(f"{path}:{line}: no {id_field!r} field, which --id-field names (without "
+                        "it, the id is the 'id' field where there is one, else the line number)")
     key = id_field or DEFAULT_ID_FIELD
     record_id = row.get(key, line)
     if isinstance(record_id, float):  # orjson reads integers beyond 64 bits as floats

@@ -106,7 +106,8 @@ def test_ids_are_line_numbers_row_numbers_or_the_id_field(tmp_path):
     text_ids = [r.id for r, _ in read_records(inputs["txt"])]
     assert text_ids == [*range(1, 11), *range(12, 14)]  # line 11 is blank
     assert [r.id for r, _ in read_records(inputs["jsonl"])][:2] == ["d0", "d1"]
-    assert [r.id for r, _ in read_records(inputs["jsonl"], id_field="nope")][:2] == [1, 2]
+    with pytest.raises(BulkError, match="in.jsonl:1: no 'nope' field, which --id-field names"):
+        next(read_records(inputs["jsonl"], id_field="nope"))  # a named field, never the line
     assert [r.id for r, _ in read_records(inputs["parquet"], id_field=None)][:2] == ["d0", "d1"]
 
 
@@ -803,3 +804,28 @@ def test_parts_short_of_the_rows_done_are_never_put_in_place(tmp_path):
     with pytest.raises(BulkError, match="hold 6 rows where 12 inputs were done"):
         again.finish()
     assert not target.exists() and parts_dir(target).exists()
+
+
+def test_a_job_resumed_on_another_graph_is_refused_and_an_old_job_still_resumes(tmp_path):
+    """A job begun in float and resumed with QUANTIZE=int8 mixed two graphs' vectors in one
+    file (cosine down to 0.986): the graph is part of the job's identity where it is not the
+    default's, and a default one adds nothing (a job begun before it was recorded)."""
+    from embedsvc.bulk.embedders import local_identity
+    from embedsvc.settings import Settings
+
+    default = local_identity(Settings())
+    assert set(default) == {"model", "device", "dtype", "kind"}
+    _, inputs = write_inputs(tmp_path, n=6)
+    target = tmp_path / "out.npy"
+    begun = Checkpoint.open(target, ".npy", {"job": default}, part_size=100, part_seconds=60,
+                            restart=False)
+    records = list(read_records(inputs["txt"]))
+    begun.write([r for r, _ in records], HashEmbedder().rows([r.text for r, _ in records]),
+                records[-1][1])
+    begun.commit()  # a part committed: from now on the job is this one
+    Checkpoint.open(target, ".npy", {"job": local_identity(Settings())}, part_size=100,
+                    part_seconds=60, restart=False)  # the same job resumes
+    for changed in (Settings(quantize="int8"), Settings(backend="torch")):
+        with pytest.raises(JobChanged):
+            Checkpoint.open(target, ".npy", {"job": local_identity(changed)}, part_size=100,
+                            part_seconds=60, restart=False)
