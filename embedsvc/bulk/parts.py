@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,8 +65,20 @@ def _jsonl_line(record_id: Any, key: str, value: Any, option: int = 0) -> bytes:
     try:
         return orjson.dumps({"id": record_id, key: value}, option=option) + b"\n"
     except TypeError:  # orjson refuses integers beyond 64 bits; the standard library does not
-        return b'{"id":%s,"%s":%s}\n' % (json.dumps(record_id).encode(), key.encode(),
+        return b'{"id":%s,"%s":%s}\n' % (_id_json(record_id), key.encode(),
                                           orjson.dumps(value, option=option))
+
+
+def _id_json(record_id: Any) -> bytes:
+    """An id orjson cannot write, as JSON: a decimal (a warehouse's export) as the exact
+    number it is; one JSON has no form for (bytes, a duration) is refused in one line."""
+    if isinstance(record_id, Decimal) and record_id.is_finite():
+        return str(record_id).encode()
+    try:
+        return json.dumps(record_id).encode()
+    except (TypeError, ValueError):
+        raise BulkError(f"the id {record_id!r} ({type(record_id).__name__}) has no JSON form: "
+                        "write .parquet, or name an --id-field of text or integers") from None
 
 
 class PartWriter:

@@ -206,7 +206,11 @@ def _table_records(path: PurePath, kind: str, text_field: str, id_field: str | N
     columns = [text_field, *filter(None, [id_column])]
     for first, batch in _batches(path, kind, columns, row, opener):
         _refuse_long_cells(path, batch.column(text_field), first, text_field, max_chars)
-        texts = batch.column(text_field).to_pylist()
+        try:
+            texts = batch.column(text_field).to_pylist()
+        except UnicodeDecodeError:  # a string column whose bytes another writer did not check
+            raise BulkError(f"{path}: a row of {text_field!r} from row {first + 1} on, in a "
+                            f"batch of {batch.num_rows}, is not UTF-8 text") from None
         ids = batch.column(id_column).to_pylist() if id_column else None
         for i in range(row - first, len(texts)):
             row += 1

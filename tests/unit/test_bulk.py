@@ -829,3 +829,42 @@ def test_a_job_resumed_on_another_graph_is_refused_and_an_old_job_still_resumes(
         with pytest.raises(JobChanged):
             Checkpoint.open(target, ".npy", {"job": local_identity(changed)}, part_size=100,
                             part_seconds=60, restart=False)
+
+
+def test_ids_json_has_no_form_for_are_one_line_and_decimals_are_exact(tmp_path):
+    """Decimal ids (a warehouse's export) were a traceback on JSONL output, as were bytes
+    and durations: a decimal is written as the exact number it is, the others refused."""
+    import datetime
+    from decimal import Decimal
+
+    texts = ["one", "two"]
+    for ids, want in ((pa.array([Decimal("12345678901234567890"), Decimal("2.50")],
+                                pa.decimal128(22, 2)), None),
+                      (pa.array([b"a", b"b"]), "has no JSON form"),
+                      (pa.array([datetime.timedelta(1), datetime.timedelta(2)]),
+                       "has no JSON form")):
+        source = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"text": texts, "key": ids}), source)
+        target = tmp_path / "out.jsonl"
+        if want is None:
+            run_job(source, target, HashEmbedder(), id_field="key", restart=True)
+            lines = target.read_bytes().splitlines()
+            assert [line.split(b",")[0] for line in lines] == [
+                b'{"id":12345678901234567890.00', b'{"id":2.50']
+        else:
+            with pytest.raises(BulkError, match=want):
+                run_job(source, target, HashEmbedder(), id_field="key", restart=True)
+
+
+def test_a_parquet_text_column_that_is_not_utf8_is_one_line(tmp_path):
+    """A string column another writer filled with other bytes: a UnicodeDecodeError's
+    traceback, after the model had loaded."""
+    values = [b"good", b"\xff\xfebad", b"fine"]
+    offsets = np.cumsum([0, *map(len, values)]).astype(np.int32)
+    column = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()),
+                                                    pa.py_buffer(b"".join(values))])
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": column}), source)
+    with pytest.raises(BulkError, match="in.parquet: a row of 'text' from row 1 on, in a batch "
+                                        "of 3, is not UTF-8 text"):
+        list(read_records(source))
