@@ -195,17 +195,21 @@ class Checkpoint:
         where a signal may cut the work short: the parts stay), then rename the output into
         place and remove the directory: from the rename on, the job is done. Parts that do
         not hold the rows the manifest counts are never put in place (``BulkError``; the
-        parts and the joined file aside stay, to be looked at)."""
+        parts stay, to be looked at); a join that does not end leaves no half file aside."""
         aside = self.target.with_name(self.target.name + ".tmp")
-        with joining():
-            self.commit()
-            parts = [self.dir / p["file"] for p in self._manifest["parts"]]
-            rows = assemble(self.kind, parts, aside, self._manifest["dimension"] or 0,
-                            self._manifest.get("row_type", "<f4"))
-        if rows != self.done.records:
-            raise BulkError(f"the parts in {self.dir} hold {rows} rows where {self.done.records} "
-                            f"inputs were done; {self.target} was not written (run again with "
-                            "--restart)")
+        try:
+            with joining():
+                self.commit()
+                parts = [self.dir / p["file"] for p in self._manifest["parts"]]
+                rows = assemble(self.kind, parts, aside, self._manifest["dimension"] or 0,
+                                self._manifest.get("row_type", "<f4"))
+            if rows != self.done.records:
+                raise BulkError(f"the parts in {self.dir} hold {rows} rows where "
+                                f"{self.done.records} inputs were done; {self.target} was not "
+                                "written (run again with --restart)")
+        except BaseException:
+            aside.unlink(missing_ok=True)
+            raise
         os.replace(aside, self.target)
         shutil.rmtree(self.dir)
         return rows

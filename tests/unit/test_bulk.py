@@ -804,6 +804,7 @@ def test_parts_short_of_the_rows_done_are_never_put_in_place(tmp_path):
     with pytest.raises(BulkError, match="hold 6 rows where 12 inputs were done"):
         again.finish()
     assert not target.exists() and parts_dir(target).exists()
+    assert not target.with_name(target.name + ".tmp").exists()  # no half file left aside
 
 
 def test_a_job_resumed_on_another_graph_is_refused_and_an_old_job_still_resumes(tmp_path):
