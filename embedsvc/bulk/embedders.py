@@ -15,6 +15,7 @@ request's images (the formats, MAX_IMAGE_PIXELS before decoding, no truncated im
 from __future__ import annotations
 
 import base64
+import binascii
 import os
 import stat
 import time
@@ -232,9 +233,18 @@ class RemoteEmbedder:
                                 f"vector for each of {len(texts)} inputs")
             return rows, int(resp.headers.get("x-compute-tokens", 0))
         body = {"input": texts, "encoding_format": "base64"}
-        data = self._check(self._post("/v1/embeddings", body), texts).json()
-        rows = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data["data"]]
-        return np.stack(rows), int(data["usage"]["prompt_tokens"])
+        resp = self._check(self._post("/v1/embeddings", body), texts)
+        try:  # OpenAI's shape, each row at its index (a server may list them in any order)
+            data = resp.json()
+            listed = sorted(data["data"], key=lambda d: int(d["index"]))
+            if [int(d["index"]) for d in listed] != list(range(len(texts))):
+                raise ValueError("not one row for each input")
+            rows = np.stack([_row(d["embedding"]) for d in listed])
+            return rows, int(data["usage"]["prompt_tokens"])
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise BulkError(f"{self.url}/v1/embeddings answered something other than one vector "
+                            f"for each of {len(texts)} inputs (is it an embedding server?)"
+                            ) from None
 
     def _check(self, resp: Any, texts: list[str]) -> Any:
         if resp.status_code == 413:
@@ -249,7 +259,7 @@ class RemoteEmbedder:
             resp = self._send("POST", path, json=body)
             if resp.status_code not in (429, 503):
                 return resp
-            time.sleep(float(resp.headers.get("retry-after", 1)) * (1 + attempt / 2))
+            time.sleep(_retry_after(resp.headers.get("retry-after")) * (1 + attempt / 2))
         return resp
 
     def _send(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -263,6 +273,22 @@ class RemoteEmbedder:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _row(embedding: Any) -> np.ndarray:
+    """One row as the server sent it: base64 of little-endian float32, as asked, or the
+    floats of a server that ignored the ask."""
+    if isinstance(embedding, str):
+        return np.frombuffer(base64.b64decode(embedding, validate=True), "<f4")
+    return np.asarray(embedding, np.float32)
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds of a Retry-After in seconds; 1 for none, or for the HTTP-date form."""
+    try:
+        return max(0.0, float(value)) if value else 1.0
+    except ValueError:
+        return 1.0
 
 
 class _TooLarge(Exception):

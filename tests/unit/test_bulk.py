@@ -869,3 +869,48 @@ def test_a_parquet_text_column_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(BulkError, match="in.parquet: a row of 'text' from row 1 on, in a batch "
                                         "of 3, is not UTF-8 text"):
         list(read_records(source))
+
+
+def test_a_servers_answer_is_read_by_index_and_a_wrong_one_is_one_line(monkeypatch):
+    """--url took the rows in the order listed, not by their ``index``; floats where base64
+    was asked, an HTML page with 200, or a Retry-After given as a date were tracebacks."""
+    import base64
+
+    import httpx
+
+    from embedsvc.bulk.embedders import RemoteEmbedder
+
+    rows = np.arange(6, dtype="<f4").reshape(3, 2)
+    answers: list = []
+    waits: list = []
+
+    def handler(request):
+        if request.url.path == "/info":
+            return httpx.Response(200, json={"kind": "embedding"})
+        return answers.pop(0)
+
+    real = httpx.Client
+
+    def client(**kwargs):
+        return real(transport=httpx.MockTransport(handler), **kwargs)
+
+    monkeypatch.setattr(httpx, "Client", client)
+    monkeypatch.setattr("embedsvc.bulk.embedders.time.sleep", waits.append)
+    embedder = RemoteEmbedder("http://embed.test")
+    listed = [{"index": i, "embedding": base64.b64encode(rows[i].tobytes()).decode()}
+              for i in (2, 0, 1)]
+    usage = {"prompt_tokens": 9}
+    answers.append(httpx.Response(200, json={"data": listed, "usage": usage}))
+    got, tokens = embedder(["a", "b", "c"])
+    assert np.array_equal(got, rows) and tokens == 9
+    floats = [{"index": i, "embedding": rows[i].tolist()} for i in range(3)]
+    answers.extend([httpx.Response(503, headers={"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}),
+                    httpx.Response(200, json={"data": floats, "usage": usage})])
+    assert np.array_equal(embedder(["a", "b", "c"])[0], rows) and waits == [1.0]
+    for wrong in (httpx.Response(200, text="<html>a proxy's page</html>"),
+                  httpx.Response(200, json={"data": listed[:2], "usage": usage})):
+        answers.append(wrong)
+        with pytest.raises(BulkError, match="answered something other than one vector for "
+                                            "each of 3 inputs"):
+            embedder(["a", "b", "c"])
+    embedder.close()
