@@ -199,12 +199,23 @@ class RemoteEmbedder:
         self.max_chars = max_chars  # the server's own is not told; the setting's, as here
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        self.kind = served_kind(self._send("GET", "/info"))
+        self.kind = served_kind(self._loaded_info(timeout_s))
         self.identity = {"url": self.url, "kind": self.kind}
         problem = kind_problem(self.kind, None, serving=f"{self.url} serves")
         if problem:
             self.close()
             raise UsageError(problem)
+
+    def _loaded_info(self, timeout_s: float) -> Any:
+        """GET /info once the server's model is loaded: an embedsvc still loading names no
+        kind yet (``kind: null``, ``state: loading``), which read as a dense model's (a sparse
+        server then got /v1/embeddings, and the job failed)."""
+        until = time.monotonic() + timeout_s
+        while True:
+            resp = self._send("GET", "/info")
+            if not _loading(resp) or time.monotonic() >= until:
+                return resp
+            time.sleep(1.0)
 
     def __call__(self, texts: list[str], first: int = 0) -> tuple[Rows, int]:
         """A chunk whose body the server refuses as too large (413) is sent in halves; an
@@ -273,6 +284,15 @@ class RemoteEmbedder:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _loading(resp: Any) -> bool:
+    """Whether a GET /info answer is an embedsvc's whose model is still loading."""
+    try:
+        info = resp.json() if resp.status_code == 200 else None
+    except ValueError:
+        return False
+    return isinstance(info, dict) and info.get("state") == "loading" and info.get("kind") is None
 
 
 def _row(embedding: Any) -> np.ndarray:

@@ -882,20 +882,8 @@ def test_a_servers_answer_is_read_by_index_and_a_wrong_one_is_one_line(monkeypat
 
     rows = np.arange(6, dtype="<f4").reshape(3, 2)
     answers: list = []
-    waits: list = []
-
-    def handler(request):
-        if request.url.path == "/info":
-            return httpx.Response(200, json={"kind": "embedding"})
-        return answers.pop(0)
-
-    real = httpx.Client
-
-    def client(**kwargs):
-        return real(transport=httpx.MockTransport(handler), **kwargs)
-
-    monkeypatch.setattr(httpx, "Client", client)
-    monkeypatch.setattr("embedsvc.bulk.embedders.time.sleep", waits.append)
+    waits = served_by(monkeypatch, lambda request: httpx.Response(
+        200, json={"kind": "embedding"}) if request.url.path == "/info" else answers.pop(0))
     embedder = RemoteEmbedder("http://embed.test")
     listed = [{"index": i, "embedding": base64.b64encode(rows[i].tobytes()).decode()}
               for i in (2, 0, 1)]
@@ -913,4 +901,30 @@ def test_a_servers_answer_is_read_by_index_and_a_wrong_one_is_one_line(monkeypat
         with pytest.raises(BulkError, match="answered something other than one vector for "
                                             "each of 3 inputs"):
             embedder(["a", "b", "c"])
+    embedder.close()
+
+
+def served_by(monkeypatch, handler) -> list:
+    """httpx's clients answered by ``handler`` (no server); the seconds slept meanwhile."""
+    import httpx
+
+    real, waits = httpx.Client, []
+    monkeypatch.setattr(httpx, "Client", lambda **kwargs: real(
+        transport=httpx.MockTransport(handler), **kwargs))
+    monkeypatch.setattr("embedsvc.bulk.embedders.time.sleep", waits.append)
+    return waits
+
+
+def test_a_server_still_loading_is_asked_again_for_its_kind(monkeypatch):
+    """An embedsvc still loading names no kind yet: read as a dense model's, a sparse
+    server's chunks went to /v1/embeddings and the job failed."""
+    import httpx
+
+    from embedsvc.bulk.embedders import RemoteEmbedder
+
+    infos = [{"kind": None, "state": "loading"}, {"kind": None, "state": "loading"},
+             {"kind": "sparse", "state": "ready"}]
+    waits = served_by(monkeypatch, lambda request: httpx.Response(200, json=infos.pop(0)))
+    embedder = RemoteEmbedder("http://embed.test")
+    assert embedder.kind == "sparse" and waits == [1.0, 1.0]
     embedder.close()
