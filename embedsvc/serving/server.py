@@ -129,7 +129,19 @@ class Server:
         deadline = started + self.settings.drain_timeout_s
         computed_before = drain.inputs_computed(self.service)
         server = self.waitress
-        waitress_adapter.in_loop(server, lambda: waitress_adapter.start_draining(server))
+        # The loop takes the connections queued in the kernel, then closes the listener; the
+        # drain looks at the connections only once it has (else it could find none yet,
+        # stop at once, and the queued ones were reset: a CI run's drain test)
+        began = threading.Event()
+
+        def begin() -> None:
+            try:
+                waitress_adapter.start_draining(server)
+            finally:
+                began.set()
+
+        waitress_adapter.in_loop(server, begin)
+        began.wait(max(0.0, deadline - time.monotonic()))
         arriving = waitress_adapter.requests_in_progress(server)
         report = self.drain_report = drain.drain_service(
             self.service, lambda: waitress_adapter.still_in_progress(arriving), deadline)
