@@ -184,7 +184,10 @@ class SharedEngine:
         one (``_count_exit``). One that could not load the model stops gunicorn now."""
         code = proc.wait()
         with contextlib.suppress(OSError):  # its master is stopping (the directory gone)
-            (self.directory / f"{_EXIT_PREFIX}{proc.pid}").write_text(exit_status(code))
+            # whole or not at all: a worker that counts it meanwhile read an empty status
+            aside = self.directory / f".{_EXIT_PREFIX}{proc.pid}.tmp"
+            aside.write_text(exit_status(code))
+            os.replace(aside, self.directory / f"{_EXIT_PREFIX}{proc.pid}")
         if code != ENGINE_BOOT_ERROR:
             log.log(logging.WARNING if code else logging.INFO,
                     "the engine process (pid %d) exited with %s", proc.pid, exit_status(code))
