@@ -9,6 +9,9 @@ times (45 CPU-s of a run) for plain HTTP to 127.0.0.1. These make the same clien
 
 from __future__ import annotations
 
+import os
+import random
+import socket
 from typing import Any
 
 import httpx
@@ -31,3 +34,25 @@ def post(url: str, **kwargs: Any) -> httpx.Response:
 def request(method: str, url: str, **kwargs: Any) -> httpx.Response:
     with Client() as client:
         return client.request(method, url, **kwargs)
+
+
+def fixed_port() -> int:
+    """A free port for a server that must be told its port before it starts (nginx, make serve).
+
+    A port from ``bind(0)`` comes out of the kernel's ephemeral range, where any client's
+    outgoing connection in the suite can take it between the choice and the server's bind:
+    nginx once failed so ("Address already in use"). These come from below that range, and
+    each xdist worker draws from its own thousand, so only a process outside the suite that
+    asks for this very port can collide.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
+    for port in random.sample(range(base, base + 1000), 1000):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {base}-{base + 999}")

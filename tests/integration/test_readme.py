@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -83,12 +82,6 @@ def blocks() -> list[Block]:
                 mark = _MARK.match(before[-1].strip()) if before else None
                 out.append(Block(page, title, lang, fence[2], mark[1] if mark else None))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def newcomer_env(port: int, fresh: Path) -> dict[str, str]:
@@ -174,7 +167,7 @@ def test_quick_start_and_clients_run_as_typed(tmp_path):
         pytest.fail(f".venv runs the embedsvc of {installed_checkout()}, not of this checkout "
                     f"({REPO}), so the blocks would test that code: run `make setup` here, "
                     "into a .venv of this checkout's own")
-    port = free_port()
+    port = loopback.fixed_port()
     env = newcomer_env(port, tmp_path)
     server_log = tmp_path / "background.log"
     background = [b for b in found if b.mark == "background"]

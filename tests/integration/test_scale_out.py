@@ -6,7 +6,6 @@ load on the real model is test_reliability.py's SIGTERM test.
 """
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,12 +25,6 @@ from .servers import FAKE_EMBEDSVC, Server, running, start, stop
 REPO = Path(__file__).parents[2]
 SNIPPET = REPO / "deploy" / "nginx" / "embedsvc.conf"
 REPLICA = [*FAKE_EMBEDSVC, "serve", "--threads", "16"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_requests(url: str) -> float:
@@ -73,8 +66,8 @@ def test_load_spreads_over_replicas_and_a_restart_fails_no_request(tmp_path):
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         pytest.fail("nginx is missing: `make test` installs it (Debian package nginx)")
-    ports = [free_port(), free_port()]
-    listen = free_port()
+    ports = [loopback.fixed_port(), loopback.fixed_port()]
+    listen = loopback.fixed_port()
     texts = [f"client {i} asks about replicas and load balancing" for i in range(8)]
     fake = FakeEncoder(dimension=384, max_input_tokens=256)  # as fake_serve.py serves
     expected = np.array([fake.expected(t) for t in texts])
