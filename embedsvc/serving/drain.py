@@ -7,7 +7,13 @@ drained once the requests already arriving are in, and the one log line that say
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
+import socket
+import struct
+import sys
 import time
 from collections.abc import Callable
 
@@ -16,6 +22,51 @@ from ..work import ShutdownReport
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
+
+# Linux's SO_ATTACH_FILTER and a classic BPF program of one instruction, "return 0": every
+# packet to the socket dropped. The program must outlive the call, so it is kept here.
+_SO_ATTACH_FILTER = 26
+_DROP_ALL = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET|BPF_K
+
+
+def stop_queueing(listener: socket.socket) -> bool:
+    """Keep new connections out of ``listener``'s accept queue, before the queue is emptied
+    and the listener closed; whether they are kept out.
+
+    A listener closed with connections in its queue resets them, and their clients have
+    sent a request that cannot then be retried safely. Taking the queued ones first leaves a
+    gap between the last accept and the close (the accept gives up the interpreter lock, and
+    getting it back can take milliseconds under load), in which clients reconnecting after
+    a ``Connection: close`` queued and were reset: one run in ten of a CI test. On Linux a
+    filter on the listener drops the new connections' first packets: their clients send
+    again a second later, to a closed port, and are refused, as after the close. The queued
+    connections took the listener's filter when they were made, so they are not touched.
+    Only the process that holds the last reference to the listener may do this (the filter
+    is on the kernel's socket, shared by every process that holds it).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    program = struct.pack("HL", 1, ctypes.addressof(_DROP_ALL))  # struct sock_fprog
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program)
+    except OSError as exc:
+        log.debug("new connections not kept out of the listener's queue: %s", exc)
+        return False
+    return True
+
+
+def held_by(pid: int, listener: socket.socket) -> bool:
+    """Whether process ``pid`` holds ``listener`` too; true when it cannot be told (no /proc,
+    or another user's process)."""
+    with contextlib.suppress(OSError):
+        mine = f"socket:[{os.fstat(listener.fileno()).st_ino}]"
+        root = f"/proc/{pid}/fd"
+        for fd in os.listdir(root):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{root}/{fd}") == mine:
+                    return True
+        return False
+    return True
 
 
 def inputs_computed(service: Service) -> int:

@@ -247,6 +247,10 @@ class ThreadWorker(gthread.ThreadWorker):
         """
         self.set_accept_enabled(False)
         for listener in self.sockets:
+            # the filter is on the kernel's socket: only once the master has closed its copy
+            # (it stops, where a reload or fewer workers keep it) is no other worker to serve it
+            if not drain.held_by(os.getppid(), listener):
+                drain.stop_queueing(listener)
             while self._accept_one(listener):
                 pass
             listener.close()

@@ -59,7 +59,7 @@ from waitress.task import ErrorTask, ThreadedTaskDispatcher
 from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
 from waitress.wasyncore import close_all, dispatcher
 
-from . import http_errors
+from . import drain, http_errors
 from .internals import missing_internals
 
 log = logging.getLogger(__name__)
@@ -567,8 +567,13 @@ def start_draining(server: Server) -> None:
     """Take the connections the kernel has queued, then close the listening socket; open
     connections stay, each closing after its next answer (call in the loop thread).
     Closed with connections still queued, the listener reset them all: a request cut that
-    way cannot be retried safely. gunicorn's worker takes them the same way."""
+    way cannot be retried safely. gunicorn's worker takes them the same way. New connections
+    are kept out of the queue first (``drain.stop_queueing``): this process alone holds the
+    listener by now (`embedsvc serve --workers N` closed its copies before it told the
+    fronts to drain)."""
     server.draining = True
+    if server.socket is not None:
+        drain.stop_queueing(server.socket)
     # at most a backlog's worth: the loop's other connections wait meanwhile, and a storm
     # of new ones would otherwise keep it here past the drain's deadline
     for _ in range(server.adj.backlog):

@@ -187,6 +187,28 @@ def test_gunicorn_sigterm_under_keep_alive_load_refuses_and_resets_nothing(tmp_p
         assert "none left unfinished" in server.output()
 
 
+def test_a_worker_stopped_while_its_master_serves_on_leaves_the_listener_serving(tmp_path):
+    """A stopping worker keeps new connections out of the listening socket's queue, but
+    that socket is the master's and every worker's: a worker stopped by TTOU (fewer
+    workers) or a reload must leave it to the others. Each new connection is answered, none
+    waits for a dropped first packet to be sent again (a second)."""
+    env = {"EMBEDSVC_ENGINE": "inline"}  # two fake encoders, no engine process to wait on
+    with running([*CONF, "-w", "2", "tests.integration.fake_app:app"], tmp_path / "ttou.log",
+                 env=env, cwd=str(REPO)) as server:
+        deadline = time.monotonic() + 30
+        while len(workers_of(server.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = workers_of(server.proc.pid)
+        os.kill(server.proc.pid, signal.SIGTTOU)
+        while set(before) <= set(workers_of(server.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers_of(server.proc.pid)) == 1, server.output()[-2000:]
+        for i in range(20):  # each on a connection of its own
+            resp = loopback.post(server.url + "/embed", json={"inputs": f"after {i}"},
+                                 timeout=httpx.Timeout(5, connect=0.5))
+            assert resp.status_code == 200
+
+
 LONG = [f"input number {i} " + "with several more words " * 20 for i in range(256)]
 
 

@@ -1,6 +1,7 @@
 """The gunicorn worker: internals it relies on, deadline reads and JSON errors."""
 
 import json
+import os
 import socket
 import threading
 import time
@@ -117,3 +118,29 @@ def test_a_send_nobody_reads_times_out_and_a_slow_reader_is_not_cut():
         thread.join(30)
         b.close()
     assert sum(got) == 1 << 20
+
+
+def test_the_listener_is_closed_to_new_connections_only_when_the_master_let_go_of_it():
+    """The worker keeps new connections out of the listener's queue (a filter on the
+    kernel's socket) only when its master no longer holds it: on a reload, or with fewer
+    workers, the master keeps it for the workers that go on serving."""
+    import subprocess
+    import sys
+
+    from embedsvc.serving import drain
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        assert drain.held_by(os.getpid(), listener)
+        holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                  stdin=subprocess.PIPE, pass_fds=[listener.fileno()])
+        other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE)
+        try:
+            assert drain.held_by(holder.pid, listener)
+            assert not drain.held_by(other.pid, listener)
+        finally:
+            for proc in (holder, other):
+                proc.communicate(b"")
+        assert drain.held_by(2**22 + 1, listener)  # no such process: cannot be told, held

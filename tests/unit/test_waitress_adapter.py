@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import select
 import socket
 import threading
 import time
@@ -133,6 +134,66 @@ def test_the_drain_takes_at_most_a_backlog_of_connections():
         waitress_adapter.start_draining(server)
         assert listener.accepts == server.adj.backlog and server.socket is None
     finally:
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
+class _LateClient:
+    """A listening socket whose queue a client joins, its request sent, just after the
+    drain's last accept found the queue empty (as when the loop waits to get the
+    interpreter lock back after that accept), and before the listener closes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.client: socket.socket | None = None
+        self.made = False
+
+    def accept(self):
+        try:
+            return self._sock.accept()
+        except BlockingIOError:
+            if self.client is None:
+                self.client = socket.socket()
+                self.client.setblocking(False)
+                self.client.connect_ex(self._sock.getsockname())
+                _, writable, _ = select.select([], [self.client], [], 0.3)
+                if writable and not self.client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    self.made = True  # queued: its request waits for an accept
+                    self.client.sendall(b"POST /embed HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def outcome(self) -> str:
+        """What the client met once the listener closed."""
+        assert self.client is not None
+        select.select([self.client], [self.client], [], 5)
+        error = self.client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            return errno.errorcode[error]
+        try:
+            return "answered" if self.client.recv(100) else "closed"
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+
+
+def test_a_client_arriving_as_the_drain_closes_the_listener_is_refused_not_reset():
+    """The drain took the queued connections, then closed the listener; a client that
+    connected in between was queued, sent its request, and was reset by the close (one
+    run in ten of the gunicorn SIGTERM test). Now it is kept out of the queue: its
+    connection is not made, and is refused once the listener is gone."""
+    server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    listener = server.socket = _LateClient(server.socket)
+    try:
+        waitress_adapter.start_draining(server)
+        assert server.socket is None and listener.client is not None
+        assert not listener.made
+        assert listener.outcome() == "ECONNREFUSED"
+    finally:
+        if listener.client is not None:
+            listener.client.close()
         waitress_adapter.close(server)
         server.task_dispatcher.shutdown(timeout=1)
 
