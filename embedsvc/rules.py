@@ -118,12 +118,14 @@ def check_decode_ids(total: int, limit: int) -> None:
             param="ids", code="too_many_ids")
 
 
-def check_dimensions(dimensions: int | None, model_dimension: int) -> None:
+def check_dimensions(dimensions: int | None, model_dimension: int,
+                     param: str = "dimensions") -> None:
+    """``dimensions`` within the model's, refused by the name the request gave it."""
     if dimensions is not None and not 1 <= dimensions <= model_dimension:
         raise InvalidRequest(
-            f"'dimensions' must be between 1 and {model_dimension} for this model, "
+            f"'{param}' must be between 1 and {model_dimension} for this model, "
             f"not {dimensions}",
-            param="dimensions", code="invalid_dimensions",
+            param=param, code="invalid_dimensions",
         )
 
 

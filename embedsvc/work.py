@@ -129,7 +129,8 @@ class Work:
     ``inputs``: texts or token-id lists (``EMBED``, ``SPARSE``, ``TOKENS``), or texts and
     (text, text) pairs (``SCORE``); with ``query``, ``SCORE`` inputs are texts, each scored
     against it (a rerank; ``param`` names the list in errors). Options: ``normalize`` and
-    ``dimensions`` (``EMBED``: the first N components, then L2-normalised), ``truncate``
+    ``dimensions`` (``EMBED``: the first N components, then L2-normalised; refused by the
+    name ``dimensions_param``, the field the request sent it in), ``truncate``
     (None: the AUTO_TRUNCATE setting) and ``direction``, ``raw`` (``SCORE``: logits instead
     of the model's activation), ``decode`` (token ids of another tokenizer, turned to text
     first), ``codes`` (``EMBED``: the vectors also as these dtypes, ``Embedded.codes``:
@@ -149,6 +150,7 @@ class Work:
     raw: bool = False
     query: str | None = None
     param: str = "input"
+    dimensions_param: str = "dimensions"
     decode: Decoder | None = None
     codes: tuple[str, ...] = ()
     deadline: float | None = None

@@ -88,7 +88,7 @@ class Embed(Kind):
     name = EMBED
 
     def prepare(self, client: Any, work: Work) -> tuple[int, Tokenize]:
-        rules.check_dimensions(work.dimensions, client.info.dimension)
+        rules.check_dimensions(work.dimensions, client.info.dimension, work.dimensions_param)
         return super().prepare(client, work)
 
     def shape(self, client: Any, work: Work, out: Embedded) -> Embedded:
@@ -119,7 +119,7 @@ class Images(Embed):
                                  "texts, or name an image-text model in 'model' where the "
                                  "server serves several", param=work.param,
                                  code="not_supported")
-        rules.check_dimensions(work.dimensions, info.dimension)
+        rules.check_dimensions(work.dimensions, info.dimension, work.dimensions_param)
         rules.check_count(len(work.inputs), client.settings.max_inputs_per_request,
                           param=work.param)
         images = [i for i, item in enumerate(work.inputs) if isinstance(item, ImageRef)]

@@ -91,7 +91,8 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
     if param == "texts":
         texts = typed.with_role(call.info, inputs, req.input_type, _ROLES, "input_type")
         work = call.work(EMBED, texts, normalize=True, dimensions=req.output_dimension,
-                         truncate=truncate, direction=direction, codes=codes, param="texts")
+                         dimensions_param="output_dimension", truncate=truncate,
+                         direction=direction, codes=codes, param="texts")
     else:
         if codes:
             raise InvalidRequest(f"{', '.join(codes)} embeddings of images are not served; "
@@ -102,7 +103,8 @@ def _cohere_embed(call: Call, *, v1: bool) -> Reply:
         inputs = [typed.with_role(call.info, [item], role, _ROLES, "input_type")[0]
                   if type(item) is str else item for item in inputs]
         work = call.work(IMAGE, inputs, normalize=True, dimensions=req.output_dimension,
-                         truncate=truncate, direction=direction, param=param)
+                         dimensions_param="output_dimension", truncate=truncate,
+                         direction=direction, param=param)
     out = call.run(work)
     body: dict[str, Any] = {"id": str(uuid.uuid4())}
     if v1 and req.embedding_types is None:

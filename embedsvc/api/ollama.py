@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import __version__
+from .. import __version__, rules
 from ..errors import ApiError, InvalidRequest, NotFound, Unavailable
 from ..work import EMBED, ModelInfo
 from .bodies import as_list, parse
@@ -40,7 +40,8 @@ def embed(call: Call) -> Reply:
     """POST /api/embed: L2-normalised vectors, as Ollama gives them."""
     req = parse(OllamaEmbedRequest, call)
     inputs = as_list(req.input)
-    if not inputs:  # Ollama answers an empty list with no vectors
+    if not inputs:  # Ollama answers an empty list with no vectors, once its options hold
+        rules.check_dimensions(req.dimensions, call.info.dimension)
         return json_reply(_embed_body(call.info, [], call, 0))
     out = call.run(call.work(EMBED, inputs, normalize=True, dimensions=req.dimensions,
                              truncate=req.truncate))

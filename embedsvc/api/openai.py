@@ -38,7 +38,7 @@ def embeddings(call: Call) -> Reply:
         inputs = as_list(req.input)
     if ImageRef in set(map(type, inputs)):
         return _media(call, req, inputs)
-    dimensions = _agreed(req, "dimensions", "output_dimension")
+    dimensions, dimensions_param = _agreed_named(req, "dimensions", "output_dimension")
     dtype = _agreed(req, "output_dtype", "embedding_type") or "float"
     encoding = "base64" if dtype == "base64" else req.encoding_format
     dtype = "float" if dtype == "base64" else dtype
@@ -52,7 +52,8 @@ def embeddings(call: Call) -> Reply:
     inputs = _prompted(inputs, prefix, req, ids_take_prompts=decode is not None)
     codes = () if dtype == "float" else (dtype,)
     out = call.run(call.work(EMBED, inputs, normalize=normalize, dimensions=dimensions,
-                             truncate=req.truncation, decode=decode, codes=codes))
+                             dimensions_param=dimensions_param, truncate=req.truncation,
+                             decode=decode, codes=codes))
     return _answer(call, out, out.codes[dtype] if codes else out.vectors, encoding, len(inputs))
 
 
@@ -118,8 +119,9 @@ def _media(call: Call, req: TypedEmbeddingsRequest, inputs: list[Any]) -> Reply:
                              param="embedding_type", code="not_supported")
     prefix = _role_prefix(call, req)
     inputs = [prefix + item if prefix and type(item) is str else item for item in inputs]
+    dimensions, dimensions_param = _agreed_named(req, "dimensions", "output_dimension")
     out = call.run(call.work(IMAGE, inputs, normalize=req.normalized is not False,
-                             dimensions=_agreed(req, "dimensions", "output_dimension"),
+                             dimensions=dimensions, dimensions_param=dimensions_param,
                              truncate=req.truncation))
     encoding = "base64" if dtype == "base64" else req.encoding_format
     return _answer(call, out, out.vectors, encoding, len(inputs))
@@ -167,11 +169,16 @@ def _listed_at() -> int:
 
 def _agreed(req: TypedEmbeddingsRequest, name: str, alias: str) -> Any:
     """The value of a field two APIs spell differently; both, if they differ, is a 400."""
+    return _agreed_named(req, name, alias)[0]
+
+
+def _agreed_named(req: TypedEmbeddingsRequest, name: str, alias: str) -> tuple[Any, str]:
+    """``_agreed``'s value, and the name the request gave it (``name`` when neither)."""
     value, other = getattr(req, name), getattr(req, alias)
     if value is not None and other is not None and value != other:
         raise InvalidRequest(f"'{name}' ({value}) and '{alias}' ({other}) disagree; send one",
                              param=alias, code=f"invalid_{alias}")
-    return other if value is None else value
+    return (other, alias) if value is None and other is not None else (value, name)
 
 
 def _role_prefix(call: Call, req: TypedEmbeddingsRequest) -> str:

@@ -70,8 +70,12 @@ def test_cohere_refuses_what_it_cannot_honour(client, fake):
                         ({"texts": []}, "texts"),
                         ({"texts": ["a"], "input_type": "image"}, "input_type"),
                         ({"texts": ["a"], "embedding_types": ["int4"]}, "embedding_types"),
-                        ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate")]:
+                        ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate"),
+                        ({"texts": ["a"], "output_dimension": 9999}, "output_dimension")]:
         assert_error(client.post("/v2/embed", json=body), 400, "invalid_request_error", param)
+    named = assert_error(client.post("/v2/embed", json={"texts": ["a"], "output_dimension": 0}),
+                         400, "invalid_request_error", "output_dimension")
+    assert named["message"].startswith("'output_dimension' must be between 1 and"), named
     long = " ".join(["word"] * 40)  # past the fake's 16 tokens
     assert_error(client.post("/v2/embed", json={"texts": [long], "truncate": "NONE"}),
                  400, "invalid_request_error", "texts")  # the field it was sent in
@@ -126,7 +130,8 @@ def test_voyage_and_jina_fields_refused_when_they_disagree_or_are_unknown(client
                         ({"output_dtype": "int8", "embedding_type": "binary"}, "embedding_type"),
                         ({"input_type": "question"}, "input_type"),
                         ({"task": "retrieval.query", "input_type": "query"}, "task"),
-                        ({"output_dimension": 99}, "dimensions")]:
+                        ({"output_dimension": 99}, "output_dimension"),
+                        ({"dimensions": 99}, "dimensions")]:
         assert_error(client.post("/v1/embeddings", json={"input": "a b", **body}), 400,
                      "invalid_request_error", param)
     long = " ".join(["word"] * 40)
@@ -162,12 +167,15 @@ def test_ollama_errors_in_ollamas_shape(client, fake):
                          (client.delete("/api/delete"), 501),
                          (client.post("/api/show", json={"model": "llama3"}), 404),
                          (client.post("/api/embed", json={"input": 5}), 400),
+                         (client.post("/api/embed", json={"input": [], "dimensions": 0}), 400),
                          (client.post("/api/embeddings", json={}), 400),
                          (client.post("/api/embed", data=b"{"), 400)]:
         assert resp.status_code == status, resp.get_data(as_text=True)
         body = resp.get_json()
         assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
     assert "embeds only" in client.post("/api/pull", json={}).get_json()["error"]
+    empty = client.post("/api/embed", json={"input": [], "dimensions": 2})
+    assert empty.status_code == 200 and empty.get_json()["embeddings"] == []
     assert_still_serving(client, fake)
 
 
