@@ -33,7 +33,7 @@ import numpy as np
 import orjson
 
 from .errors import BulkError, JobChanged
-from .parts import PART_SUFFIX, PartWriter, assemble, row_type
+from .parts import JSONL, PART_SUFFIX, PartWriter, assemble, row_type
 from .records import Position, Record, image_files
 
 MANIFEST = "manifest.json"
@@ -189,20 +189,27 @@ class Checkpoint:
             self._part.abort()
             self._part = None
 
-    def finish(self, joining: Callable[[], AbstractContextManager[object]] = nullcontext
-               ) -> int:
+    def finish(self, joining: Callable[[], AbstractContextManager[object]] = nullcontext,
+               dimension: int | None = None, dtype: str = "<f4") -> int:
         """Commit the last part and join all parts aside the output (within ``joining``,
         where a signal may cut the work short: the parts stay), then rename the output into
         place and remove the directory: from the rename on, the job is done. Parts that do
         not hold the rows the manifest counts are never put in place (``BulkError``; the
-        parts stay, to be looked at); a join that does not end leaves no half file aside."""
+        parts stay, to be looked at); a join that does not end leaves no half file aside.
+        ``dimension`` and ``dtype`` (``row_type``) are the rows' where no row was written (an
+        input without records: an empty file of that width); without a dimension, such an
+        input is a ``BulkError``."""
         aside = self.target.with_name(self.target.name + ".tmp")
         try:
             with joining():
                 self.commit()
                 parts = [self.dir / p["file"] for p in self._manifest["parts"]]
-                rows = assemble(self.kind, parts, aside, self._manifest["dimension"] or 0,
-                                self._manifest.get("row_type", "<f4"))
+                width = self._manifest["dimension"] or dimension
+                if width is None and self.kind != JSONL:
+                    raise BulkError(f"the input has no records, and the server does not say "
+                                    f"how wide its vectors are: {self.target} was not written")
+                rows = assemble(self.kind, parts, aside, width or 0,
+                                self._manifest.get("row_type", dtype))
             if rows != self.done.records:
                 raise BulkError(f"the parts in {self.dir} hold {rows} rows where "
                                 f"{self.done.records} inputs were done; {self.target} was not "

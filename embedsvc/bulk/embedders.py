@@ -29,7 +29,14 @@ from ..service import Service
 from ..settings import Settings
 from ..work import IMAGE, ImageRef, Work, elements
 from .errors import BulkError, UsageError
-from .kinds import dtype_problem, expected_kind, image_problem, kind_problem, served_kind
+from .kinds import (
+    dtype_problem,
+    expected_kind,
+    image_problem,
+    kind_problem,
+    served_kind,
+    told_dimension,
+)
 from .records import DEFAULT_MAX_CHARS
 
 Rows = np.ndarray | list[list[dict[str, Any]]]  # dense rows, or each input's sparse elements
@@ -41,6 +48,8 @@ _RETRIES = 8
 class Embedder(Protocol):
     identity: dict[str, Any]
     max_chars: int  # the longest input it takes (MAX_INPUT_CHARS): the reader refuses more
+    dimension: int | None  # its rows' width where it is told (an input with no rows)
+    row_type: str  # what its rows are (parts.row_type): float32, or int8/uint8 codes
 
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
         """Rows (dense: normalised float32; sparse: elements) and the tokens computed."""
@@ -82,6 +91,8 @@ class LocalEmbedder:
             self.close()
             raise UsageError(image_problem(self.kind) or "MODEL embeds no images")
         self.identity = local_identity(settings, self.kind)
+        self.dimension = self.client.info.dimension if self.kind != "sparse" else None
+        self.row_type = "<f4"
 
     def __call__(self, texts: list[str], dtype: str = "float") -> tuple[Rows, int]:
         """The rows of ``texts`` (as ``dtype`` codes, the server's own: ``Work.codes``) and
@@ -174,6 +185,10 @@ class Quantized:
             raise UsageError(problem)
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
         self.max_chars = embedder.max_chars
+        packed = dtype in ("binary", "ubinary")  # eight components a byte
+        width = embedder.dimension
+        self.dimension = None if width is None else -(-width // 8) if packed else width
+        self.row_type = "|u1" if dtype in ("uint8", "ubinary") else "|i1"
         if dtype in ("int8", "uint8"):  # calibrated now: a failure stops the job at once
             try:
                 embedder.client.calibration()
@@ -199,7 +214,9 @@ class RemoteEmbedder:
         self.max_chars = max_chars  # the server's own is not told; the setting's, as here
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        self.kind = served_kind(self._loaded_info(timeout_s))
+        info = self._loaded_info(timeout_s)
+        self.kind = served_kind(info)
+        self.dimension, self.row_type = told_dimension(info), "<f4"
         self.identity = {"url": self.url, "kind": self.kind}
         problem = kind_problem(self.kind, None, serving=f"{self.url} serves")
         if problem:

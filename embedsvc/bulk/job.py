@@ -112,7 +112,8 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
     except BaseException:
         checkpoint.abort()
         raise
-    total = checkpoint.finish(joining=stop.interruptible)
+    total = checkpoint.finish(joining=stop.interruptible, dimension=embedder.dimension,
+                              dtype=embedder.row_type)
     if total != start.records + job.inputs:
         raise BulkError(f"wrote {total} rows for {start.records + job.inputs} inputs")
     return Summary(job.inputs, job.tokens, time.monotonic() - started, start.records)

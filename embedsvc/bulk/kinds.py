@@ -69,6 +69,16 @@ def dtype_problem(kind: str | None, dtype: str, images: bool = False) -> str | N
     return None
 
 
+def told_dimension(resp: Any) -> int | None:
+    """The width of the rows a GET /info answer names (embedsvc's ``dimension``), if any."""
+    try:
+        info = resp.json() if resp.status_code == 200 else {}
+    except ValueError:
+        return None
+    value = info.get("dimension") if isinstance(info, dict) else None
+    return value if type(value) is int and value > 0 else None
+
+
 def served_kind(resp: Any) -> str:
     """The kind a GET /info answer names: embedsvc's ``kind``, else TEI's ``model_type``
     (``{"reranker": ...}``, ``{"embedding": {"pooling": "splade"}}``); else embeddings."""

@@ -80,6 +80,18 @@ def test_url_mode_sends_to_a_running_server(tmp_path, served, reference):
     assert (cosine(vectors, reference.encode(texts)) > 0.9999).all()
 
 
+def test_url_mode_writes_an_input_without_records_at_the_servers_width(tmp_path, served):
+    source, target = tmp_path / "empty.txt", tmp_path / "vectors.parquet"
+    source.write_text("\n")
+    assert main(["embed", str(source), "-o", str(target), "--url", served.url]) == 0
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(target)  # the width /info names, as a full run's file has
+    assert table.num_rows == 0
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+
+
 def test_bad_jsonl_names_the_line(tmp_path, served, capsys):
     source = tmp_path / "bad.jsonl"
     source.write_text('{"text": "fine"}\n{"title": "no text"}\n')

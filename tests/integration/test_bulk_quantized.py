@@ -66,6 +66,7 @@ def test_an_unfinished_float_job_is_not_resumed_as_int8(job, tmp_path, capsys):
     class Crashing:  # a float run that committed one part, then died
         identity = local_identity(Settings(device="cpu"))
         kind, calls, max_chars = "embedding", 0, 200_000
+        dimension, row_type = 384, "<f4"
 
         def __call__(self, texts):
             self.calls += 1

@@ -30,6 +30,7 @@ class HashEmbedder:
 
     identity = {"model": "hash"}
     max_chars = 200_000
+    dimension, row_type = 8, "<f4"
 
     def __init__(self, fail_at=None, fail_on=None):
         self.calls, self.fail_at, self.fail_on = 0, fail_at, fail_on
@@ -99,6 +100,39 @@ def test_a_job_that_failed_midway_resumes_to_the_uninterrupted_output(tmp_path, 
     ids, rows = read_output(resumed)
     want_ids, want = read_output(whole)
     assert ids == want_ids and np.array_equal(rows, want)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl", ".parquet"])
+def test_an_input_without_records_gives_an_empty_output_of_the_models_width(tmp_path, suffix):
+    """A shard with no records (an empty file, blank lines) is an empty output the next step
+    reads: Parquet raised ArrowInvalid (a list of width 0), .npy had shape (0, 0)."""
+    source = tmp_path / "empty.txt"
+    source.write_text("\n\n")
+    target = tmp_path / f"out{suffix}"
+    summary = run_job(source, target, HashEmbedder())
+    assert summary.inputs == 0 and not parts_dir(target).exists()
+    if suffix == ".parquet":
+        table = pq.read_table(target)
+        assert table.num_rows == 0
+        assert table.schema.field("embedding").type == pa.list_(pa.float32(), 8)
+    elif suffix == ".npy":
+        rows = np.load(target)
+        assert rows.shape == (0, 8) and rows.dtype == np.float32
+    else:
+        assert target.read_bytes() == b""
+
+
+def test_an_input_without_records_from_a_server_that_does_not_say_its_width(tmp_path):
+    source = tmp_path / "empty.txt"
+    source.write_text("")
+    untold = HashEmbedder()
+    untold.dimension = None
+    with pytest.raises(BulkError, match="the input has no records, and the server does not "
+                                        "say how wide its vectors are"):
+        run_job(source, tmp_path / "out.parquet", untold)
+    assert not (tmp_path / "out.parquet").exists()
+    run_job(source, tmp_path / "out.jsonl", untold)  # lines need no width
+    assert (tmp_path / "out.jsonl").read_bytes() == b""
 
 
 def test_ids_are_line_numbers_row_numbers_or_the_id_field(tmp_path):
