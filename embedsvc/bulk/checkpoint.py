@@ -120,6 +120,7 @@ class Checkpoint:
         self._began: float | None = None  # when this run wrote its first rows (monotonic)
         self._opened = 0.0  # when the open part got its first rows
         self._part_limit = FIRST_PART_S  # how long the open part may stay open
+        self.id_type: Any = None  # a Parquet output's id type, where the input has one
 
     @classmethod
     def open(cls, target: Path, kind: str, identity: dict[str, Any], *, part_size: int,
@@ -156,7 +157,7 @@ class Checkpoint:
         sooner: ``FIRST_PART_S``), whichever comes first."""
         if self._part is None:
             name = f"part-{len(self._manifest['parts']):06d}{PART_SUFFIX[self.kind]}"
-            self._part = PartWriter(self.dir / name, self.kind)
+            self._part = PartWriter(self.dir / name, self.kind, self.id_type)
             self._opened = time.monotonic()
             if self._began is None:
                 self._began = self._opened

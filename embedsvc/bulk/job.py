@@ -23,7 +23,7 @@ from .errors import BulkError, UsageError
 from .interrupt import POLL_S, Interrupted, StopSignals
 from .options import BulkOptions
 from .parts import output_kind
-from .records import TEXT, Position, Record, input_kind, read_images, read_records
+from .records import TEXT, Position, Record, id_type, input_kind, read_images, read_records
 
 Chunk = list[tuple[Record, Position]]
 IN_FLIGHT_SHARE = 8  # the chunks in flight hold at most an eighth of a job's inputs...
@@ -90,12 +90,15 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
         raise UsageError("an image job (a folder of images, or --image-field) embeds with "
                          "LocalEmbedder(settings, images=True), and only an image job does")
     checkpoint = checkpoint or open_checkpoint(options, embedder.identity)
+    source = Path(options.input)
+    if not source.is_dir():
+        checkpoint.id_type = id_type(source, options.image_field or options.text_field,
+                                     options.id_field)
     if options.output_dtype != "float":
         embedder = Quantized(embedder, options.output_dtype)
     stop = stop or StopSignals()  # not entered: catches nothing, so never stops the job
     start = checkpoint.done
     started = time.monotonic()
-    source = Path(options.input)
     if options.images:
         records = read_images(source, options.image_field, options.id_field, start,
                               max_chars=embedder.max_chars)

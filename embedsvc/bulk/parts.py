@@ -33,13 +33,19 @@ def output_kind(path: Path) -> str | None:
     return OUTPUTS.get(path.suffix.lower())
 
 
-def vectors_table(ids: Sequence[Any], rows: np.ndarray) -> Any:
-    """An Arrow table of ``id`` and ``embedding`` (fixed_size_list of the rows' type)."""
+def vectors_table(ids: Sequence[Any], rows: np.ndarray, id_type: Any = None) -> Any:
+    """An Arrow table of ``id`` (of ``id_type``, else typed by the values) and ``embedding``
+    (fixed_size_list of the rows' type)."""
     import pyarrow as pa
 
     rows = np.ascontiguousarray(rows, dtype=row_type(rows))
     values = pa.array(rows.ravel(), pa.from_numpy_dtype(rows.dtype))
-    id_column = ids if isinstance(ids, pa.Array | pa.ChunkedArray) else _id_array(list(ids))
+    if isinstance(ids, pa.Array | pa.ChunkedArray):
+        id_column = ids
+    elif id_type is not None:
+        id_column = pa.array(list(ids), id_type)  # the values came from a column of that type
+    else:
+        id_column = _id_array(list(ids))
     embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
     return pa.table({"id": id_column, "embedding": embedding})
 
@@ -84,8 +90,8 @@ def _id_json(record_id: Any) -> bytes:
 class PartWriter:
     """One part, streamed to ``<path>.tmp`` and renamed to ``path`` by ``commit``."""
 
-    def __init__(self, path: Path, kind: str) -> None:
-        self.path, self.kind, self.rows = path, kind, 0
+    def __init__(self, path: Path, kind: str, id_type: Any = None) -> None:
+        self.path, self.kind, self.rows, self.id_type = path, kind, 0, id_type
         self._tmp = path.with_name(path.name + ".tmp")
         self._parquet: Any = None  # a ParquetWriter on the temporary file, from the first rows
         self._file: IO[bytes] | None = None
@@ -97,7 +103,7 @@ class PartWriter:
         if not isinstance(rows, np.ndarray):
             self._write_sparse(records, rows)
         elif self._file is None:
-            self._write_parquet(vectors_table([r.id for r in records], rows))
+            self._write_parquet(vectors_table([r.id for r in records], rows, self.id_type))
         elif self.kind == NPY:
             self._file.write(np.ascontiguousarray(rows, dtype=row_type(rows)).tobytes())
         elif self.kind == JSONL:

@@ -1,5 +1,6 @@
 """The bulk package through its injectable parts: a fake embedder, real files, no model."""
 
+import decimal
 import json
 import os
 import zlib
@@ -133,6 +134,27 @@ def test_an_input_without_records_from_a_server_that_does_not_say_its_width(tmp_
     assert not (tmp_path / "out.parquet").exists()
     run_job(source, tmp_path / "out.jsonl", untold)  # lines need no width
     assert (tmp_path / "out.jsonl").read_bytes() == b""
+
+
+@pytest.mark.parametrize("ids", [
+    pa.array([None] * 6 + [f"d{i}" for i in range(6, 12)], pa.string()),  # null first
+    pa.array([*range(6), *(2**63 + i for i in range(6))], pa.uint64()),  # large only later
+    pa.array([decimal.Decimal(f"{i}.5") for i in range(6)]
+             + [decimal.Decimal(f"{1000 + i}.25") for i in range(6)], pa.decimal128(8, 2)),
+], ids=["nullable", "uint64", "decimal"])
+def test_a_parquet_output_keeps_the_id_type_of_its_parquet_input(tmp_path, ids):
+    """Each chunk's ids were typed by their values: a column whose first chunk was null, or
+    unsigned ids large only later, or decimals wider later, changed type along the output,
+    and the job failed midway ("the ids change type along the input")."""
+    texts = [f"line {i} with some words" for i in range(12)]
+    source, target = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.table({"text": texts, "id": ids}), source, row_group_size=3)
+    run_job(source, target, HashEmbedder(), chunk_size=3, part_size=3)
+    table = pq.read_table(target)
+    assert table.schema.field("id").type == ids.type
+    assert table.column("id").to_pylist() == ids.to_pylist()
+    assert np.array_equal(np.stack(table.column("embedding").to_numpy(zero_copy_only=False)),
+                          HashEmbedder().rows(texts))
 
 
 def test_ids_are_line_numbers_row_numbers_or_the_id_field(tmp_path):
