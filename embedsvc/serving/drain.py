@@ -15,7 +15,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..service import Service
 from ..work import ShutdownReport
@@ -23,36 +23,45 @@ from ..work import ShutdownReport
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
 
-# Linux's SO_ATTACH_FILTER and a classic BPF program of one instruction, "return 0": every
-# packet to the socket dropped. The program must outlive the call, so it is kept here.
-_SO_ATTACH_FILTER = 26
+# Linux's SO_ATTACH_FILTER and SO_DETACH_FILTER, and a classic BPF program of one
+# instruction, "return 0": every packet to the socket dropped. The program must outlive the
+# call, so it is kept here.
+_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
 _DROP_ALL = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET|BPF_K
 
 
-def stop_queueing(listener: socket.socket) -> bool:
-    """Keep new connections out of ``listener``'s accept queue, before the queue is emptied
-    and the listener closed; whether they are kept out.
+@contextlib.contextmanager
+def queue_shut(listener: socket.socket) -> Iterator[None]:
+    """Within, new connections are kept out of ``listener``'s accept queue: empty the queue
+    there, and close the listener right after.
 
     A listener closed with connections in its queue resets them, and their clients have
-    sent a request that cannot then be retried safely. Taking the queued ones first leaves a
+    sent a request that cannot then be retried safely. Taking the queued ones first left a
     gap between the last accept and the close (the accept gives up the interpreter lock, and
     getting it back can take milliseconds under load), in which clients reconnecting after
     a ``Connection: close`` queued and were reset: one run in ten of a CI test. On Linux a
-    filter on the listener drops the new connections' first packets: their clients send
-    again a second later, to a closed port, and are refused, as after the close. The queued
-    connections took the listener's filter when they were made, so they are not touched.
-    Only the process that holds the last reference to the listener may do this (the filter
-    is on the kernel's socket, shared by every process that holds it).
+    filter on the listener drops the new connections' first packets meanwhile: their clients
+    send again a second later, to a closed port, and are refused, as after the close. The
+    connections already queued took the listener's filter when they were made, so they are
+    not touched. The filter comes off at the end, before the close: the kernel's socket may
+    outlive this process (systemd's socket activation keeps it for the next start). It is on
+    the kernel's socket, which every process that holds the listener shares: use it only
+    where the others stop too.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    program = struct.pack("HL", 1, ctypes.addressof(_DROP_ALL))  # struct sock_fprog
+    shut = False
+    if sys.platform.startswith("linux"):
+        program = struct.pack("HL", 1, ctypes.addressof(_DROP_ALL))  # struct sock_fprog
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program)
+            shut = True
+        except OSError as exc:
+            log.debug("new connections not kept out of the listener's queue: %s", exc)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program)
-    except OSError as exc:
-        log.debug("new connections not kept out of the listener's queue: %s", exc)
-        return False
-    return True
+        yield
+    finally:
+        if shut:
+            with contextlib.suppress(OSError):
+                listener.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
 
 
 def held_by(pid: int, listener: socket.socket) -> bool:

@@ -249,10 +249,10 @@ class ThreadWorker(gthread.ThreadWorker):
         for listener in self.sockets:
             # the filter is on the kernel's socket: only once the master has closed its copy
             # (it stops, where a reload or fewer workers keep it) is no other worker to serve it
-            if not drain.held_by(os.getppid(), listener):
-                drain.stop_queueing(listener)
-            while self._accept_one(listener):
-                pass
+            alone = not drain.held_by(os.getppid(), listener)
+            with drain.queue_shut(listener) if alone else contextlib.nullcontext():
+                while self._accept_one(listener):
+                    pass
             listener.close()
         self.sockets: list[Any] = []
         if self._service() is not None:

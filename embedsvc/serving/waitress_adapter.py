@@ -568,17 +568,17 @@ def start_draining(server: Server) -> None:
     connections stay, each closing after its next answer (call in the loop thread).
     Closed with connections still queued, the listener reset them all: a request cut that
     way cannot be retried safely. gunicorn's worker takes them the same way. New connections
-    are kept out of the queue first (``drain.stop_queueing``): this process alone holds the
+    are kept out of the queue meanwhile (``drain.queue_shut``): this process alone serves the
     listener by now (`embedsvc serve --workers N` closed its copies before it told the
     fronts to drain)."""
     server.draining = True
-    if server.socket is not None:
-        drain.stop_queueing(server.socket)
-    # at most a backlog's worth: the loop's other connections wait meanwhile, and a storm
-    # of new ones would otherwise keep it here past the drain's deadline
-    for _ in range(server.adj.backlog):
-        if server.socket is None or not server.handle_accept():  # nonblocking
-            break
+    listener = server.socket
+    with drain.queue_shut(listener) if listener is not None else contextlib.nullcontext():
+        # at most a backlog's worth: the loop's other connections wait meanwhile, and a
+        # storm of new ones would otherwise keep it here past the drain's deadline
+        for _ in range(server.adj.backlog):
+            if server.socket is None or not server.handle_accept():  # nonblocking
+                break
     server.accepting = False
     dispatcher.close(server)
 

@@ -198,6 +198,24 @@ def test_a_client_arriving_as_the_drain_closes_the_listener_is_refused_not_reset
         server.task_dispatcher.shutdown(timeout=1)
 
 
+def test_the_drain_leaves_a_listener_held_elsewhere_as_it_found_it():
+    """The filter that keeps connections out of the queue is on the kernel's socket: where
+    another process keeps that socket past this one (systemd's socket activation, for the
+    next start), it must come off, or every later connection would be dropped."""
+    server = waitress_adapter.create(lambda e, s: [], host="127.0.0.1", port=0, threads=1,
+                                     bounds=BOUNDS, ident="test")
+    kept = server.socket.dup()  # as the socket's other holder
+    try:
+        waitress_adapter.start_draining(server)
+        assert server.socket is None
+        client = socket.create_connection(kept.getsockname(), timeout=0.5)  # queued at once
+        client.close()
+    finally:
+        kept.close()
+        waitress_adapter.close(server)
+        server.task_dispatcher.shutdown(timeout=1)
+
+
 def test_an_unknown_waitress_version_is_named(monkeypatch):
     monkeypatch.setattr(internals, "version", lambda name: "9.0.0")
     assert any("9.0.0" in m for m in waitress_adapter.check_internals())
