@@ -36,6 +36,9 @@ def request(method: str, url: str, **kwargs: Any) -> httpx.Response:
         return client.request(method, url, **kwargs)
 
 
+_GIVEN: set[int] = set()
+
+
 def fixed_port() -> int:
     """A free port for a server that must be told its port before it starts (nginx, make serve).
 
@@ -48,11 +51,14 @@ def fixed_port() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     base = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
     for port in random.sample(range(base, base + 1000), 1000):
+        if port in _GIVEN:  # given to a server of this process that may not listen yet
+            continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     raise AssertionError(f"no free port in {base}-{base + 999}")

@@ -207,10 +207,11 @@ class Checkpoint:
                 parts = [self.dir / p["file"] for p in self._manifest["parts"]]
                 width = self._manifest["dimension"] or dimension
                 if width is None and self.kind != JSONL:
-                    raise BulkError(f"the input has no records, and the server does not say "
-                                    f"how wide its vectors are: {self.target} was not written")
+                    raise BulkError(f"the input has no records, and the embedder does not say "
+                                    "how wide its vectors are (a server: no 'dimension' in "
+                                    f"its /info): {self.target} was not written")
                 rows = assemble(self.kind, parts, aside, width or 0,
-                                self._manifest.get("row_type", dtype))
+                                self._manifest.get("row_type", dtype), self.id_type)
             if rows != self.done.records:
                 raise BulkError(f"the parts in {self.dir} hold {rows} rows where "
                                 f"{self.done.records} inputs were done; {self.target} was not "

@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from .errors import UsageError
-from .records import JSONL, PARQUET, input_kind, read_records
+from .records import JSONL, PARQUET, id_type, input_kind, read_records
 
 _GLOB = set("*?[")
 
@@ -103,7 +103,8 @@ def read_files(batch: dict[str, Any], filesystem: Any, text_field: str, id_field
 
         records = read_records(PurePosixPath(path), text_field, id_field, opener=opener,
                                max_chars=max_chars)
+        typed = id_type(PurePosixPath(path), text_field, id_field, opener)  # as without Ray
         while chunk := [record for record, _ in itertools.islice(records, rows)]:
-            ids = pa.array([r.id for r in chunk])
+            ids = pa.array([r.id for r in chunk], typed)
             yield pa.table({"path": pa.array([path] * len(chunk), pa.string()), "id": ids,
                             "text": pa.array([r.text for r in chunk], pa.string())})

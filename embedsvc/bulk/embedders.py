@@ -46,10 +46,12 @@ _RETRIES = 8
 
 
 class Embedder(Protocol):
+    """What a job embeds with. It may also say ``dimension`` (its rows' width, where it is
+    told: an input with no rows still gets an output of that width) and ``row_type``
+    (``parts.row_type``: float32 unless said); an embedder without them still runs."""
+
     identity: dict[str, Any]
     max_chars: int  # the longest input it takes (MAX_INPUT_CHARS): the reader refuses more
-    dimension: int | None  # its rows' width where it is told (an input with no rows)
-    row_type: str  # what its rows are (parts.row_type): float32, or int8/uint8 codes
 
     def __call__(self, texts: list[str]) -> tuple[Rows, int]:
         """Rows (dense: normalised float32; sparse: elements) and the tokens computed."""
@@ -186,7 +188,7 @@ class Quantized:
         self.embedder, self.dtype, self.identity = embedder, dtype, embedder.identity
         self.max_chars = embedder.max_chars
         packed = dtype in ("binary", "ubinary")  # eight components a byte
-        width = embedder.dimension
+        width = getattr(embedder, "dimension", None)
         self.dimension = None if width is None else -(-width // 8) if packed else width
         self.row_type = "|u1" if dtype in ("uint8", "ubinary") else "|i1"
         if dtype in ("int8", "uint8"):  # calibrated now: a failure stops the job at once

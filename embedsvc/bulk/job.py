@@ -115,8 +115,9 @@ def embed_file(options: BulkOptions, embedder: Embedder, *,
     except BaseException:
         checkpoint.abort()
         raise
-    total = checkpoint.finish(joining=stop.interruptible, dimension=embedder.dimension,
-                              dtype=embedder.row_type)
+    total = checkpoint.finish(joining=stop.interruptible,
+                              dimension=getattr(embedder, "dimension", None),
+                              dtype=getattr(embedder, "row_type", "<f4"))
     if total != start.records + job.inputs:
         raise BulkError(f"wrote {total} rows for {start.records + job.inputs} inputs")
     return Summary(job.inputs, job.tokens, time.monotonic() - started, start.records)

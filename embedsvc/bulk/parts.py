@@ -156,14 +156,15 @@ def row_type(rows: np.ndarray) -> str:
 
 
 def assemble(kind: str, parts: list[Path], out: Path, dimension: int,
-             dtype: str = "<f4") -> int:
+             dtype: str = "<f4", id_type: Any = None) -> int:
     """Join ``parts`` in order into ``out`` (a file aside the output, which the caller renames
-    into place); the row count. ``dtype`` is what the parts hold (``row_type``)."""
+    into place); the row count. ``dtype`` is what the parts hold (``row_type``); ``id_type``
+    the input's id type, which a Parquet output's ids take (else the first part's)."""
     if kind == NPY:
         return _assemble_npy(parts, out, dimension, dtype)
     if kind == JSONL:
         return _assemble_jsonl(parts, out)
-    return _assemble_parquet(parts, out, dimension, dtype)
+    return _assemble_parquet(parts, out, dimension, dtype, id_type)
 
 
 def _assemble_npy(parts: list[Path], tmp: Path, dimension: int, dtype: str) -> int:
@@ -189,18 +190,23 @@ def _assemble_jsonl(parts: list[Path], tmp: Path) -> int:
     return rows
 
 
-def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int, dtype: str) -> int:
+def _assemble_parquet(parts: list[Path], tmp: Path, dimension: int, dtype: str,
+                      id_type: Any = None) -> int:
     import pyarrow.parquet as pq
 
     if not parts:  # an input without rows still gives a file with the columns
-        pq.write_table(vectors_table([], np.zeros((0, dimension), dtype)), tmp)
+        pq.write_table(vectors_table([], np.zeros((0, dimension), dtype), id_type), tmp)
         return 0
     rows, writer = 0, None
     try:
         for part in parts:
             table = pq.read_table(part)  # one part at a time: at most --part-size rows
-            if writer is None:
-                writer = pq.ParquetWriter(tmp, table.schema)
+            if writer is None:  # parts written before the ids took the input's type: cast
+                schema = table.schema
+                if id_type is not None:
+                    schema = schema.set(schema.get_field_index("id"),
+                                        schema.field("id").with_type(id_type))
+                writer = pq.ParquetWriter(tmp, schema)
             writer.write_table(cast_like(table, writer.schema))
             rows += table.num_rows
     finally:

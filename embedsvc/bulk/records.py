@@ -350,15 +350,16 @@ def check_table(path: PurePath, text_field: str, id_field: str | None,
         raise UsageError(str(exc)) from None
 
 
-def id_type(path: PurePath, text_field: str, id_field: str | None) -> Any:
+def id_type(path: PurePath, text_field: str, id_field: str | None,
+            opener: Opener | None = None) -> Any:
     """The Arrow type of a table input's id column, which its ids keep in a Parquet output
     (else each chunk's ids were typed by their values: a nullable column whose first rows
     were null, or unsigned ids large only later, changed type along the output); None where
     the ids are line or row numbers, or JSONL's values."""
     if input_kind(path) not in TABLES:
         return None
-    column = table_id_column(path, text_field, id_field)
-    return table_schema(path).field(column).type if column else None
+    column = table_id_column(path, text_field, id_field, opener)
+    return table_schema(path, opener).field(column).type if column else None
 
 
 def table_id_column(path: PurePath, text_field: str, id_field: str | None,

@@ -43,10 +43,13 @@ def queue_shut(listener: socket.socket) -> Iterator[None]:
     filter on the listener drops the new connections' first packets meanwhile: their clients
     send again a second later, to a closed port, and are refused, as after the close. The
     connections already queued took the listener's filter when they were made, so they are
-    not touched. The filter comes off at the end, before the close: the kernel's socket may
-    outlive this process (systemd's socket activation keeps it for the next start). It is on
-    the kernel's socket, which every process that holds the listener shares: use it only
-    where the others stop too.
+    not touched (one whose handshake is completing as the filter goes on can still be reset,
+    a far narrower gap). The filter comes off at the end, before the close: the kernel's
+    socket may outlive this process (systemd's socket activation keeps it for the next
+    start). It is on the kernel's socket, which every process that holds the listener
+    shares: use it only where the others stop too. Several gunicorn workers share one: the
+    first to finish takes the filter off while the others may still be emptying the queue,
+    so there the gap narrows without closing.
     """
     shut = False
     if sys.platform.startswith("linux"):

@@ -89,7 +89,9 @@ class ProbeListener:
             return
         server = self.server
         def close() -> None:
-            waitress_adapter.start_draining(server)
+            # the probe socket may be shared (the fronts of `embedsvc serve --workers N`): its
+            # queue is left open for the fronts that go on
+            waitress_adapter.start_draining(server, shut_queue=False)
             waitress_adapter.close(server)
 
         waitress_adapter.in_loop(server, close)

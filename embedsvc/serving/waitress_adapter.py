@@ -563,16 +563,17 @@ def stop_threads(server: Server, timeout: float) -> None:
     server.task_dispatcher.shutdown(timeout=timeout)
 
 
-def start_draining(server: Server) -> None:
+def start_draining(server: Server, shut_queue: bool = True) -> None:
     """Take the connections the kernel has queued, then close the listening socket; open
     connections stay, each closing after its next answer (call in the loop thread).
     Closed with connections still queued, the listener reset them all: a request cut that
     way cannot be retried safely. gunicorn's worker takes them the same way. New connections
-    are kept out of the queue meanwhile (``drain.queue_shut``): this process alone serves the
-    listener by now (`embedsvc serve --workers N` closed its copies before it told the
-    fronts to drain)."""
+    are kept out of the queue meanwhile (``drain.queue_shut``), where ``shut_queue`` says
+    that no other process serves the listener (`embedsvc serve --workers N` closed its copies
+    of the fronts' listeners before it told them to drain, but keeps the one probe socket
+    they share until the last has stopped)."""
     server.draining = True
-    listener = server.socket
+    listener = server.socket if shut_queue else None
     with drain.queue_shut(listener) if listener is not None else contextlib.nullcontext():
         # at most a backlog's worth: the loop's other connections wait meanwhile, and a
         # storm of new ones would otherwise keep it here past the drain's deadline

@@ -128,7 +128,7 @@ def test_an_input_without_records_from_a_server_that_does_not_say_its_width(tmp_
     source.write_text("")
     untold = HashEmbedder()
     untold.dimension = None
-    with pytest.raises(BulkError, match="the input has no records, and the server does not "
+    with pytest.raises(BulkError, match="the input has no records, and the embedder does not "
                                         "say how wide its vectors are"):
         run_job(source, tmp_path / "out.parquet", untold)
     assert not (tmp_path / "out.parquet").exists()
@@ -155,6 +155,51 @@ def test_a_parquet_output_keeps_the_id_type_of_its_parquet_input(tmp_path, ids):
     assert table.column("id").to_pylist() == ids.to_pylist()
     assert np.array_equal(np.stack(table.column("embedding").to_numpy(zero_copy_only=False)),
                           HashEmbedder().rows(texts))
+
+
+def test_a_resumed_job_casts_the_parts_written_before_the_ids_took_the_inputs_type(
+        tmp_path, monkeypatch):
+    """Parts committed by a run that typed ids by their values (before this change) join
+    those typed by the input's column: int64 parts of small ids, then uint64 ones."""
+    from embedsvc.bulk import job
+
+    texts = [f"line {i} with some words" for i in range(12)]
+    ids = pa.array([*range(6), *(2**63 + i for i in range(6))], pa.uint64())
+    source, target = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.table({"text": texts, "id": ids}), source, row_group_size=3)
+    with monkeypatch.context() as old:
+        old.setattr(job, "id_type", lambda *args: None)
+        with pytest.raises(BulkError, match="fell over"):
+            run_job(source, target, HashEmbedder(fail_on=texts[7]), chunk_size=3, part_size=3)
+    first = pq.read_table(sorted(parts_dir(target).glob("part-*.parquet"))[0])
+    assert first.schema.field("id").type == pa.int64()  # as the values typed it
+    run_job(source, target, HashEmbedder(), chunk_size=3, part_size=3)
+    table = pq.read_table(target)
+    assert table.schema.field("id").type == pa.uint64()
+    assert table.column("id").to_pylist() == ids.to_pylist()
+
+
+def test_an_empty_parquet_input_gives_ids_of_its_columns_type(tmp_path):
+    source, target = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.table({"text": pa.array([], pa.string()),
+                             "id": pa.array([], pa.string())}), source)
+    run_job(source, target, HashEmbedder())
+    assert pq.read_table(target).schema.field("id").type == pa.string()  # not null
+
+
+def test_an_embedder_that_does_not_say_its_width_or_row_type_still_runs(tmp_path):
+    """``dimension`` and ``row_type`` are an embedder's to give, not to owe: a library
+    caller's embedder written before them runs as it did."""
+
+    class Plain:
+        identity, max_chars = {"model": "plain"}, 200_000
+
+        def __call__(self, texts):
+            return HashEmbedder().rows(texts), len(texts)
+
+    texts, inputs = write_inputs(tmp_path, n=5)
+    run_job(inputs["txt"], tmp_path / "out.npy", Plain())
+    assert np.array_equal(np.load(tmp_path / "out.npy"), HashEmbedder().rows(texts))
 
 
 def test_ids_are_line_numbers_row_numbers_or_the_id_field(tmp_path):
@@ -616,6 +661,14 @@ def test_a_ray_read_task_reads_like_the_in_process_reader(tmp_path):
         assert [t.num_rows for t in tables] == [6, 6, 6, 2]
         ids = [i for t in tables for i in t.column("id").to_pylist()]
         assert ids == [r.id for r, _ in read_records(inputs[kind])]
+    nullable = tmp_path / "nullable.parquet"  # each task's ids of the column's type
+    pq.write_table(pa.table({"text": [f"t{i}" for i in range(8)],
+                             "id": pa.array([None] * 4 + ["a", "b", "c", "d"], pa.string())}),
+                   nullable)
+    dataset = list_dataset(str(nullable))
+    tables = list(read_files({"path": [dataset.files[0].path]}, dataset.filesystem, "text",
+                             None, rows=4, max_chars=200_000))
+    assert [t.schema.field("id").type for t in tables] == [pa.string(), pa.string()]
 
 
 def test_shards_are_written_per_input_file_and_listed_when_whole(tmp_path):

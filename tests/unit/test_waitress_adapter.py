@@ -216,6 +216,28 @@ def test_the_drain_leaves_a_listener_held_elsewhere_as_it_found_it():
         server.task_dispatcher.shutdown(timeout=1)
 
 
+def test_the_probe_listener_leaves_the_queue_of_a_socket_the_other_fronts_serve_open():
+    """The fronts of `embedsvc serve --workers N` share one probe socket, which the
+    supervisor keeps until the last front stops: a front that stops its probes must not shut
+    that socket's queue under the others (their probes' connections would wait a second)."""
+    from embedsvc.serving.probe import ProbeListener
+    from embedsvc.settings import Settings
+
+    shared = socket.socket()
+    shared.bind(("127.0.0.1", 0))
+    shared.listen(16)
+    probes = ProbeListener(lambda e, s: [], Settings(health_port=0), sock=shared.dup())
+    listener = probes.server.socket = _LateClient(probes.server.socket)
+    probes.start()
+    try:
+        probes.stop()
+        assert listener.client is not None and listener.made  # queued for another front
+    finally:
+        if listener.client is not None:
+            listener.client.close()
+        shared.close()
+
+
 def test_an_unknown_waitress_version_is_named(monkeypatch):
     monkeypatch.setattr(internals, "version", lambda name: "9.0.0")
     assert any("9.0.0" in m for m in waitress_adapter.check_internals())
