@@ -39,6 +39,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -345,6 +346,9 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def wrk(server: Running, sc: Scenario, seconds: float) -> dict:
+    if shutil.which("wrk") is None:
+        raise SystemExit("the load generator wrk is not installed: apt-get install wrk (the "
+                         "Debian package), or build it from its sources")
     env = {**os.environ, "BENCH_ROUTE": server.route, "BENCH_INPUTS": str(sc.inputs),
            "BENCH_MIN_WORDS": str(sc.min_words), "BENCH_MAX_WORDS": str(sc.max_words),
            "BENCH_BODIES": str(bodies_file(sc))}
