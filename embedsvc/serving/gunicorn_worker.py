@@ -90,6 +90,7 @@ class DeadlineSocket:
         self.deadline: float | None = None
         self.expired = False
         self.send_timeout = send_timeout
+        self.head: bytes | None = None  # the start of this request, once read (its error's path)
 
     def sendall(self, data: bytes) -> None:
         """Send ``data``; a wait in which the client takes none of it longer than
@@ -109,13 +110,19 @@ class DeadlineSocket:
     def recv(self, size: int) -> bytes:
         deadline = self.deadline
         if deadline is None:
-            return self._sock.recv(size)
+            data = self._sock.recv(size)
+            if self.head is None:
+                self.head = data[:_HEAD_KEPT]
+            return data
         # past the deadline, bytes already here are still taken: a client whose complete
         # head waited for a free thread is not the slow one
         remaining = max(0.0, deadline - time.monotonic())
         self._sock.settimeout(remaining)
         try:
-            return self._sock.recv(size)
+            data = self._sock.recv(size)
+            if self.head is None:
+                self.head = data[:_HEAD_KEPT]
+            return data
         except (TimeoutError, BlockingIOError):
             self.expired = True
             raise DeadlinePassed() from None
@@ -142,13 +149,15 @@ class DeadlineSocket:
 
 
 def json_error(status: int, reason: str, message: str, *, max_body_bytes: int,
-               head: bool = False) -> bytes:
-    """A complete HTTP response in the JSON error shape, closing the connection."""
+               head: bool = False, path: str | None = None) -> bytes:
+    """A complete HTTP response in the error shape of ``path``'s API family, closing the
+    connection."""
     error = http_errors.server_error(status, reason, message, max_body_bytes=max_body_bytes)
-    return http_errors.http_response(error, head=head)
+    return http_errors.http_response(error, head=head, path=path)
 
 
-_answering = threading.local()  # whether the request gunicorn answers an error to is a HEAD
+_answering = threading.local()  # of the request gunicorn answers an error to: head, path
+_HEAD_KEPT = 1024  # of a request's first bytes, enough for its request line's path
 
 
 def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: str,
@@ -156,7 +165,7 @@ def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: st
     """Replaces ``gunicorn.util.write_error`` (bound to the limit: then the same signature)."""
     head = getattr(_answering, "head", False)
     util.write_nonblock(sock, json_error(status_int, reason, mesg, max_body_bytes=max_body_bytes,
-                                         head=head))
+                                         head=head, path=getattr(_answering, "path", None)))
 
 
 def abort(sock: Any) -> None:
@@ -355,6 +364,7 @@ class ThreadWorker(gthread.ThreadWorker):
                 400, "Bad Request", hint, max_body_bytes=self.settings.max_body_bytes), "-", "-")
             return False
         conn.served = True
+        sock.head = None  # this request's first bytes, as they are read
         token = object()
         with self._handling_lock:
             self._handling.add(token)
@@ -370,12 +380,15 @@ class ThreadWorker(gthread.ThreadWorker):
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: Exception) -> None:
         # gunicorn writes its error answer without the method; a HEAD's carries no body
+        # gunicorn's parser fails without the request it had read the line of: the path comes
+        # from the request's first bytes
         method = getattr(req or getattr(exc, "req", None), "method", None)
         _answering.head = method == "HEAD"
+        _answering.path = http_errors.request_path(getattr(client, "head", None) or b"")
         try:
             super().handle_error(req, client, addr, exc)
         finally:
-            _answering.head = False
+            _answering.head, _answering.path = False, None
 
     def handle_request(self, req: Any, conn: Any) -> bool:
         try:

@@ -81,6 +81,20 @@ _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 _TLS_RECORD = 0x16
 
 
+def request_path(start: bytes) -> str | None:
+    """The path of the request line ``start`` begins with (``POST /api/embed?x HTTP/1.1``),
+    or None: the shape of the error for a request whose head did not parse past that line.
+
+    >>> request_path(b"POST /api/embed?x=1 HTTP/1.1\\r\\nNoColon\\r\\n")
+    '/api/embed'
+    """
+    line = start.lstrip(b"\r\n").split(b"\n", 1)[0]
+    parts = line.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].startswith(b"/"):
+        return None
+    return parts[1].split(b"?", 1)[0].decode("latin-1")
+
+
 def not_http(start: bytes) -> str | None:
     """Why a connection whose first bytes are ``start`` carries no HTTP request, or None.
 

@@ -139,13 +139,19 @@ def error_body(err: Error, max_body_bytes: int, path: str | None = None) -> byte
     return http_errors.error_json(error, path)
 
 
+_HEAD_KEPT = 1024  # of a request's first bytes, enough for its request line's path
+
+
 class JsonErrorTask(ErrorTask):
     """waitress's error answer, in the JSON error shape; without its body for a HEAD request."""
 
     def execute(self) -> None:
         err = self.request.error
-        body = error_body(err, self.channel.server.bounds.max_body_bytes,
-                          getattr(self.request, "path", None))
+        # a head that failed has no path, or waitress's stand-in "/" (one too large): the
+        # request's first bytes say it
+        path = (http_errors.request_path(getattr(self.channel, "head", b""))
+                or getattr(self.request, "path", None))
+        body = error_body(err, self.channel.server.bounds.max_body_bytes, path)
         self.status = f"{err.code} {err.reason}"
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
@@ -201,6 +207,7 @@ class Channel(HTTPChannel):
 
     def __init__(self, server: Any, sock: Any, addr: Any, adj: Any, map: Any = None) -> None:
         self.head_since: float | None = time.monotonic()  # the first request's clock: accept
+        self.head = b""  # the first bytes of the request being read (its error's path)
         self.body_since: float | None = None
         self.peer_closed = False
         self.output_since: float | None = None  # output waiting since (seen by the sweep)
@@ -242,11 +249,16 @@ class Channel(HTTPChannel):
         before = self.request
         if self.refused:
             return False
-        if before is None and self.head_since is None:
-            self.head_since = now  # a later request: its clock starts with its first byte
-        if before is None and (hint := http_errors.not_http(data)):
-            self._refuse(BadRequest(hint))
-            return False
+        if before is None:
+            if self.head_since is None:
+                self.head_since = now  # a later request: its clock starts with its first byte
+            # the rest of a head waitress refused also comes as a "new request": kept is
+            # what begins with a request line
+            if not self.head or http_errors.request_path(data) is not None:
+                self.head = data[:_HEAD_KEPT]
+            if hint := http_errors.not_http(data):
+                self._refuse(BadRequest(hint))
+                return False
         result = super().received(data)
         after = self.request
         if after is None:

@@ -267,6 +267,30 @@ def test_the_http_servers_own_answers_are_json(bounded, case):
         assert "not TLS: use http://" in err["message"]
 
 
+# Requests whose head fails past the request line, on Ollama's routes: its clients read
+# {"error": "<message>"}, and the HTTP server's own answer must say it so too
+OLLAMA_MALFORMED = {
+    "bad content-length": (b"POST /api/embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n"
+                           b"\r\n", 400),
+    "a header line without a colon": (b"POST /api/embed HTTP/1.1\r\nHost: x\r\nNoColon\r\n"
+                                      b"Content-Length: 2\r\n\r\n{}", 400),
+    "bad chunk size": (b"POST /api/embed HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                       b"\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400),
+    "huge header": (b"GET /api/tags HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000
+                    + b"\r\n\r\n", 431),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OLLAMA_MALFORMED))
+def test_the_http_servers_own_answers_on_ollamas_routes_are_in_ollamas_shape(bounded, case):
+    data, want = OLLAMA_MALFORMED[case]
+    status, headers, body = raw_exchange(bounded.port, data, timeout=5)
+    assert status == want, (status, body[:300])
+    assert headers.get("content-type", "").startswith("application/json"), headers
+    error = json.loads(body)
+    assert set(error) == {"error"} and isinstance(error["error"], str) and error["error"], error
+
+
 def settled_output(server: Server, quiet: float = 0.5) -> str:
     """The server's log once it has not grown for ``quiet`` seconds."""
     text = server.output()
