@@ -90,7 +90,7 @@ class DeadlineSocket:
         self.deadline: float | None = None
         self.expired = False
         self.send_timeout = send_timeout
-        self.head: bytes | None = None  # the start of this request, once read (its error's path)
+        self.head = b""  # this request's first bytes, to its request line's end (its error's)
 
     def sendall(self, data: bytes) -> None:
         """Send ``data``; a wait in which the client takes none of it longer than
@@ -111,8 +111,8 @@ class DeadlineSocket:
         deadline = self.deadline
         if deadline is None:
             data = self._sock.recv(size)
-            if self.head is None:
-                self.head = data[:_HEAD_KEPT]
+            if len(self.head) < http_errors.HEAD_KEPT:
+                self.head = http_errors.kept_head(self.head, data)
             return data
         # past the deadline, bytes already here are still taken: a client whose complete
         # head waited for a free thread is not the slow one
@@ -120,8 +120,8 @@ class DeadlineSocket:
         self._sock.settimeout(remaining)
         try:
             data = self._sock.recv(size)
-            if self.head is None:
-                self.head = data[:_HEAD_KEPT]
+            if len(self.head) < http_errors.HEAD_KEPT:
+                self.head = http_errors.kept_head(self.head, data)
             return data
         except (TimeoutError, BlockingIOError):
             self.expired = True
@@ -157,7 +157,6 @@ def json_error(status: int, reason: str, message: str, *, max_body_bytes: int,
 
 
 _answering = threading.local()  # of the request gunicorn answers an error to: head, path
-_HEAD_KEPT = 1024  # of a request's first bytes, enough for its request line's path
 
 
 def write_json_error(max_body_bytes: int, sock: Any, status_int: int, reason: str,
@@ -364,7 +363,11 @@ class ThreadWorker(gthread.ThreadWorker):
                 400, "Bad Request", hint, max_body_bytes=self.settings.max_body_bytes), "-", "-")
             return False
         conn.served = True
-        sock.head = None  # this request's first bytes, as they are read
+        # this request's first bytes: those gunicorn's parser read ahead with the last
+        # request, then the rest as they are read
+        parser = getattr(conn, "parser", None)
+        ahead = parser.unreader.buf.getvalue() if parser is not None else b""
+        sock.head = ahead[:http_errors.HEAD_KEPT]
         token = object()
         with self._handling_lock:
             self._handling.add(token)
@@ -382,9 +385,12 @@ class ThreadWorker(gthread.ThreadWorker):
         # gunicorn writes its error answer without the method; a HEAD's carries no body
         # gunicorn's parser fails without the request it had read the line of: the path comes
         # from the request's first bytes
-        method = getattr(req or getattr(exc, "req", None), "method", None)
-        _answering.head = method == "HEAD"
-        _answering.path = http_errors.request_path(getattr(client, "head", None) or b"")
+        read = req or getattr(exc, "req", None)
+        method, path = getattr(read, "method", None), getattr(read, "path", None)
+        if path is None:
+            method, path = http_errors.request_line(getattr(client, "head", b"")) or (
+                method, None)
+        _answering.head, _answering.path = method == "HEAD", path
         try:
             super().handle_error(req, client, addr, exc)
         finally:

@@ -81,18 +81,37 @@ _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 _TLS_RECORD = 0x16
 
 
-def request_path(start: bytes) -> str | None:
-    """The path of the request line ``start`` begins with (``POST /api/embed?x HTTP/1.1``),
-    or None: the shape of the error for a request whose head did not parse past that line.
+HEAD_KEPT = 1024  # of a request's first bytes: enough for its request line
 
-    >>> request_path(b"POST /api/embed?x=1 HTTP/1.1\\r\\nNoColon\\r\\n")
-    '/api/embed'
+
+def kept_head(head: bytes, data: bytes) -> bytes:
+    """``head``, a request's first bytes kept so far, with ``data`` read after them: until its
+    request line is whole (a line end), or ``HEAD_KEPT`` bytes."""
+    if len(head) >= HEAD_KEPT or b"\n" in head:
+        return head
+    return head + data[:HEAD_KEPT - len(head)]
+
+
+def request_line(start: bytes) -> tuple[str, str] | None:
+    """The method and path of the request line ``start`` begins with (``POST /api/embed?x
+    HTTP/1.1``; a target in absolute form gives its path), or None: the shape of the error
+    for a request whose head did not parse.
+
+    >>> request_line(b"POST /api/embed?x=1 HTTP/1.1\\r\\nNoColon\\r\\n")
+    ('POST', '/api/embed')
+    >>> request_line(b"HEAD http://host:8080/api/tags HTTP/1.1\\r\\n")
+    ('HEAD', '/api/tags')
     """
-    line = start.lstrip(b"\r\n").split(b"\n", 1)[0]
+    line = start[:HEAD_KEPT].lstrip(b"\r\n").split(b"\n", 1)[0]
     parts = line.split(b" ", 2)
-    if len(parts) < 2 or not parts[1].startswith(b"/"):
+    if len(parts) < 2:
         return None
-    return parts[1].split(b"?", 1)[0].decode("latin-1")
+    target = parts[1]
+    if not target.startswith(b"/") and b"://" in target:  # absolute form: scheme://authority/
+        target = b"/" + target.split(b"://", 1)[1].partition(b"/")[2]
+    if not target.startswith(b"/"):
+        return None
+    return parts[0].decode("latin-1"), target.split(b"?", 1)[0].decode("latin-1")
 
 
 def not_http(start: bytes) -> str | None:

@@ -56,7 +56,12 @@ from waitress.parser import HTTPRequestParser, ParsingError
 from waitress.receiver import ChunkedReceiver
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
-from waitress.utilities import BadRequest, Error, RequestEntityTooLarge
+from waitress.utilities import (
+    BadRequest,
+    Error,
+    RequestEntityTooLarge,
+    RequestHeaderFieldsTooLarge,
+)
 from waitress.wasyncore import close_all, dispatcher
 
 from . import drain, http_errors
@@ -147,16 +152,18 @@ class JsonErrorTask(ErrorTask):
 
     def execute(self) -> None:
         err = self.request.error
-        # a head that failed has no path, or waitress's stand-in "/" (one too large): the
-        # request's first bytes say it
-        path = (http_errors.request_path(getattr(self.channel, "head", b""))
-                or getattr(self.request, "path", None))
+        # a head that failed has no path, or waitress's stand-in "GET /" (one too large): the
+        # request's first bytes say them
+        method, path = getattr(self.request, "command", None), getattr(self.request, "path", None)
+        if path is None or isinstance(err, RequestHeaderFieldsTooLarge):
+            method, path = http_errors.request_line(getattr(self.request, "start", b"")) or (
+                method, path)
         body = error_body(err, self.channel.server.bounds.max_body_bytes, path)
         self.status = f"{err.code} {err.reason}"
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.content_length = len(body)
-        if getattr(self.request, "command", None) != "HEAD":  # unset on waitress's 500
+        if method != "HEAD":  # unset on waitress's 500
             self.write(body)
         self.channel.server.on_error(self.request, err.code)
 
@@ -177,6 +184,7 @@ class Parser(HTTPRequestParser):
 
     completed: bool  # waitress's own attributes
     body_bytes_received: int
+    start = b""  # this request's first bytes, up to its request line's end (its error's)
 
     def parse_header(self, header_plus: bytes) -> None:
         super().parse_header(header_plus)
@@ -185,6 +193,8 @@ class Parser(HTTPRequestParser):
                                "send one of them")
 
     def received(self, data: bytes) -> int:
+        if len(self.start) < http_errors.HEAD_KEPT:  # waitress hands a parser its request's
+            self.start = http_errors.kept_head(self.start, data)  # bytes from the first on
         consumed = super().received(data)
         chunks = self.body_rcv
         if self.chunked and not self.completed and isinstance(chunks, ChunkedReceiver):
@@ -207,7 +217,6 @@ class Channel(HTTPChannel):
 
     def __init__(self, server: Any, sock: Any, addr: Any, adj: Any, map: Any = None) -> None:
         self.head_since: float | None = time.monotonic()  # the first request's clock: accept
-        self.head = b""  # the first bytes of the request being read (its error's path)
         self.body_since: float | None = None
         self.peer_closed = False
         self.output_since: float | None = None  # output waiting since (seen by the sweep)
@@ -252,10 +261,6 @@ class Channel(HTTPChannel):
         if before is None:
             if self.head_since is None:
                 self.head_since = now  # a later request: its clock starts with its first byte
-            # the rest of a head waitress refused also comes as a "new request": kept is
-            # what begins with a request line
-            if not self.head or http_errors.request_path(data) is not None:
-                self.head = data[:_HEAD_KEPT]
             if hint := http_errors.not_http(data):
                 self._refuse(BadRequest(hint))
                 return False

@@ -291,6 +291,61 @@ def test_the_http_servers_own_answers_on_ollamas_routes_are_in_ollamas_shape(bou
     assert set(error) == {"error"} and isinstance(error["error"], str) and error["error"], error
 
 
+def answers(port: int, *sends: bytes, pause: float = 0.3) -> list[tuple[int, bytes]]:
+    """The status and body of each answer on one connection to ``sends`` (``pause`` between
+    them), read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        for i, data in enumerate(sends):
+            if i:
+                time.sleep(pause)
+            with contextlib.suppress(OSError):
+                sock.sendall(data)
+        buf = b""
+        while chunk := _recv(sock):
+            buf += chunk
+    out = []
+    while b"\r\n\r\n" in buf:
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        length = int(fields.get("content-length", "0"))
+        out.append((int(lines[0].split()[1]), rest[:length]))
+        buf = rest[length:]
+    return out
+
+
+def is_ollamas(body: bytes) -> bool:
+    error = json.loads(body)
+    return set(error) == {"error"} and isinstance(error["error"], str)
+
+
+GOOD_TAGS = b"GET /api/tags HTTP/1.1\r\nHost: x\r\n\r\n"
+GOOD_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+NO_COLON_EMBED = b"POST /api/embed HTTP/1.1\r\nHost: x\r\nNoColon\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def test_each_request_on_a_connection_gets_its_own_routes_error_shape(bounded):
+    """The shape follows the request that failed, not another on its connection: pipelined
+    after one of another family, after a kept-alive one whose bytes came with it, or with
+    its request line split over two reads."""
+    port = bounded.port
+
+    def last(statuses: list[int], *sends: bytes) -> bytes:
+        got = answers(port, *sends)
+        assert [status for status, _ in got] == statuses, got
+        return got[-1][1]
+
+    too_large = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n"
+                 b"\r\n")
+    body = last([200, 413], GOOD_TAGS + too_large)
+    assert not is_ollamas(body), body  # an OpenAI route's, though /api/tags came first
+    assert is_ollamas(last([200, 400], GOOD_MODELS + NO_COLON_EMBED))
+    assert is_ollamas(last([400], NO_COLON_EMBED[:2], NO_COLON_EMBED[2:]))  # "PO", the rest
+    assert is_ollamas(last([200, 400], GOOD_MODELS, NO_COLON_EMBED[:2], NO_COLON_EMBED[2:]))
+    head = b"HEAD http://x/api/tags HTTP/1.1\r\nHost: x\r\nNoColon\r\n\r\n"
+    assert last([400], head) == b""  # a HEAD's answer carries no body, its head parsed or not
+
+
 def settled_output(server: Server, quiet: float = 0.5) -> str:
     """The server's log once it has not grown for ``quiet`` seconds."""
     text = server.output()
