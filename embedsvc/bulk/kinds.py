@@ -69,25 +69,25 @@ def dtype_problem(kind: str | None, dtype: str, images: bool = False) -> str | N
     return None
 
 
-def told_dimension(resp: Any) -> int | None:
-    """The width of the rows a GET /info answer names (embedsvc's ``dimension``), if any."""
+def _info(resp: Any) -> dict[str, Any]:
+    """A GET /info answer's fields (none where it is not a JSON object: not an embedsvc)."""
     try:
         info = resp.json() if resp.status_code == 200 else {}
     except ValueError:
-        return None
-    value = info.get("dimension") if isinstance(info, dict) else None
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def told_dimension(resp: Any) -> int | None:
+    """The width of the rows a GET /info answer names (embedsvc's ``dimension``), if any."""
+    value = _info(resp).get("dimension")
     return value if type(value) is int and value > 0 else None
 
 
 def served_kind(resp: Any) -> str:
     """The kind a GET /info answer names: embedsvc's ``kind``, else TEI's ``model_type``
     (``{"reranker": ...}``, ``{"embedding": {"pooling": "splade"}}``); else embeddings."""
-    try:
-        info = resp.json() if resp.status_code == 200 else {}
-    except ValueError:
-        info = {}
-    if not isinstance(info, dict):
-        return "embedding"
+    info = _info(resp)
     if isinstance(info.get("kind"), str):
         return str(info["kind"])
     model_type = info.get("model_type")

@@ -110,24 +110,24 @@ class DeadlineSocket:
     def recv(self, size: int) -> bytes:
         deadline = self.deadline
         if deadline is None:
-            data = self._sock.recv(size)
-            if len(self.head) < http_errors.HEAD_KEPT:
-                self.head = http_errors.kept_head(self.head, data)
-            return data
+            return self._kept(self._sock.recv(size))
         # past the deadline, bytes already here are still taken: a client whose complete
         # head waited for a free thread is not the slow one
         remaining = max(0.0, deadline - time.monotonic())
         self._sock.settimeout(remaining)
         try:
-            data = self._sock.recv(size)
-            if len(self.head) < http_errors.HEAD_KEPT:
-                self.head = http_errors.kept_head(self.head, data)
-            return data
+            return self._kept(self._sock.recv(size))
         except (TimeoutError, BlockingIOError):
             self.expired = True
             raise DeadlinePassed() from None
         finally:
             self._sock.settimeout(None)
+
+    def _kept(self, data: bytes) -> bytes:
+        """``data``, read: the request's first bytes are kept, to its request line's end."""
+        if len(self.head) < http_errors.HEAD_KEPT:
+            self.head = http_errors.kept_head(self.head, data)
+        return data
 
     def peek(self, size: int) -> bytes:
         """Up to ``size`` of the bytes that arrived, left for the parser (empty past the

@@ -144,9 +144,6 @@ def error_body(err: Error, max_body_bytes: int, path: str | None = None) -> byte
     return http_errors.error_json(error, path)
 
 
-_HEAD_KEPT = 1024  # of a request's first bytes, enough for its request line's path
-
-
 class JsonErrorTask(ErrorTask):
     """waitress's error answer, in the JSON error shape; without its body for a HEAD request."""
 
@@ -258,12 +255,11 @@ class Channel(HTTPChannel):
         before = self.request
         if self.refused:
             return False
-        if before is None:
-            if self.head_since is None:
-                self.head_since = now  # a later request: its clock starts with its first byte
-            if hint := http_errors.not_http(data):
-                self._refuse(BadRequest(hint))
-                return False
+        if before is None and self.head_since is None:
+            self.head_since = now  # a later request: its clock starts with its first byte
+        if before is None and (hint := http_errors.not_http(data)):
+            self._refuse(BadRequest(hint))
+            return False
         result = super().received(data)
         after = self.request
         if after is None:
