@@ -200,6 +200,8 @@ class LocalPort:
         out = self.runner.finish(work, rows)
         out.queue_s, out.inference_s, out.batch_size = job.queue_s, job.inference_s, \
             job.batch_size
+        if out.vectors is rows:  # the rows as computed: their unit rows, if the batch had them
+            out.units = job.units
         return out
 
 

@@ -29,6 +29,7 @@ from .metrics import Family, Metrics, Sample, exposition, families
 from .settings import Settings
 from .tenants import Keyring, Quotas
 from .work import ModelInfo, ShutdownReport
+from .work_kinds import l2_normalize
 
 # The model side (batching/, runner, model/) is imported where this process loads a model:
 # an HTTP process in front of the engine process never does (tests/unit/test_layers.py).
@@ -442,6 +443,11 @@ def serve_models(settings: Settings, make: Callable[[Settings, int], Service]) -
     return services[0]
 
 
+# the model kinds whose answers are normalised vectors (``Embed.shape``): dense embedding
+# and image-text models; rerankers' scores and sparse encoders' logits are not
+UNIT_KINDS = frozenset({"embedding", "image-text"})
+
+
 def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalPort:
     """The model side in this process, its batcher started."""
     from .batching.batcher import Batcher
@@ -450,6 +456,8 @@ def local_port(settings: Settings, encoder: Encoder, metrics: Metrics) -> LocalP
     if hasattr(encoder, "towers"):  # an image-text model counts each tower's work
         encoder.towers = metrics
     batcher = Batcher(encoder.encode, batch_limits(settings, encoder), metrics=metrics)
+    if encoder.info.kind in UNIT_KINDS:  # answers normalised once a batch (Batcher.unit)
+        batcher.unit = l2_normalize
     batcher.start()
     return LocalPort(Runner(settings, encoder, batcher, metrics))
 

@@ -174,7 +174,8 @@ class Embedded:
     vectors per input. ``tokens``: the real tokens computed (special tokens included).
     ``queue_s`` is the wait for admission (``admit_s``) and then in the batcher's queue;
     ``batch_size``: the inputs of the largest device batch that held some of this work's.
-    ``codes``: the vectors as each dtype ``Work.codes`` asked for.
+    ``codes``: the vectors as each dtype ``Work.codes`` asked for. ``units``: ``vectors`` at
+    unit length, where the model side normalised them with their batch (``Batcher.unit``).
     """
 
     vectors: np.ndarray
@@ -188,6 +189,7 @@ class Embedded:
     sparse: list[SparseRow] | None = None
     token_vectors: list[np.ndarray] | None = None
     codes: dict[str, np.ndarray] = field(default_factory=dict)
+    units: np.ndarray | None = None
 
 
 def elements(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:

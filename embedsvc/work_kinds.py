@@ -94,8 +94,9 @@ class Embed(Kind):
     def shape(self, client: Any, work: Work, out: Embedded) -> Embedded:
         if work.dimensions is not None:  # a copy: rows from the engine process are views
             out.vectors = np.ascontiguousarray(out.vectors[:, :work.dimensions])
-        if work.normalize:
-            out.vectors = l2_normalize(out.vectors)
+        if work.normalize:  # normalised with their batch already, where the rows are whole
+            units = out.units if work.dimensions is None else None
+            out.vectors = units if units is not None else l2_normalize(out.vectors)
         for dtype in work.codes:  # int8 and uint8 on the model's calibrated scale
             out.codes[dtype] = client.codes(out.vectors, dtype, normalize=work.normalize,
                                             dimensions=work.dimensions)

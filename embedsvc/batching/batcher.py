@@ -156,6 +156,7 @@ class Job:
         self.tenant = tenant  # whose quota counts its inputs in flight
         self.on_done = on_done  # called once, as it finishes
         self.rows: np.ndarray | None = None
+        self.units: np.ndarray | None = None  # its one row at unit length (Batcher.unit)
         self.remaining = len(inputs)
         self.error: ApiError | None = None
         self._finished = False
@@ -321,6 +322,12 @@ class Batcher:
         # batch's, a cancel's), after their ``on_done``s: for one wake-up of whoever answers
         # them, which then finds every one (the engine's loop: one frame a front a batch)
         self.on_finished: Callable[[], None] | None = None
+        # rows -> the same rows at unit length (an embedding model's, set by its service):
+        # a one-input job then gets its row normalised with the whole batch's (``Job.units``)
+        # besides the raw one. In the request's thread each numpy call of a normalisation
+        # cost several microseconds (its code cold between requests), once a request; here
+        # they are paid once a batch.
+        self.unit: Callable[[np.ndarray], np.ndarray] | None = None
         # True: the one caller that queues computes the queue itself (``compute_here``), and
         # the thread only trims; for a device that costs nothing (the simulated one), where
         # handing each batch to the thread cost more CPU (two thread switches and the
@@ -792,10 +799,11 @@ class Batcher:
         """Each job its rows; the batch's admission is given back before any job hears, so
         a request that has its answer holds no reservation (nor does ``_fail_items``')."""
         size = len(batch)
+        views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
+        units = self.unit(rows) if views and self.unit is not None else None
         with self._lock:
             seen: set[Job] = set()  # by identity
             finished: list[Job] = []
-            views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
             for k, (row, it) in enumerate(zip(rows, batch, strict=True)):
                 job = it.job
                 if job not in seen:
@@ -808,6 +816,8 @@ class Batcher:
                 self._computed += 1
                 if views and len(job.inputs) == 1:
                     job.rows = rows[k:k + 1]
+                    if units is not None:
+                        job.units = units[k:k + 1]
                 else:
                     if job.rows is None:
                         job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)

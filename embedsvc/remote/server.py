@@ -154,6 +154,7 @@ class EngineServer:
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
         runner.batcher.on_finished = self._wake_loop
+        runner.batcher.unit = None  # the answers carry the raw rows: the fronts shape them
         self._loop_thread = 0  # the loop's thread, once it runs
 
     @property

@@ -90,6 +90,32 @@ def test_each_request_gets_exactly_its_rows_in_order(metrics):
     b.shutdown(1)
 
 
+def test_a_one_input_job_gets_its_row_at_unit_length_normalised_with_its_batch(metrics):
+    """``Batcher.unit``: each one-input job's row, normalised once for the whole batch,
+    exactly as normalising that row alone gives it; a job of several inputs gets none (its
+    reader normalises its rows together), nor does any job where no ``unit`` is set."""
+    from embedsvc.work_kinds import l2_normalize
+
+    enc = GatedEncoder()
+    b = start(enc, metrics)
+    b.unit = l2_normalize
+    first = occupy(b, enc)  # the next three wait together and share one batch
+    singles = [b.submit([ids(t, t + 1, 7)], later()) for t in range(3, 5)]
+    several = b.submit([ids(5), ids(6, 6)], later())
+    enc.gate.set()
+    for job in [first, *singles]:
+        rows = job.result(5)
+        assert job.units is not None and job.units.shape == rows.shape
+        np.testing.assert_array_equal(job.units, l2_normalize(rows))
+    assert several.result(5).shape == (2, 8) and several.units is None
+    assert max(len(batch) for batch in enc.batches) == 4  # the singles' batch held several
+    b.unit = None
+    plain = b.submit([ids(9)], later())
+    plain.result(5)
+    assert plain.units is None
+    b.shutdown(1)
+
+
 def test_a_job_knows_the_largest_batch_that_held_its_inputs(metrics):
     """What a request's trace reports as its batch size (api/tracing.py)."""
     enc = GatedEncoder()

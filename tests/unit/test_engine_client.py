@@ -46,6 +46,18 @@ def test_embed_applies_dimensions_then_normalises_or_not(engine):
     assert engine.embed(["hello world"], dimensions=3, normalize=False).vectors.shape == (1, 3)
 
 
+def test_a_one_input_answer_is_its_row_normalised_with_the_batch_and_only_where_whole(engine):
+    """The batcher normalises a one-input request's row with its batch (``Batcher.unit``):
+    the answer is exactly the raw row normalised; with ``dimensions`` the cut row is
+    normalised in the request's thread, and ``normalize: false`` keeps the raw row."""
+    assert batcher_of(engine).unit is l2_normalize
+    raw = engine.embed(["hello world"], normalize=False).vectors
+    np.testing.assert_array_equal(engine.embed(["hello world"]).vectors, l2_normalize(raw))
+    np.testing.assert_array_equal(engine.embed(["hello world"], dimensions=3).vectors,
+                                  l2_normalize(raw[:, :3]))
+    assert not np.allclose(np.linalg.norm(raw), 1.0)
+
+
 @pytest.mark.parametrize(("inputs", "options", "code"), [
     ([""], {}, "empty_input"),
     (["x"] * 9, {}, "too_many_inputs"),
