@@ -80,9 +80,12 @@ server._poller.register(mine.fileno(), 1)
 ids = wire.pack_ids([[101, *([7] * 11), 102]])
 numbers = itertools.count(1)
 
+# as a front sends a normalised embedding's request (where the tree's frames say so)
+unit = {"unit": True} if "unit" in wire.Submit.__struct_fields__ else {}
+
 def frame():
-    items = [wire.Submit(next(numbers), "embed", *ids, timeout=30.0, flow=repr(("c", i)))
-             for i in range(size)]
+    items = [wire.Submit(next(numbers), "embed", *ids, timeout=30.0, flow=repr(("c", i)),
+                         **unit) for i in range(size)]
     return wire.encode(items[0] if size == 1 else wire.Submits(items))
 
 def burst(data):

@@ -42,6 +42,7 @@ class Kind:
 
     name = ""
     batched = True  # False: run alone between batches (``Runner.embed_all``), not queued
+    normalises = False  # ``shape`` normalises the rows where the work asks it (``units``)
 
     # -- the HTTP side (EngineClient) ---------------------------------------------------------
 
@@ -86,6 +87,7 @@ class Embed(Kind):
     """One vector per input, cut to ``dimensions`` and normalised as asked."""
 
     name = EMBED
+    normalises = True
 
     def prepare(self, client: Any, work: Work) -> tuple[int, Tokenize]:
         rules.check_dimensions(work.dimensions, client.info.dimension, work.dimensions_param)

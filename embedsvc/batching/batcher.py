@@ -139,7 +139,7 @@ class Job:
     def __init__(self, inputs: list[list[int]], deadline: float,
                  disconnected: Callable[[], bool] | None = None, *, flow: Hashable = None,
                  on_done: Callable[[Job], None] | None = None, origin: int | None = None,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, unit: bool = True) -> None:
         self.inputs = inputs
         self.deadline = deadline
         self.disconnected = disconnected  # True once the client has gone (Batcher.cancel_due)
@@ -156,7 +156,8 @@ class Job:
         self.tenant = tenant  # whose quota counts its inputs in flight
         self.on_done = on_done  # called once, as it finishes
         self.rows: np.ndarray | None = None
-        self.units: np.ndarray | None = None  # its one row at unit length (Batcher.unit)
+        self.unit = unit  # its one row is wanted at unit length too (Batcher.unit)
+        self.units: np.ndarray | None = None  # that row, where the batcher made it
         self.remaining = len(inputs)
         self.error: ApiError | None = None
         self._finished = False
@@ -359,7 +360,7 @@ class Batcher:
                disconnected: Callable[[], bool] | None = None,
                ticket: Ticket | None = None, flow: Hashable | None = None,
                on_done: Callable[[Job], None] | None = None, origin: int | None = None,
-               tenant: str | None = None) -> Job:
+               tenant: str | None = None, unit: bool = True) -> Job:
         """Queue one request's wrapped token ids under its admission ``ticket``.
 
         Without a ticket, admits them first (``Admission.admit``: 413, 429, 503 or 504).
@@ -375,7 +376,7 @@ class Batcher:
             ticket = self.admission.admit(len(inputs), sum(map(len, inputs)), deadline,
                                           disconnected, flow, tenant)
         job = Job(inputs, deadline, disconnected, flow=flow, on_done=on_done, origin=origin,
-                  tenant=tenant)
+                  tenant=tenant, unit=unit)
         self.submit_many([(job, ticket)])
         return job
 
@@ -800,7 +801,8 @@ class Batcher:
         a request that has its answer holds no reservation (nor does ``_fail_items``')."""
         size = len(batch)
         views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
-        units = self.unit(rows) if views and self.unit is not None else None
+        units = self.unit(rows) if views and self.unit is not None and any(
+            it.job.unit and len(it.job.inputs) == 1 for it in batch) else None
         with self._lock:
             seen: set[Job] = set()  # by identity
             finished: list[Job] = []
@@ -816,7 +818,7 @@ class Batcher:
                 self._computed += 1
                 if views and len(job.inputs) == 1:
                     job.rows = rows[k:k + 1]
-                    if units is not None:
+                    if units is not None and job.unit:
                         job.units = units[k:k + 1]
                 else:
                     if job.rows is None:

@@ -867,7 +867,8 @@ class RemotePort:
         frame = wire.Submit(call.id, work.kind, ids, lengths, seconds,
                             raw=work.raw, timeout=work.deadline - time.monotonic(),
                             flow=None if work.flow is None else repr(work.flow),
-                            tenant=work.tenant, front=os.getpid(), reserved=True, **images)
+                            tenant=work.tenant, front=os.getpid(), reserved=True,
+                            unit=wants_units(work), **images)
         self.link.send_ids(call, frame)
         give_up = work.deadline + ANSWER_GRACE_S
         return Pending(lambda: self._wait(call, work, give_up))
@@ -937,6 +938,13 @@ def embedded(frame: Any, kind: str) -> Embedded:
                               code="engine_protocol") from None
         out.queue_s, out.inference_s = frame.queue_s, frame.inference_s
         out.batch_size = frame.batch_size
+        if frame.unit:  # normalised in the engine with its batch (``Embed.shape`` takes them)
+            out.units = out.vectors
         return out
     raise Unavailable(f"the engine answered with {type(frame).__name__}",
                       code="engine_protocol")
+
+
+def wants_units(work: Work) -> bool:
+    """Whether ``work``'s answer is its rows at unit length, whole (``Submit.unit``)."""
+    return WORK_KINDS[work.kind].normalises and work.normalize and work.dimensions is None

@@ -154,7 +154,6 @@ class EngineServer:
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
         runner.batcher.on_finished = self._wake_loop
-        runner.batcher.unit = None  # the answers carry the raw rows: the fronts shape them
         self._loop_thread = 0  # the loop's thread, once it runs
 
     @property
@@ -548,8 +547,10 @@ class EngineServer:
                 wire.unpack_pixels(frame, ids, self._image_shape, info.image_tokens)
             except ValueError as exc:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
+        # ``normalize``: the front wants the answer at unit length (``Submit.unit``)
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
-                    tenant=frame.tenant, front=frame.front, deadline=deadline)
+                    tenant=frame.tenant, front=frame.front, deadline=deadline,
+                    normalize=frame.unit)
 
     def _cancel(self, peer: bytes, request_id: int, dropped: str = "") -> None:
         """The front gave a request up: a reservation or a parked request goes now (499),
@@ -686,6 +687,8 @@ class EngineServer:
                                                "retry it", code="batch_failed"))
             result.queue_s, result.inference_s = job.queue_s, job.inference_s
             result.batch_size = job.batch_size
+            if job.units is not None and result.vectors is job.rows:  # asked (Submit.unit)
+                result.vectors, result.units = job.units, job.units  # normalised once a batch
         if isinstance(result, ApiError):
             return failed(req.id, result)
         return answer_frame(req.id, req.work.kind, result)
@@ -823,9 +826,10 @@ class _Burst:
 
 
 def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
-    """The frame of a computed answer: the arrays its kind packs it into."""
+    """The frame of a computed answer: the arrays its kind packs it into (its rows at unit
+    length where ``out.units`` are its vectors)."""
     return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
-                       out.batch_size)
+                       out.batch_size, unit=out.units is not None and out.units is out.vectors)
 
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:

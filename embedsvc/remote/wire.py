@@ -92,6 +92,9 @@ class Submit(Frame):
     pixels: bytes = b""
     image_shape: tuple[Size, ...] = ()
     reserved: bool = False
+    # its answer wanted at unit length (a normalised embedding, whole): the engine sends the
+    # row its batch normalised where it has one (a one-input request's), and says so
+    unit: bool = False
 
 
 class Cancel(Frame):
@@ -158,6 +161,7 @@ class Answer(Frame):
     queue_s: float
     inference_s: float
     batch_size: int = 0  # the inputs of the largest batch that held this request's
+    unit: bool = False  # its rows are at unit length already (``Submit.unit``)
 
 
 class Failed(Frame):
@@ -309,17 +313,17 @@ def _int32s(data: bytes) -> list[int]:
 
 
 def answer(request_id: int, arrays: Sequence[np.ndarray], queue_s: float, inference_s: float,
-           batch_size: int) -> Answer:
-    """The ``Answer`` frame of ``arrays`` (float32 or int32)."""
+           batch_size: int, unit: bool = False) -> Answer:
+    """The ``Answer`` frame of ``arrays`` (float32 or int32); ``unit``: rows at unit length."""
     if len(arrays) == 1 and arrays[0].dtype == np.float32:  # a dense embedding's vectors
         (vectors,) = arrays
         return Answer(request_id, [vectors.tobytes()], ["<f4"], [vectors.shape], queue_s,
-                      inference_s, batch_size)
+                      inference_s, batch_size, unit)
     types: list[ArrayType] = ["<f4" if a.dtype == np.float32 else "<i4" for a in arrays]
     parts = [np.ascontiguousarray(a, dtype=t).tobytes() for a, t in zip(arrays, types,
                                                                          strict=True)]
     return Answer(request_id, parts, types, [tuple(int(n) for n in a.shape) for a in arrays],
-                  queue_s, inference_s, batch_size)
+                  queue_s, inference_s, batch_size, unit)
 
 
 def arrays(frame: Answer) -> list[np.ndarray]:

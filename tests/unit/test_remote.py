@@ -323,6 +323,37 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
         assert not sock.poll(100), "an answer came again in a frame of its own"
 
 
+def test_a_submit_that_asks_its_row_at_unit_length_gets_it_normalised_with_its_batch(pair):
+    """``Submit.unit``: the engine answers a one-input request's row normalised with its
+    batch (``Batcher.unit``), and says so (``Answer.unit``); a request that does not ask (no
+    normalising, or a cut to ``dimensions``) gets the raw row. Through a front the answers
+    are the ones one process gives, to the bit."""
+    from embedsvc.service import local_client
+    from embedsvc.work_kinds import l2_normalize
+
+    engine, front, encoder = pair
+    tokens = front.ready().tokens(["hello world"])
+    with _raw(front) as sock:
+        for request_id, unit in ((1, True), (2, False)):
+            sock.send(wire.encode(wire.Submit(request_id, "embed", *wire.pack_ids(tokens),
+                                              timeout=5.0, unit=unit)))
+            assert sock.poll(5000), "no answer"
+            frame = wire.decode_to_front(sock.recv())
+            assert isinstance(frame, wire.Answer) and frame.unit is unit, frame
+            rows = embedded(frame, EMBED)
+            raw = encoder.vector(tokens[0])[None, :]
+            want = l2_normalize(raw) if unit else raw
+            np.testing.assert_array_equal(rows.vectors, want)
+            assert (rows.units is rows.vectors) if unit else rows.units is None
+    alone = local_client(Settings(), encoder)
+    try:
+        for options in ({}, {"normalize": False}, {"dimensions": 3}):
+            np.testing.assert_array_equal(front.ready().embed(["hello world"], **options).vectors,
+                                          alone.embed(["hello world"], **options).vectors)
+    finally:
+        alone.shutdown(timeout=1)
+
+
 class _FreeDevice(FakeEncoder):
     """A device that says it costs nothing, and records the threads that computed on it."""
 
