@@ -55,7 +55,7 @@ from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser, ParsingError
 from waitress.receiver import ChunkedReceiver
 from waitress.server import TcpWSGIServer
-from waitress.task import ErrorTask, ThreadedTaskDispatcher
+from waitress.task import ErrorTask, ThreadedTaskDispatcher, WSGITask
 from waitress.utilities import (
     BadRequest,
     Error,
@@ -80,7 +80,7 @@ SUPPORTED = ((3, 0), (3, 1))  # waitress versions from, and below; as in pyproje
 # name -> attributes this module reads or overrides; check_internals() verifies each
 INTERNALS: dict[Any, tuple[str, ...]] = {
     HTTPChannel: ("handle_read", "received", "service", "readable", "writable", "handle_write",
-                  "check_client_disconnected", "handle_close", "error_task_class",
+                  "check_client_disconnected", "handle_close", "error_task_class", "task_class",
                   "total_outbufs_len", "will_close", "close_when_flushed", "request",
                   "last_activity", "_flush_some", "write_soon",
                   "_flush_outbufs_below_high_watermark", "parser_class", "send_continue"),
@@ -89,6 +89,8 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     OverflowableBuffer: ("overflowed",),
     ChunkedReceiver: ("chunk_remainder", "__len__"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
+    WSGITask: ("write", "build_response_header", "wrote_header", "complete", "content_length",
+               "content_bytes_written", "has_body", "chunked_response"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
                     "handle_accept", "readable", "set_socket_options", "fix_addr"),
     ThreadedTaskDispatcher: ("active_count", "shutdown"),
@@ -109,6 +111,8 @@ RECV_BYTES = 64 * 1024
 BODY_FILES = 2
 DESCRIPTORS_PER_CONNECTION = 1 + BODY_FILES + 2
 _PAUSE_ACCEPTING_S = 1.0  # out of descriptors anyway (the app opened files): retry after
+# The largest body written in one send with its head (Task.write): a copy of at most this
+_HEAD_WITH_BODY = 256 * 1024
 
 
 def check_internals() -> list[str]:
@@ -165,6 +169,31 @@ class JsonErrorTask(ErrorTask):
         self.channel.server.on_error(self.request, err.code)
 
 
+class Task(WSGITask):
+    """waitress's WSGI task, whose answer's head leaves with its body. waitress writes the
+    head alone, then the body, and each write is sent at once from the request's thread: two
+    sends an answer, two packets and two wake-ups of its client. On loopback each send also
+    runs the receiving side's TCP work, charged to the sender, and gives up the interpreter
+    lock, which the thread then waits to take back. A body of Content-Length bytes, up to
+    ``_HEAD_WITH_BODY`` of them, now goes with its head in one write (one send); any other
+    (chunked, longer than it says, a HEAD's, very large) as waitress writes it."""
+
+    def write(self, data: bytes) -> None:
+        if self.wrote_header or not data or not self.complete or len(data) > _HEAD_WITH_BODY:
+            super().write(data)
+            return
+        head = self.build_response_header()  # which may choose chunked, or no body at all
+        self.wrote_header = True
+        length = self.content_length
+        if not self.has_body or self.chunked_response or length is None \
+                or len(data) > length - self.content_bytes_written:
+            self.channel.write_soon(head)
+            super().write(data)  # the head written: the body alone, waitress's way
+            return
+        self.content_bytes_written += len(data)
+        self.channel.write_soon(head + data)
+
+
 # The bytes a chunked body still sends after a chunk's data, at the least: that chunk's CRLF,
 # then the last chunk ("0" CRLF) and the CRLF that ends the trailer
 _CHUNKS_END = 2 + 3 + 2
@@ -209,6 +238,7 @@ class Channel(HTTPChannel):
     """One client connection, with head and body deadlines and half-close handling."""
 
     error_task_class = JsonErrorTask
+    task_class = Task
     parser_class = Parser
     request: HTTPRequestParser | None  # the request being read (waitress's own attribute)
 

@@ -580,3 +580,55 @@ def test_an_upload_refused_at_its_head_gets_413_at_once_not_100_continue():
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.") == 1
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
+
+
+def _answer_of(port: int, request: bytes) -> bytes:
+    """The whole answer to ``request`` on a connection that closes after it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        out = b""
+        while chunk := sock.recv(1 << 16):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize(("method", "body", "length", "writes"), [
+    ("GET", b"ok" * 50, True, 1),  # head and body in one write: one send
+    ("GET", b"x" * (waitress_adapter._HEAD_WITH_BODY + 1), True, 2),  # a copy too large
+    ("GET", b"ok" * 50, False, 3),  # chunked, as waitress writes it: head, chunk, last chunk
+    ("HEAD", b"ok" * 50, True, 1),  # the head alone
+])
+def test_an_answers_head_leaves_with_its_body_in_one_write(monkeypatch, method, body, length,
+                                                            writes):
+    """waitress wrote the head of every answer alone, then its body, each sent at once: two
+    sends and two packets an answer. A body of Content-Length bytes now goes with its head,
+    and the client reads the same answer; the other cases are written as waitress writes
+    them."""
+    written: list[bytes] = []
+    write_soon = waitress_adapter.Channel.write_soon
+
+    def spy(channel, data):
+        written.append(bytes(data))
+        return write_soon(channel, data)
+
+    monkeypatch.setattr(waitress_adapter.Channel, "write_soon", spy)
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Length", str(len(body)))] if length else [])
+        if environ["REQUEST_METHOD"] == "HEAD":
+            return []
+        return [body] if length else iter([body])  # no length said or known: chunked
+
+    with serving(app, bounds=dataclasses.replace(BOUNDS, max_body_bytes=1 << 20)) as server:
+        got = _answer_of(server.effective_port,
+                         f"{method} / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and len(written) == writes, (head, written)
+    assert b"".join(written) == got
+    if method == "HEAD":
+        assert rest == b"" and f"Content-Length: {len(body)}".encode() in head
+    elif length:
+        assert rest == body and f"Content-Length: {len(body)}".encode() in head
+    else:
+        assert b"Transfer-Encoding: chunked" in head
+        assert rest == f"{len(body):X}\r\n".encode() + body + b"\r\n0\r\n\r\n"
