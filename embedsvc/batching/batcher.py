@@ -157,7 +157,13 @@ class Job:
         self.on_done = on_done  # called once, as it finishes
         self.rows: np.ndarray | None = None
         self.unit = unit  # its one row is wanted at unit length too (Batcher.unit)
-        self.units: np.ndarray | None = None  # that row, where the batcher made it
+        # a one-input job's row is row ``at`` of its batch's rows (and of their unit rows,
+        # where the batcher made them): the engine's loop slices its answer's bytes from
+        # the batch's, once a batch
+        self.at = -1
+        self.batch_rows: np.ndarray | None = None
+        self.batch_units: np.ndarray | None = None
+        self.units: np.ndarray | None = None  # its row at unit length: a view of those
         self.remaining = len(inputs)
         self.error: ApiError | None = None
         self._finished = False
@@ -818,8 +824,9 @@ class Batcher:
                 self._computed += 1
                 if views and len(job.inputs) == 1:
                     job.rows = rows[k:k + 1]
-                    if units is not None and job.unit:
-                        job.units = units[k:k + 1]
+                    job.at, job.batch_rows = k, rows
+                    if units is not None and job.unit:  # sliced here, where numpy is warm
+                        job.batch_units, job.units = units, units[k:k + 1]
                 else:
                     if job.rows is None:
                         job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)

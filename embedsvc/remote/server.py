@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from ..admission import Ask, Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
@@ -665,12 +667,13 @@ class EngineServer:
             self._start(start)
 
     def _answer_done(self) -> None:
+        batches: dict[int, bytes] = {}  # each batch's rows as bytes, once a turn
         while self._done:
             req = self._done.popleft()
             self._running.pop((req.peer, req.id), None)
-            self._reply(req.peer, self._answer(req))
+            self._reply(req.peer, self._answer(req, batches))
 
-    def _answer(self, req: _Request) -> wire.Answer | wire.Failed:
+    def _answer(self, req: _Request, batches: dict[int, bytes]) -> wire.Answer | wire.Failed:
         assert req.work is not None
         result = req.result
         if result is None:
@@ -678,6 +681,8 @@ class EngineServer:
             assert job is not None
             if job.error is not None:
                 return failed(req.id, job.error)
+            if job.batch_rows is not None and WORK_KINDS[req.work.kind].normalises:
+                return _sliced(req.id, job, batches)
             assert job.rows is not None
             try:
                 result = self.runner.finish(req.work, job.rows)
@@ -687,8 +692,9 @@ class EngineServer:
                                                "retry it", code="batch_failed"))
             result.queue_s, result.inference_s = job.queue_s, job.inference_s
             result.batch_size = job.batch_size
-            if job.units is not None and result.vectors is job.rows:  # asked (Submit.unit)
-                result.vectors, result.units = job.units, job.units  # normalised once a batch
+            units = job.units
+            if units is not None and result.vectors is job.rows:  # asked (Submit.unit)
+                result.vectors, result.units = units, units  # normalised once a batch
         if isinstance(result, ApiError):
             return failed(req.id, result)
         return answer_frame(req.id, req.work.kind, result)
@@ -830,6 +836,23 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
     length where ``out.units`` are its vectors)."""
     return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
                        out.batch_size, unit=out.units is not None and out.units is out.vectors)
+
+
+def _sliced(request_id: int, job: Job, batches: dict[int, bytes]) -> wire.Answer:
+    """A dense embedding's one row, as ``answer_frame`` makes it, its bytes sliced from its
+    batch's: one copy of a batch a turn, where each answer cost a slice, a contiguous copy
+    and a copy to bytes of its own (numpy calls, each a few microseconds). The row at unit
+    length where the front asked it (``Submit.unit``) and the batcher made it."""
+    batch = job.batch_units if job.batch_units is not None else job.batch_rows
+    assert batch is not None
+    blob = batches.get(id(batch))  # the jobs hold their batches: no id is reused meanwhile
+    if blob is None:
+        blob = batches[id(batch)] = np.ascontiguousarray(batch, dtype="<f4").tobytes()
+    width = batch.shape[1]
+    start = 4 * width * job.at
+    return wire.Answer(request_id, [blob[start:start + 4 * width]], ["<f4"], [(1, width)],
+                       job.queue_s, job.inference_s, job.batch_size,
+                       unit=job.batch_units is not None)
 
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:
