@@ -61,6 +61,7 @@ from waitress.utilities import (
     Error,
     RequestEntityTooLarge,
     RequestHeaderFieldsTooLarge,
+    build_http_date,
 )
 from waitress.wasyncore import close_all, dispatcher
 
@@ -90,7 +91,8 @@ INTERNALS: dict[Any, tuple[str, ...]] = {
     ChunkedReceiver: ("chunk_remainder", "__len__"),
     ErrorTask: ("execute", "set_close_on_finish", "write", "status"),
     WSGITask: ("write", "build_response_header", "wrote_header", "complete", "content_length",
-               "content_bytes_written", "has_body", "chunked_response"),
+               "content_bytes_written", "has_body", "chunked_response", "set_close_on_finish",
+               "close_on_finish", "start_time", "status"),
     TcpWSGIServer: ("maintenance", "channel_class", "add_task", "pull_trigger", "accepting",
                     "handle_accept", "readable", "set_socket_options", "fix_addr"),
     ThreadedTaskDispatcher: ("active_count", "shutdown"),
@@ -113,6 +115,11 @@ DESCRIPTORS_PER_CONNECTION = 1 + BODY_FILES + 2
 _PAUSE_ACCEPTING_S = 1.0  # out of descriptors anyway (the app opened files): retry after
 # The largest body written in one send with its head (Task.write): a copy of at most this
 _HEAD_WITH_BODY = 256 * 1024
+# Header names as waitress spells them in an answer ("content-type" -> "Content-Type"), kept
+# for the names seen (the app's own few), up to this many
+_SPELLED_MOST = 256
+_spelled: dict[str, str] = {}
+_date: tuple[int, str] = (0, "")  # the Date header's value, for the second it was built in
 
 
 def check_internals() -> list[str]:
@@ -192,6 +199,78 @@ class Task(WSGITask):
             return
         self.content_bytes_written += len(data)
         self.channel.write_soon(head + data)
+
+    def build_response_header(self) -> bytes:
+        # waitress's own (3.0.x: the same headers, order and connection handling), with each
+        # header name's spelling and the Date value kept instead of built for every answer
+        version = self.version
+        connection = self.request.headers.get("CONNECTION", "").lower()
+        response_headers = []
+        content_length_header = date_header = server_header = None
+        for name, value in self.response_headers:
+            spelled = _spelled.get(name)
+            if spelled is None:
+                spelled = "-".join([x.capitalize() for x in name.split("-")])
+                if len(_spelled) < _SPELLED_MOST:
+                    _spelled[name] = spelled
+            if spelled == "Content-Length":
+                if not self.has_body:
+                    continue
+                content_length_header = value
+            elif spelled == "Date":
+                date_header = value
+            elif spelled == "Server":
+                server_header = value
+            response_headers.append((spelled, value))
+        self.response_headers = response_headers
+        if content_length_header is None and self.content_length is not None \
+                and self.has_body:
+            content_length_header = str(self.content_length)
+            response_headers.append(("Content-Length", content_length_header))
+        if version == "1.0":
+            if connection == "keep-alive":
+                if not content_length_header:
+                    self.set_close_on_finish()
+                else:
+                    response_headers.append(("Connection", "Keep-Alive"))
+            else:
+                self.set_close_on_finish()
+        elif version == "1.1":
+            if connection == "close":
+                self.set_close_on_finish()
+            if not content_length_header:
+                if self.has_body:
+                    response_headers.append(("Transfer-Encoding", "chunked"))
+                    self.chunked_response = True
+                if not self.close_on_finish:
+                    self.set_close_on_finish()
+        else:
+            raise AssertionError("neither HTTP/1.0 or HTTP/1.1")
+        ident = self.channel.server.adj.ident
+        if not server_header:
+            if ident:
+                response_headers.append(("Server", ident))
+        else:
+            response_headers.append(("Via", ident or "waitress"))
+        if not date_header:
+            response_headers.append(("Date", _http_date(self.start_time)))
+        lines = [f"HTTP/{version} {self.status}"]
+        lines.extend(["%s: %s" % hv for hv in sorted(response_headers, key=_name)])
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _name(header: tuple[str, str]) -> str:
+    return header[0]
+
+
+def _http_date(when: float) -> str:
+    """waitress's ``build_http_date(when)``, built once a second."""
+    global _date
+    second = int(when)
+    kept = _date
+    if kept[0] != second:
+        kept = _date = (second, build_http_date(second))
+    return kept[1]
 
 
 # The bytes a chunked body still sends after a chunk's data, at the least: that chunk's CRLF,

@@ -632,3 +632,49 @@ def test_an_answers_head_leaves_with_its_body_in_one_write(monkeypatch, method, 
     else:
         assert b"Transfer-Encoding: chunked" in head
         assert rest == f"{len(body):X}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+
+
+class _StubServer:
+    def __init__(self, ident: str) -> None:
+        self.adj = dataclasses.make_dataclass("Adj", [("ident", str)])(ident)
+
+
+class _StubChannel:
+    def __init__(self, ident: str) -> None:
+        self.server = _StubServer(ident)
+
+
+class _StubRequest:
+    def __init__(self, version: str, connection: str | None) -> None:
+        self.version = version
+        self.headers = {} if connection is None else {"CONNECTION": connection}
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+@pytest.mark.parametrize("connection", [None, "keep-alive", "close", "Keep-Alive"])
+@pytest.mark.parametrize("status", ["200 OK", "204 No Content", "304 Not Modified",
+                                    "404 Not Found"])
+@pytest.mark.parametrize("headers", [
+    [("Content-Type", "application/json"), ("Content-Length", "12"), ("x-total-time", "1.5")],
+    [("content-type", "text/plain"), ("X-Queue-Time", "0.1"), ("x-compute-tokens", "3")],
+    [("Content-Length", "0"), ("Date", "Thu, 01 Jan 1970 00:00:00 GMT"), ("server", "app")],
+    [("Set-Cookie", "a=1"), ("set-cookie", "b=2"), ("CONNECTION", "close")],
+    [],
+])
+@pytest.mark.parametrize("length", [None, 12])
+@pytest.mark.parametrize("ident", ["embedsvc", ""])
+def test_an_answers_head_is_the_one_waitress_builds(version, connection, status, headers,
+                                                     length, ident):
+    """``Task.build_response_header`` keeps each name's spelling and the date instead of
+    building them for every answer: the same bytes as waitress's own, and the same choice
+    of chunked encoding and of closing the connection."""
+    from waitress.task import WSGITask
+
+    built = []
+    for cls in (WSGITask, waitress_adapter.Task):
+        task = cls(_StubChannel(ident), _StubRequest(version, connection))
+        task.status, task.response_headers = status, list(headers)
+        task.content_length, task.start_time = length, 1_765_000_000.25
+        head = task.build_response_header()
+        built.append((head, task.chunked_response, task.close_on_finish, task.response_headers))
+    assert built[0] == built[1]
