@@ -17,6 +17,11 @@ releases. The same app otherwise: what the hand-off alone costs waitress, the pa
 embedsvc's distance to the bare app that no leaner request path can win back while a batcher
 thread computes.
 
+``--adapter``: the same app served by embedsvc's own waitress adapter
+(embedsvc/serving/waitress_adapter.py, as ``embedsvc serve`` serves): waitress with its
+connection bounds, and an answer's head and body in one send where waitress sends two. Beside
+the plain one, what embedsvc's HTTP layer alone changes.
+
 ``--python-us N``: each request also runs N microseconds of plain Python (a loop, its count
 measured at start) before it answers, holding the interpreter lock as a request path's own
 Python does: what that much of the interpreter's time a request costs waitress's pace, beside
@@ -134,9 +139,24 @@ def main() -> None:
                         help="hand each request to one other thread and wait for it")
     parser.add_argument("--python-us", type=float, default=0.0, metavar="N",
                         help="run N microseconds of plain Python in each request")
+    parser.add_argument("--adapter", action="store_true",
+                        help="serve with embedsvc's waitress adapter instead of plain waitress")
     args = parser.parse_args()
-    waitress.serve(make_app(args.handoff, args.python_us), host="127.0.0.1", port=args.port,
-                   threads=args.threads, ident="bare")
+    app = make_app(args.handoff, args.python_us)
+    if not args.adapter:
+        waitress.serve(app, host="127.0.0.1", port=args.port, threads=args.threads,
+                       ident="bare")
+        return
+    from embedsvc.serving import waitress_adapter
+    from embedsvc.settings import Settings
+
+    s = Settings()
+    bounds = waitress_adapter.Bounds(
+        header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s,
+        idle_timeout_s=s.idle_timeout_s, send_timeout_s=s.send_timeout_s,
+        max_connections=s.max_connections, max_body_bytes=s.max_body_bytes)
+    waitress_adapter.create(app, host="127.0.0.1", port=args.port, threads=args.threads,
+                            bounds=bounds, ident="bare").run()
 
 
 if __name__ == "__main__":

@@ -169,8 +169,8 @@ def server_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]
     if name == "sim":
         return [sys.executable, str(BENCH / "sim_server.py"), "--port", str(port)], \
             "/v1/embeddings", {}
-    if name in ("bare", "bare-handoff", "bare-handoff-python"):
-        extra = {"bare": [], "bare-handoff": ["--handoff"],
+    if name in ("bare", "bare-adapter", "bare-handoff", "bare-handoff-python"):
+        extra = {"bare": [], "bare-adapter": ["--adapter"], "bare-handoff": ["--handoff"],
                  "bare-handoff-python": ["--handoff", "--python-us", "100"]}[name]
         return [sys.executable, str(BENCH / "bare_server.py"), "--port", str(port),
                 "--threads", "64", *extra], "/v1/embeddings", {}

@@ -8,7 +8,9 @@
 ``sim``: 32 clients x 1 input (wrk and bench/embed.lua, as bench/run.py drives them) against
 embedsvc in one process, ``--workers 2`` and ``--workers 4`` over the simulated zero-cost device
 (bench/sim_server.py), a bare waitress app and the same bare app under ``gunicorn -w 2``
-(bench/bare_server.py; ``--only ...,bare-handoff`` adds the bare app with the one hand-off
+(bench/bare_server.py; ``--only ...,bare-adapter`` adds the bare app served by embedsvc's
+own waitress adapter, its HTTP layer without its request path; ``bare-handoff`` the bare app
+with the one hand-off
 to another thread that embedsvc's batcher makes, ``bare-handoff-python`` the same with 100
 us of plain Python a request, about embedsvc's own request path, and ``bare-gunicorn-w4`` the
 bare app under ``gunicorn -w 4``: what four HTTP processes on these cores cost against two,
@@ -80,10 +82,11 @@ SIM = {"sim": "embedsvc, one process", "sim-w2": "embedsvc --workers 2",
        "sim-w4": "embedsvc --workers 4",
        "bare": "bare waitress app", "bare-gunicorn-w2": "bare app, gunicorn -w 2",
        "bare-gunicorn-w4": "bare app, gunicorn -w 4",
+       "bare-adapter": "bare app, embedsvc's waitress adapter",
        "bare-handoff": "bare app, a thread hand-off a request",
        "bare-handoff-python": "bare app, a hand-off and 100 us of Python a request"}
 # run where --only names them, never by default
-ASKED_FOR = {"bare-gunicorn-w4", "bare-handoff", "bare-handoff-python"}
+ASKED_FOR = {"bare-gunicorn-w4", "bare-adapter", "bare-handoff", "bare-handoff-python"}
 MODEL = {"embedsvc": "embedsvc, one process", "embedsvc-w2": "embedsvc --workers 2"}
 
 
@@ -269,6 +272,9 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
              "- " + ratio_line(results, sc, "bare-gunicorn-w2", "bare"),
              "- " + ratio_line(results, sc, "sim", "bare"),
              "- " + ratio_line(results, sc, "sim-w2", "bare-gunicorn-w2")]
+    if _of(results, "bare-adapter", sc):  # embedsvc's HTTP layer alone, and the rest
+        lines += ["- " + ratio_line(results, sc, "bare-adapter", "bare"),
+                  "- " + ratio_line(results, sc, "sim", "bare-adapter")]
     if _of(results, "bare-handoff", sc):  # the hand-off's own cost, and what is left
         lines += ["- " + ratio_line(results, sc, "bare-handoff", "bare"),
                   "- " + ratio_line(results, sc, "sim", "bare-handoff")]

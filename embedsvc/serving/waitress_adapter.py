@@ -185,6 +185,10 @@ class Task(WSGITask):
     ``_HEAD_WITH_BODY`` of them, now goes with its head in one write (one send); any other
     (chunked, longer than it says, a HEAD's, very large) as waitress writes it."""
 
+    wrote_header: bool  # waitress's own attributes
+    chunked_response: bool
+    response_headers: list[tuple[str, str]]
+
     def write(self, data: bytes) -> None:
         if self.wrote_header or not data or not self.complete or len(data) > _HEAD_WITH_BODY:
             super().write(data)
@@ -255,7 +259,7 @@ class Task(WSGITask):
         if not date_header:
             response_headers.append(("Date", _http_date(self.start_time)))
         lines = [f"HTTP/{version} {self.status}"]
-        lines.extend(["%s: %s" % hv for hv in sorted(response_headers, key=_name)])
+        lines.extend([f"{name}: {value}" for name, value in sorted(response_headers, key=_name)])
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
