@@ -650,31 +650,34 @@ class _StubRequest:
         self.headers = {} if connection is None else {"CONNECTION": connection}
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1"])
-@pytest.mark.parametrize("connection", [None, "keep-alive", "close", "Keep-Alive"])
-@pytest.mark.parametrize("status", ["200 OK", "204 No Content", "304 Not Modified",
-                                    "404 Not Found"])
-@pytest.mark.parametrize("headers", [
+_HEADERS = [
     [("Content-Type", "application/json"), ("Content-Length", "12"), ("x-total-time", "1.5")],
     [("content-type", "text/plain"), ("X-Queue-Time", "0.1"), ("x-compute-tokens", "3")],
     [("Content-Length", "0"), ("Date", "Thu, 01 Jan 1970 00:00:00 GMT"), ("server", "app")],
     [("Set-Cookie", "a=1"), ("set-cookie", "b=2"), ("CONNECTION", "close")],
     [],
-])
-@pytest.mark.parametrize("length", [None, 12])
-@pytest.mark.parametrize("ident", ["embedsvc", ""])
-def test_an_answers_head_is_the_one_waitress_builds(version, connection, status, headers,
-                                                     length, ident):
+]
+
+
+def test_an_answers_head_is_the_one_waitress_builds():
     """``Task.build_response_header`` keeps each name's spelling and the date instead of
     building them for every answer: the same bytes as waitress's own, and the same choice
-    of chunked encoding and of closing the connection."""
+    of chunked encoding and of closing the connection, for every mix of protocol version,
+    Connection header, status, the app's headers, a known length and the server's name."""
+    import itertools
+
     from waitress.task import WSGITask
 
-    built = []
-    for cls in (WSGITask, waitress_adapter.Task):
-        task = cls(_StubChannel(ident), _StubRequest(version, connection))
-        task.status, task.response_headers = status, list(headers)
-        task.content_length, task.start_time = length, 1_765_000_000.25
-        head = task.build_response_header()
-        built.append((head, task.chunked_response, task.close_on_finish, task.response_headers))
-    assert built[0] == built[1]
+    cases = itertools.product(["1.0", "1.1"], [None, "keep-alive", "close", "Keep-Alive"],
+                              ["200 OK", "204 No Content", "304 Not Modified", "404 Not Found"],
+                              _HEADERS, [None, 12], ["embedsvc", ""])
+    for version, connection, status, headers, length, ident in cases:
+        built = []
+        for cls in (WSGITask, waitress_adapter.Task):
+            task = cls(_StubChannel(ident), _StubRequest(version, connection))
+            task.status, task.response_headers = status, list(headers)
+            task.content_length, task.start_time = length, 1_765_000_000.25
+            head = task.build_response_header()
+            built.append((head, task.chunked_response, task.close_on_finish,
+                          task.response_headers))
+        assert built[0] == built[1], (version, connection, status, headers, length, ident)
