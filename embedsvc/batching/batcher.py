@@ -335,6 +335,7 @@ class Batcher:
         # cost several microseconds (its code cold between requests), once a request; here
         # they are paid once a batch.
         self.unit: Callable[[np.ndarray], np.ndarray] | None = None
+        self._units_wanted = False  # by a job of the batch taken last (``_take``)
         # True: the one caller that queues computes the queue itself (``compute_here``), and
         # the thread only trims; for a device that costs nothing (the simulated one), where
         # handing each batch to the thread cost more CPU (two thread switches and the
@@ -741,12 +742,15 @@ class Batcher:
             else:
                 counts[0] += len(it.ids)
                 counts[1] += 1
+        wanted = False  # a one-input job of the batch wants its row at unit length
         for job, (tokens, inputs) in taken.items():
+            wanted = wanted or (job.unit and len(job.inputs) == 1)
             job.started = True
             self._dequeued(job, tokens, inputs)
             if job.left:
                 self._partly[job] = None
         self._served = {id(job) for job in taken}
+        self._units_wanted = wanted
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch
@@ -807,8 +811,8 @@ class Batcher:
         a request that has its answer holds no reservation (nor does ``_fail_items``')."""
         size = len(batch)
         views = rows.dtype == np.float32  # a one-input job's row, sliced without a copy
-        units = self.unit(rows) if views and self.unit is not None and any(
-            it.job.unit and len(it.job.inputs) == 1 for it in batch) else None
+        units = self.unit(rows) if views and self.unit is not None and self._units_wanted \
+            else None
         with self._lock:
             seen: set[Job] = set()  # by identity
             finished: list[Job] = []
