@@ -335,7 +335,10 @@ class Batcher:
         # cost several microseconds (its code cold between requests), once a request; here
         # they are paid once a batch.
         self.unit: Callable[[np.ndarray], np.ndarray] | None = None
-        self._units_wanted = False  # by a job of the batch taken last (``_take``)
+        # how many of a batch's one-input jobs must want their unit rows for the batch's to be
+        # made (the engine's loop: a lone request's row is normalised by its front)
+        self.unit_least = 1
+        self._units_wanted = False  # by enough jobs of the batch taken last (``_take``)
         # True: the one caller that queues computes the queue itself (``compute_here``), and
         # the thread only trims; for a device that costs nothing (the simulated one), where
         # handing each batch to the thread cost more CPU (two thread switches and the
@@ -742,15 +745,15 @@ class Batcher:
             else:
                 counts[0] += len(it.ids)
                 counts[1] += 1
-        wanted = False  # a one-input job of the batch wants its row at unit length
+        wanted = 0  # one-input jobs of the batch that want their row at unit length
         for job, (tokens, inputs) in taken.items():
-            wanted = wanted or (job.unit and len(job.inputs) == 1)
+            wanted += job.unit and len(job.inputs) == 1
             job.started = True
             self._dequeued(job, tokens, inputs)
             if job.left:
                 self._partly[job] = None
         self._served = {id(job) for job in taken}
-        self._units_wanted = wanted
+        self._units_wanted = wanted >= self.unit_least
         self.metrics.queue_wait.observe_many([now - it.queued for it in batch])
         self._in_flight = len(batch)
         self._current = batch

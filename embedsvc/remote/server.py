@@ -156,6 +156,10 @@ class EngineServer:
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s)
         runner.batcher.on_finished = self._wake_loop
+        # a batch's rows normalised where two or more of its requests want theirs: for one
+        # alone the loop's numpy calls cost more than its front's (bench/RESULTS.md,
+        # 2026-12-07 14:44), and at one client the loop is what the request waits for
+        runner.batcher.unit_least = 2
         self._loop_thread = 0  # the loop's thread, once it runs
 
     @property

@@ -324,27 +324,36 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
 
 
 def test_a_submit_that_asks_its_row_at_unit_length_gets_it_normalised_with_its_batch(pair):
-    """``Submit.unit``: the engine answers a one-input request's row normalised with its
-    batch (``Batcher.unit``), and says so (``Answer.unit``); a request that does not ask (no
-    normalising, or a cut to ``dimensions``) gets the raw row. Through a front the answers
-    are the ones one process gives, to the bit."""
+    """``Submit.unit``: where two or more one-input requests of a batch ask, the engine
+    answers each its row normalised with the batch (``Batcher.unit``) and says so
+    (``Answer.unit``); a lone one, or one that does not ask (no normalising, or a cut to
+    ``dimensions``), gets the raw row, which its front normalises. Through a front the
+    answers are the ones one process gives, to the bit."""
     from embedsvc.service import local_client
     from embedsvc.work_kinds import l2_normalize
 
     engine, front, encoder = pair
     tokens = front.ready().tokens(["hello world"])
+    raw = encoder.vector(tokens[0])[None, :]
+
+    def submit(request_id: int, unit: bool) -> wire.Submit:
+        return wire.Submit(request_id, "embed", *wire.pack_ids(tokens), timeout=5.0, unit=unit)
+
     with _raw(front) as sock:
-        for request_id, unit in ((1, True), (2, False)):
-            sock.send(wire.encode(wire.Submit(request_id, "embed", *wire.pack_ids(tokens),
-                                              timeout=5.0, unit=unit)))
-            assert sock.poll(5000), "no answer"
-            frame = wire.decode_to_front(sock.recv())
-            assert isinstance(frame, wire.Answer) and frame.unit is unit, frame
-            rows = embedded(frame, EMBED)
-            raw = encoder.vector(tokens[0])[None, :]
-            want = l2_normalize(raw) if unit else raw
-            np.testing.assert_array_equal(rows.vectors, want)
-            assert (rows.units is rows.vectors) if unit else rows.units is None
+        for frame, asked in ((wire.Submits([submit(1, True), submit(2, True)]), (1, 2)),
+                             (submit(3, True), ()), (submit(4, False), ())):
+            sock.send(wire.encode(frame))
+            answers: list = []
+            while len(answers) < (2 if asked else 1):
+                assert sock.poll(5000), "no answer"
+                got = wire.decode_to_front(sock.recv())
+                answers += got.items if isinstance(got, wire.Answers) else [got]
+            for answer in answers:
+                assert isinstance(answer, wire.Answer) and answer.unit is (answer.id in asked)
+                rows = embedded(answer, EMBED)
+                want = l2_normalize(raw) if answer.unit else raw
+                np.testing.assert_array_equal(rows.vectors, want)
+                assert (rows.units is rows.vectors) if answer.unit else rows.units is None
     alone = local_client(Settings(), encoder)
     try:
         for options in ({}, {"normalize": False}, {"dimensions": 3}):
