@@ -671,13 +671,16 @@ class EngineServer:
             self._start(start)
 
     def _answer_done(self) -> None:
-        batches: dict[int, bytes] = {}  # each batch's rows as bytes, once a turn
+        # each batch's rows as bytes, once a turn; the batch held with them, so that no later
+        # batch takes its address (its id) while this turn lasts
+        batches: dict[int, tuple[np.ndarray, bytes]] = {}
         while self._done:
             req = self._done.popleft()
             self._running.pop((req.peer, req.id), None)
             self._reply(req.peer, self._answer(req, batches))
 
-    def _answer(self, req: _Request, batches: dict[int, bytes]) -> wire.Answer | wire.Failed:
+    def _answer(self, req: _Request, batches: dict[int, tuple[np.ndarray, bytes]]
+                ) -> wire.Answer | wire.Failed:
         assert req.work is not None
         result = req.result
         if result is None:
@@ -842,16 +845,20 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
                        out.batch_size, unit=out.units is not None and out.units is out.vectors)
 
 
-def _sliced(request_id: int, job: Job, batches: dict[int, bytes]) -> wire.Answer:
+def _sliced(request_id: int, job: Job, batches: dict[int, tuple[np.ndarray, bytes]]
+            ) -> wire.Answer:
     """A dense embedding's one row, as ``answer_frame`` makes it, its bytes sliced from its
     batch's: one copy of a batch a turn, where each answer cost a slice, a contiguous copy
     and a copy to bytes of its own (numpy calls, each a few microseconds). The row at unit
     length where the front asked it (``Submit.unit``) and the batcher made it."""
     batch = job.batch_units if job.batch_units is not None else job.batch_rows
     assert batch is not None
-    blob = batches.get(id(batch))  # the jobs hold their batches: no id is reused meanwhile
-    if blob is None:
-        blob = batches[id(batch)] = np.ascontiguousarray(batch, dtype="<f4").tobytes()
+    # by id, the array kept beside its bytes: an array freed meanwhile (its requests
+    # answered, the batcher's thread gone on) would leave its id to the next batch's
+    kept = batches.get(id(batch))
+    if kept is None or kept[0] is not batch:
+        kept = batches[id(batch)] = (batch, np.ascontiguousarray(batch, dtype="<f4").tobytes())
+    blob = kept[1]
     width = batch.shape[1]
     start = 4 * width * job.at
     return wire.Answer(request_id, [blob[start:start + 4 * width]], ["<f4"], [(1, width)],

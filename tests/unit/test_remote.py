@@ -363,6 +363,33 @@ def test_a_submit_that_asks_its_row_at_unit_length_gets_it_normalised_with_its_b
         alone.shutdown(timeout=1)
 
 
+def test_an_answer_sliced_from_its_batch_never_takes_a_freed_batchs_bytes():
+    """The loop slices a one-row answer from its batch's bytes, copied once a turn and found
+    by the batch's id. Kept by id alone, a batch whose requests were answered could be freed
+    during the turn (the batcher's thread goes on) and the next batch take its address: a
+    request was answered with another's row. The turn now holds each batch it copied."""
+    from embedsvc.batching.batcher import Job
+    from embedsvc.remote.server import _sliced
+
+    def job_of(batch: np.ndarray) -> Job:
+        job = Job([[1, 2]], 0.0)
+        job.at, job.batch_rows, job.rows = 0, batch, batch[:1]
+        return job
+
+    batches: dict = {}  # one turn's
+    first = np.full((2, 4), 1.0, np.float32)
+    assert _sliced(1, job_of(first), batches).parts[0] == first[:1].tobytes()
+    address = id(first)
+    del first  # its requests answered; only the turn could still hold it
+    later = []
+    for _ in range(10_000):  # the next batches: one would take a freed batch's address
+        later.append(np.full((2, 4), 2.0, np.float32))
+        if id(later[-1]) == address:
+            break
+    for k, batch in enumerate(later[-3:]):
+        assert _sliced(2 + k, job_of(batch), batches).parts[0] == batch[:1].tobytes()
+
+
 class _FreeDevice(FakeEncoder):
     """A device that says it costs nothing, and records the threads that computed on it."""
 
