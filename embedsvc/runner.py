@@ -36,7 +36,7 @@ from .metrics import Metrics
 from .model.encoder import Encoder, ModelInfo
 from .settings import Settings
 from .work import Disconnected, Embedded, Pending, ShutdownReport, Work
-from .work_kinds import WORK_KINDS, kind_of
+from .work_kinds import WORK_KINDS, kind_of, wants_units
 
 _LOCK_WATCH_S = 0.1  # how often /embed_all, waiting for the device, looks at its client
 
@@ -88,7 +88,7 @@ class Runner:
         assert work.deadline is not None
         return self.batcher.submit(work.ids, work.deadline, work.disconnected, ticket=ticket,
                                    flow=work.flow, on_done=on_done, origin=work.front,
-                                   tenant=work.tenant, unit=_unit(work))
+                                   tenant=work.tenant, unit=wants_units(work))
 
     def submit_many(self, works: Sequence[tuple[Work, Ticket, Callable[[Job], None]]]
                     ) -> list[Job]:
@@ -99,7 +99,7 @@ class Runner:
             assert work.deadline is not None
             jobs.append((Job(work.ids, work.deadline, work.disconnected, flow=work.flow,
                              on_done=on_done, origin=work.front, tenant=work.tenant,
-                             unit=_unit(work)), ticket))
+                             unit=wants_units(work)), ticket))
         self.batcher.submit_many(jobs)
         return [job for job, _ in jobs]
 
@@ -204,12 +204,6 @@ class LocalPort:
         if out.vectors is rows:  # the rows as computed: their unit rows, if the batch had them
             out.units = job.units
         return out
-
-
-def _unit(work: Work) -> bool:
-    """Whether ``work``'s answer is its rows at unit length, whole: the batcher makes a
-    one-input job's with its batch (``Batcher.unit``)."""
-    return work.normalize and work.dimensions is None
 
 
 def slices(ids: Sequence[Sequence[int]], max_items: int, max_tokens: int

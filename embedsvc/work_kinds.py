@@ -274,6 +274,12 @@ def _not_serving(encoder: Any, what: str) -> InvalidRequest:
                           code="not_supported")
 
 
+def wants_units(work: Work) -> bool:
+    """Whether ``work``'s answer is its rows at unit length, whole: the model side may
+    normalise a one-input request's row with its batch (``Batcher.unit``, ``Submit.unit``)."""
+    return WORK_KINDS[work.kind].normalises and work.normalize and work.dimensions is None
+
+
 def l2_normalize(rows: np.ndarray) -> np.ndarray:
     norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))[:, None]
     return rows / np.maximum(norms, 1e-12)

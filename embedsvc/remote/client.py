@@ -47,7 +47,7 @@ from ..errors import (
     shutting_down,
 )
 from ..work import IMAGE, Embedded, Pending, ShutdownReport, Work
-from ..work_kinds import WORK_KINDS
+from ..work_kinds import WORK_KINDS, wants_units
 from . import wire
 from .stream import Stream, connect
 from .wake import WakePipe
@@ -943,8 +943,3 @@ def embedded(frame: Any, kind: str) -> Embedded:
         return out
     raise Unavailable(f"the engine answered with {type(frame).__name__}",
                       code="engine_protocol")
-
-
-def wants_units(work: Work) -> bool:
-    """Whether ``work``'s answer is its rows at unit length, whole (``Submit.unit``)."""
-    return WORK_KINDS[work.kind].normalises and work.normalize and work.dimensions is None

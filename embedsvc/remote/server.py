@@ -699,9 +699,6 @@ class EngineServer:
                                                "retry it", code="batch_failed"))
             result.queue_s, result.inference_s = job.queue_s, job.inference_s
             result.batch_size = job.batch_size
-            units = job.units
-            if units is not None and result.vectors is job.rows:  # asked (Submit.unit)
-                result.vectors, result.units = units, units  # normalised once a batch
         if isinstance(result, ApiError):
             return failed(req.id, result)
         return answer_frame(req.id, req.work.kind, result)
@@ -839,10 +836,9 @@ class _Burst:
 
 
 def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
-    """The frame of a computed answer: the arrays its kind packs it into (its rows at unit
-    length where ``out.units`` are its vectors)."""
+    """The frame of a computed answer: the arrays its kind packs it into."""
     return wire.answer(request_id, WORK_KINDS[kind].pack(out), out.queue_s, out.inference_s,
-                       out.batch_size, unit=out.units is not None and out.units is out.vectors)
+                       out.batch_size)
 
 
 def _sliced(request_id: int, job: Job, batches: dict[int, tuple[np.ndarray, bytes]]

@@ -313,17 +313,17 @@ def _int32s(data: bytes) -> list[int]:
 
 
 def answer(request_id: int, arrays: Sequence[np.ndarray], queue_s: float, inference_s: float,
-           batch_size: int, unit: bool = False) -> Answer:
-    """The ``Answer`` frame of ``arrays`` (float32 or int32); ``unit``: rows at unit length."""
+           batch_size: int) -> Answer:
+    """The ``Answer`` frame of ``arrays`` (float32 or int32)."""
     if len(arrays) == 1 and arrays[0].dtype == np.float32:  # a dense embedding's vectors
         (vectors,) = arrays
         return Answer(request_id, [vectors.tobytes()], ["<f4"], [vectors.shape], queue_s,
-                      inference_s, batch_size, unit)
+                      inference_s, batch_size)
     types: list[ArrayType] = ["<f4" if a.dtype == np.float32 else "<i4" for a in arrays]
     parts = [np.ascontiguousarray(a, dtype=t).tobytes() for a, t in zip(arrays, types,
                                                                          strict=True)]
     return Answer(request_id, parts, types, [tuple(int(n) for n in a.shape) for a in arrays],
-                  queue_s, inference_s, batch_size, unit)
+                  queue_s, inference_s, batch_size)
 
 
 def arrays(frame: Answer) -> list[np.ndarray]:
