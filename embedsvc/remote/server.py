@@ -158,7 +158,7 @@ class EngineServer:
         runner.batcher.on_finished = self._wake_loop
         # a batch's rows normalised where two or more of its requests want theirs: for one
         # alone the loop's numpy calls cost more than its front's (bench/RESULTS.md,
-        # 2026-12-07 14:44), and at one client the loop is what the request waits for
+        # 2026-12-07 14:48), and at one client the loop is what the request waits for
         runner.batcher.unit_least = 2
         self._loop_thread = 0  # the loop's thread, once it runs
 
