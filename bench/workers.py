@@ -114,6 +114,9 @@ class Measured:
     engine_cpu_s: float | None  # the engine process's, where it is one of its own
     split: list[int] = field(default_factory=list)  # connections by process (``connections``)
     engine_threads: dict[str, float] = field(default_factory=dict)  # seconds, by ``thread_role``
+    # the engine loop's thread: seconds runnable but not running (waiting for a core), sleeps
+    # (its poll waiting for frames: about one a turn) and preemptions (``loop_sched``)
+    engine_loop: tuple[float, int, int] | None = None
 
     def per_request_us(self, seconds: float | None) -> float | None:
         return None if seconds is None or not self.requests else seconds / self.requests * 1e6
@@ -153,6 +156,18 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
+def loop_sched(pid: int) -> tuple[float, int, int]:
+    """The engine loop's thread (the main one): seconds it was runnable but not running
+    (schedstat's second field), and its voluntary and involuntary context switches: sleeps
+    in its poll, about one a turn, and preemptions by another thread on its core."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    waited = int((task / "schedstat").read_text().split()[1]) / 1e9
+    status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines()
+                  if ":" in line)
+    return (waited, int(status["voluntary_ctxt_switches"]),
+            int(status["nonvoluntary_ctxt_switches"]))
+
+
 def connections(port: int) -> list[int]:
     """The clients' connections to ``port`` held by each process that holds any, most first
     (which front each keep-alive client landed on decides how the load divides)."""
@@ -169,6 +184,7 @@ def measure(server: run.Running, sc: run.Scenario, seconds: float, round_no: int
     cpu_before = server.cpu_seconds()
     engine_before = run._cpu_ticks(engine) if engine else 0
     threads_before = threads_cpu_s(engine) if engine else {}
+    loop_before = loop_sched(engine) if engine else None
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(run.wrk, server, sc, seconds)
         time.sleep(min(1.0, seconds / 2))
@@ -177,9 +193,13 @@ def measure(server: run.Running, sc: run.Scenario, seconds: float, round_no: int
     engine_cpu = (run._cpu_ticks(engine) - engine_before) / run.CLK_TCK if engine else None
     threads = {role: s - threads_before.get(role, 0.0)
                for role, s in (threads_cpu_s(engine) if engine else {}).items()}
+    loop = None
+    if engine and loop_before is not None:
+        after = loop_sched(engine)
+        loop = (after[0] - loop_before[0], after[1] - loop_before[1], after[2] - loop_before[2])
     return Measured(server.name, sc, round_no, stats["requests"] / stats["seconds"],
                     stats["p50_ms"], stats["p99_ms"], stats["errors"], stats["requests"],
-                    server.cpu_seconds() - cpu_before, engine_cpu, split, threads)
+                    server.cpu_seconds() - cpu_before, engine_cpu, split, threads, loop)
 
 
 def tree_command(name: str, port: int) -> tuple[list[str], str, dict[str, str]] | None:
@@ -215,6 +235,8 @@ def rounds(names: list[str], scenarios: list[run.Scenario], count: int, seconds:
                           f"{got.p50_ms:.1f} ms, errors {got.errors}, server "
                           f"{got.per_request_us(got.cpu_s):.0f} us/req"
                           + (f", engine {engine:.1f} us/req" if engine is not None else "")
+                          + (f" (its loop waited {got.engine_loop[0] / got.requests * 1e6:.0f}"
+                             " us/req for a core)" if got.engine_loop and got.requests else "")
                           + f", connections {'/'.join(map(str, got.split))}", flush=True)
             finally:
                 server.stop()
@@ -342,7 +364,19 @@ def engine_line(runs: list[Measured], requests: int, label: str) -> str:
             + ", ".join(f"{m.per_request_us(m.engine_cpu_s):.1f}" for m in runs)
             + f"; by thread (us a request): {by_thread}; its ceiling: "
             f"{requests / engine:,.0f} requests a second (1e6 / us a request), whatever the "
-            "device")
+            "device" + loop_line(runs, requests))
+
+
+def loop_line(runs: list[Measured], requests: int) -> str:
+    """Whether the engine's loop had a core when it had work: its wait for one, and its
+    sleeps (about one a turn: requests a turn) and preemptions, pooled over ``runs``."""
+    loops = [m.engine_loop for m in runs if m.engine_loop is not None]
+    if not loops or not requests:
+        return ""
+    waited, sleeps, preempted = (sum(x[i] for x in loops) for i in range(3))
+    return (f"; its loop waited for a core {waited / requests * 1e6:.1f} us a request, slept "
+            f"{sleeps / requests * 100:.0f} and was preempted {preempted / requests * 100:.0f} "
+            f"times a 100 requests ({requests / max(1, sleeps):.1f} requests a sleep)")
 
 
 def model_report(results: list[Measured], labels: dict[str, str]) -> str:
