@@ -225,9 +225,12 @@ class Metrics:
         """Export ``read() -> (allocated, reserved)`` bytes, called at scrape time."""
         self._device_memory.read = read
 
-    def watch_engine_loop(self, busy_seconds: Callable[[], float]) -> None:
-        """Export this engine process's CPU and its loop's ``busy_seconds()``, at scrape time."""
+    def watch_engine_loop(self, busy_seconds: Callable[[], float],
+                          waiting_seconds: Callable[[], float | None] | None = None) -> None:
+        """Export this engine process's CPU, its loop's ``busy_seconds()`` and its
+        ``waiting_seconds()`` for a CPU (None: the platform does not tell), at scrape time."""
         self._engine_load.busy_seconds = busy_seconds
+        self._engine_load.waiting_seconds = waiting_seconds
 
 
 # One metric family as plain data: (name, type, help, [(sample name, labels, value), ...]).
@@ -362,10 +365,13 @@ class _DeviceMemory(Collector):
 
 class _EngineLoad(Collector):
     """The engine process's own load, so that an operator sees the engine saturate before
-    the device does: its CPU (every thread) and the seconds its loop spent working rather
-    than waiting for frames. No samples outside an engine process."""
+    the device does: its CPU (every thread), the seconds its loop spent working rather
+    than waiting for frames, and the seconds it was ready to work but had no CPU (the
+    fronts, or anything else on the host, held them). No samples outside an engine
+    process; no waiting sample where the platform does not tell it."""
 
     busy_seconds: Callable[[], float] | None = None
+    waiting_seconds: Callable[[], float | None] | None = None
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         cpu = CounterMetricFamily(
@@ -374,11 +380,30 @@ class _EngineLoad(Collector):
             "embedsvc_engine_loop_busy_seconds",
             "Time the engine process's loop spent working (reading, admitting, answering) "
             "rather than waiting; its rate is the loop's busy fraction")
+        waiting = CounterMetricFamily(
+            "embedsvc_engine_loop_waiting_seconds",
+            "Time the engine process's loop was ready to run but waited for a CPU (Linux); "
+            "its rate is the fraction of time the loop was held up by others' work")
         if self.busy_seconds is not None:
             cpu.add_metric([], time.process_time())
             busy.add_metric([], self.busy_seconds())
+            waited = self.waiting_seconds() if self.waiting_seconds is not None else None
+            if waited is not None:
+                waiting.add_metric([], waited)
         yield cpu
         yield busy
+        yield waiting
+
+
+def thread_waiting_seconds(tid: int, pid: int | str = "self") -> float | None:
+    """Seconds thread ``tid`` of process ``pid`` has been runnable but not running, since
+    it started: the second field of Linux's ``/proc/PID/task/TID/schedstat``. None where
+    there is no such file (another platform, a kernel without schedstats, a thread gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class BulkHistogram(Collector):

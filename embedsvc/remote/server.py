@@ -52,7 +52,7 @@ from ..admission import Ask, Ticket, deadline_error
 from ..batching.batcher import Job
 from ..errors import ApiError, ClientDisconnected, InvalidRequest, QuotaExceeded
 from ..image.preprocess import Preprocessor
-from ..metrics import Metrics, Snapshots, check_families
+from ..metrics import Metrics, Snapshots, check_families, thread_waiting_seconds
 from ..runner import Runner
 from ..work import Embedded, Work
 from ..work_kinds import WORK_KINDS, kind_of
@@ -154,13 +154,20 @@ class EngineServer:
         self._most_s = runner.settings.request_timeout_s  # see ``_checked_deadline``
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
-        metrics.watch_engine_loop(lambda: self._busy_s)
+        metrics.watch_engine_loop(lambda: self._busy_s, self._waiting_s)
         runner.batcher.on_finished = self._wake_loop
         # a batch's rows normalised where two or more of its requests want theirs: for one
         # alone the loop's numpy calls cost more than its front's (bench/RESULTS.md,
         # 2026-12-07 14:48), and at one client the loop is what the request waits for
         runner.batcher.unit_least = 2
         self._loop_thread = 0  # the loop's thread, once it runs
+        self._loop_tid = 0  # its id in the system (``_waiting_s``)
+
+    def _waiting_s(self) -> float | None:
+        """Seconds the loop's thread was ready to run but had no CPU (``/metrics``): held
+        up by the fronts or anything else on the host's cores (bench/RESULTS.md, 2026-12-07
+        16:25); None before the loop runs, or where the platform does not tell."""
+        return thread_waiting_seconds(self._loop_tid) if self._loop_tid else None
 
     @property
     def in_flight(self) -> int:
@@ -173,6 +180,7 @@ class EngineServer:
         poller.register(self._wake.fileno(), _IN)
         next_tick = time.monotonic() + _TICK_S
         self._loop_thread = threading.get_ident()
+        self._loop_tid = threading.get_native_id()
         batcher = self.runner.batcher
         # a device that costs nothing is run by the loop itself (Batcher.here)
         here = self.runner.device_free and batcher.limits.max_wait_s <= 0

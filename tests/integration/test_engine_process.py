@@ -134,6 +134,7 @@ def test_two_fronts_share_one_engine_whose_batches_mix_their_requests(tmp_path):
         # The engine's own load, through a front: its loop worked for these requests.
         assert metric(server, "embedsvc_engine_loop_busy_seconds_total") > 0
         assert metric(server, "embedsvc_engine_cpu_seconds_total") > 0
+        assert metric(server, "embedsvc_engine_loop_waiting_seconds_total") >= 0  # a sample
 
 
 def listening_sockets(port: int) -> set[str]:

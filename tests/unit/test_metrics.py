@@ -1,9 +1,19 @@
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from embedsvc.metrics import BulkHistogram, Metrics, Snapshots, check_families
+from embedsvc.metrics import (
+    BulkHistogram,
+    Metrics,
+    Snapshots,
+    check_families,
+    thread_waiting_seconds,
+)
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict:
@@ -76,3 +86,28 @@ def test_the_service_own_families_pass_the_check(registry):
     origin, seq, found = metrics.snapshot(123)
     check_families(found)
     assert metrics.snapshot(123)[:2] == (origin, seq + 1)
+
+
+def test_a_threads_wait_for_a_cpu_is_what_its_schedstat_says():
+    """Three busy processes on one CPU: each runs a third of the time and waits the rest,
+    so their waits add up to about twice the time spent, where their run times add up to
+    at most the time spent (the field read is the wait, not the run time)."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin) for _ in range(3)]
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        for p in procs:
+            os.sched_setaffinity(p.pid, {cpu})
+        time.sleep(0.2)
+        before = [thread_waiting_seconds(p.pid, p.pid) for p in procs]
+        started = time.monotonic()
+        time.sleep(1.0)
+        after = [thread_waiting_seconds(p.pid, p.pid) for p in procs]
+        spent = time.monotonic() - started
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    waited = sum(a - b for a, b in zip(after, before, strict=True))  # type: ignore[operator]
+    assert waited > 1.4 * spent, (waited, spent)
+    assert thread_waiting_seconds(procs[0].pid, procs[0].pid) is None  # gone: no such thread

@@ -27,7 +27,7 @@ from embedsvc.errors import (
     QuotaExceeded,
     Unavailable,
 )
-from embedsvc.metrics import Metrics
+from embedsvc.metrics import Metrics, thread_waiting_seconds
 from embedsvc.model.fake import FakeEncoder
 from embedsvc.model.text import describe, text_spec
 from embedsvc.remote import client as client_module
@@ -154,6 +154,11 @@ def test_the_engine_reports_its_loops_busy_time_and_its_cpu(served):
         front.ready().run(Work(EMBED, [text], deadline=time.monotonic() + 5))
     assert read("embedsvc_engine_loop_busy_seconds_total") > busy
     assert read("embedsvc_engine_cpu_seconds_total") > 0
+    # the loop's own thread's wait for a CPU, as its schedstat tells it (Linux)
+    waited = read("embedsvc_engine_loop_waiting_seconds_total")
+    assert waited is not None and waited >= 0
+    assert waited == pytest.approx(thread_waiting_seconds(server._loop_tid), abs=0.05)
+    assert server._loop_tid != threading.get_native_id()  # the loop's, not this thread's
     # In a process without an engine loop (a front, or one process) there is no sample.
     assert front.metrics.registry.get_sample_value("embedsvc_engine_cpu_seconds_total") is None
 
