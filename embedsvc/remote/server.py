@@ -166,7 +166,7 @@ class EngineServer:
     def _waiting_s(self) -> float | None:
         """Seconds the loop's thread was ready to run but had no CPU (``/metrics``): held
         up by the fronts or anything else on the host's cores (bench/RESULTS.md, 2026-12-07
-        16:25); None before the loop runs, or where the platform does not tell."""
+        15:57); None before the loop runs, or where the platform does not tell."""
         return thread_waiting_seconds(self._loop_tid) if self._loop_tid else None
 
     @property
