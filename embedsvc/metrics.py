@@ -176,7 +176,8 @@ class Metrics:
         padded = max(lengths) * len(lengths)
         self.batch_size.observe(len(lengths))
         self.batch_tokens.observe(padded)
-        self.padding_efficiency.observe(real / padded)
+        if padded:  # a batch of inputs of no tokens (an image's are its patches) pads nothing
+            self.padding_efficiency.observe(real / padded)
         self.inference.observe(seconds)
         self.inputs.inc(len(lengths))
         self.input_tokens.inc(real)

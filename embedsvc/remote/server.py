@@ -561,6 +561,8 @@ class EngineServer:
                 wire.unpack_pixels(frame, ids, self._image_shape, info.image_tokens)
             except ValueError as exc:
                 raise InvalidRequest(str(exc), code="invalid_frame") from None
+        if not all(ids):  # a front sends an input's ids wrapped, an image its pixels: never none
+            raise InvalidRequest("an input of no ids", code="invalid_frame")
         # ``normalize``: the front wants the answer at unit length (``Submit.unit``)
         return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front, deadline=deadline,

@@ -778,3 +778,17 @@ def test_work_queued_as_the_caller_stops_computing_goes_to_the_thread_at_once(me
     assert time.monotonic() - started < 1.0  # the trim comes after 5 s
     np.testing.assert_allclose(job.result(0)[0], enc.encode([ids(5, 6)])[0], rtol=1e-6)
     b.shutdown(1)
+
+
+def test_a_batch_of_inputs_with_no_tokens_is_computed_and_the_thread_lives_on(metrics, registry):
+    """Its padding efficiency (real over padded tokens) divided by zero in the batcher's
+    thread, after the compute and outside its handler: the thread died, and with it every
+    request of the batch and the server's health (the engine's front-facing check refuses
+    such a frame now; this is the batcher's own guard)."""
+    enc = FakeEncoder(dimension=6, record=False)
+    b = start(enc, metrics)
+    assert b.submit([[]], later()).result(5).shape == (1, 6)
+    assert b.alive
+    assert b.submit([ids(5)], later()).result(5).shape == (1, 6)
+    assert registry.get_sample_value("embedsvc_batch_size_count") == 2
+    b.shutdown(1)

@@ -200,10 +200,14 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
     engine, front, _ = pair
     sock = FrameSocket(front.engine_address)
     try:
-        for ids in ([[1, 5000, 2]], [[1, *range(3, 30), 2]]):  # past the vocabulary, the limit
+        # past the vocabulary, the limit; an input of no ids (a front always sends at least
+        # one: the API refuses an empty input, and the template wraps each), alone and
+        # beside one that has some
+        for ids in ([[1, 5000, 2]], [[1, *range(3, 30), 2]], [[]], [[1, 7, 2], []]):
             sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids))))
             answer = wire.decode_to_front(sock.recv())
             assert isinstance(answer, wire.Failed) and answer.status == 400, answer
+            assert answer.code == "invalid_frame", answer
     finally:
         sock.close()
 
