@@ -163,6 +163,13 @@ class JsonErrorTask(ErrorTask):
         # a head that failed has no path, or waitress's stand-in "GET /" (one too large): the
         # request's first bytes say them
         method, path = getattr(self.request, "command", None), getattr(self.request, "path", None)
+        requests = self.channel.requests
+        if method is None and path is None and requests and requests[0] is not self.request:
+            # waitress's 500 for an app that raised is built on a parser of its own; the
+            # request it answers is still the channel's first: its method and its route's
+            # error shape
+            method = getattr(requests[0], "command", None)
+            path = getattr(requests[0], "path", None)
         if path is None or isinstance(err, RequestHeaderFieldsTooLarge):
             method, path = http_errors.request_line(getattr(self.request, "start", b"")) or (
                 method, path)
@@ -171,7 +178,7 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.content_length = len(body)
-        if method != "HEAD":  # unset on waitress's 500
+        if method != "HEAD":
             self.write(body)
         self.channel.server.on_error(self.request, err.code)
 

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import re
 import select
 import socket
 import threading
@@ -681,3 +682,31 @@ def test_an_answers_head_is_the_one_waitress_builds():
             built.append((head, task.chunked_response, task.close_on_finish,
                           task.response_headers))
         assert built[0] == built[1], (version, connection, status, headers, length, ident)
+
+
+def test_waitress_own_500_for_an_app_that_raised_answers_its_request_head_and_route():
+    """waitress answers an app that raised with a 500 built on a parser of its own, which
+    had lost the request's method and path: a HEAD got the body, and every route OpenAI's
+    error shape."""
+    def app(environ, start_response):
+        raise RuntimeError("boom")
+
+    def ask(server, method: str, path: str) -> tuple[bytes, bytes]:
+        with connect(server) as sock:
+            sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = b""
+            while chunk := sock.recv(65536):  # the 500 closes the connection
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 500 "), head
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        assert length > 0
+        return head, body
+
+    with serving(app) as server:
+        _, body = ask(server, "HEAD", "/v1/embeddings")
+        assert body == b""
+        _, body = ask(server, "GET", "/v1/embeddings")
+        assert json.loads(body)["error"]["code"] == "internal_error"  # OpenAI's shape
+        _, body = ask(server, "POST", "/api/embed")
+        assert isinstance(json.loads(body)["error"], str)  # Ollama's shape
