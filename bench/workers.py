@@ -157,14 +157,15 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
 
 
 def loop_sched(pid: int) -> tuple[float, int, int]:
-    """The engine loop's thread (the main one): seconds it was runnable but not running
-    (schedstat's second field), and its voluntary and involuntary context switches: sleeps
-    in its poll, about one a turn, and preemptions by another thread on its core."""
-    task = Path(f"/proc/{pid}/task/{pid}")
-    waited = int((task / "schedstat").read_text().split()[1]) / 1e9
-    status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines()
-                  if ":" in line)
-    return (waited, int(status["voluntary_ctxt_switches"]),
+    """The engine loop's thread (the main one): seconds it was runnable but not running (as
+    its ``embedsvc_engine_loop_waiting_seconds_total`` reads them), and its voluntary and
+    involuntary context switches: sleeps in its poll, about one a turn, and preemptions by
+    another thread on its core."""
+    from embedsvc.metrics import thread_waiting_seconds
+
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines() if ":" in line)
+    return (thread_waiting_seconds(pid, pid) or 0.0, int(status["voluntary_ctxt_switches"]),
             int(status["nonvoluntary_ctxt_switches"]))
 
 
