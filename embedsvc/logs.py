@@ -36,6 +36,19 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry).decode()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when a line is written, as
+    Python's last-resort handler does: one that kept the stream of the moment it was made
+    wrote to a closed file once that stream was swapped out and closed (pytest's capture)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """Give the ``embedsvc`` and ``waitress`` loggers one stderr handler and one format,
     whatever server hosts them.
@@ -44,7 +57,7 @@ def configure_logging(level: str, fmt: str) -> None:
     fall through to Python's last-resort handler and lose everything below WARNING, and
     waitress's would reach the root logger in another format (``waitress-serve`` sets one up).
     """
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler._embedsvc = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_PLAIN))
     for name in _SERVER_LOGGERS:

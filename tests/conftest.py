@@ -30,6 +30,22 @@ def tiktoken_cache(tmp_path_factory):
     else:
         os.environ["TIKTOKEN_CACHE_DIR"] = before
 
+@pytest.fixture(autouse=True)
+def _server_loggers_as_found():
+    """Put the ``embedsvc`` and ``waitress`` loggers back as each test found them: a test that
+    configures logging (as a serving process does) leaves no handler, level or switch behind
+    for the tests that run after it in the same worker."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("embedsvc", "waitress")]
+    found = [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, (handlers, level, propagate) in zip(loggers, found, strict=True):
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 # ONNX graphs that the tests and the servers they start export go to a cache inside this
 # checkout's .pytest_cache (ignored by git), never a user's: kept between runs, so only the
 # first run exports, and nothing is left in /tmp by a model load still running at exit.

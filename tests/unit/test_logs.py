@@ -60,3 +60,16 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_lines_go_to_the_stderr_of_the_moment_not_a_closed_one(monkeypatch):
+    import io
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("info", "plain")
+    first.close()  # as pytest closes a test's captured stream
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("embedsvc.x").info("after the swap")
+    assert second.getvalue().endswith("embedsvc.x: after the swap\n")
