@@ -4,8 +4,10 @@ class, and a front imports nothing of PyTorch (so it never touches a device)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import gc
 import os
 import select
 import socket
@@ -1402,3 +1404,32 @@ def test_a_keeper_that_raises_leaves_the_link_alive_to_try_again(tmp_path, monke
         assert link._thread.is_alive()
     finally:
         link.close()
+
+
+def test_a_request_through_the_engine_leaves_no_cycle_for_the_collector(pair):
+    """A request's records in the engine (its entry, work, admission ticket and job) and in
+    its front are freed by their counts as it is answered: none is left in a reference cycle
+    for Python's cyclic collector. Each answered request used to leave twelve objects in
+    cycles, and the collections that freed them took a tenth of the engine's loop."""
+    engine, front, encoder = pair
+    service = front.ready()
+
+    def requests(count: int) -> None:
+        for i in range(count):  # one input, several, and per-token work (its own thread)
+            service.run(Work(EMBED, [f"text {i}"], deadline=time.monotonic() + 5))
+            service.run(Work(EMBED, [f"more {i} {k}" for k in range(9)],
+                             deadline=time.monotonic() + 5))
+            service.run(Work(TOKENS, [f"tokens {i}"], deadline=time.monotonic() + 5))
+
+    requests(5)  # the first requests' one-off objects
+    gc.collect()
+    was = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds in cycles, kept to be seen
+    try:
+        requests(40)
+        gc.collect()
+        left = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.set_debug(was)
+        gc.garbage.clear()
+    assert not left, left
