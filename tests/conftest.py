@@ -46,6 +46,21 @@ def _server_loggers_as_found():
         logger.propagate = propagate
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_found():
+    """Put SIGINT, SIGTERM and SIGHUP back as each test found them: a test that runs
+    `embedsvc serve` or a bulk job in process leaves SIGHUP ignored (which every process the
+    worker starts after it inherits) or SIGINT at its default (Ctrl-C then kills the worker)."""
+    import signal
+
+    found = {signum: signal.getsignal(signum)
+             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in found.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
+
+
 # ONNX graphs that the tests and the servers they start export go to a cache inside this
 # checkout's .pytest_cache (ignored by git), never a user's: kept between runs, so only the
 # first run exports, and nothing is left in /tmp by a model load still running at exit.
