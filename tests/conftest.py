@@ -30,6 +30,7 @@ def tiktoken_cache(tmp_path_factory):
     else:
         os.environ["TIKTOKEN_CACHE_DIR"] = before
 
+
 @pytest.fixture(autouse=True)
 def _server_loggers_as_found():
     """Put the ``embedsvc`` and ``waitress`` loggers back as each test found them: a test that
