@@ -562,7 +562,8 @@ def frames_drive(address: str, sockets: int, depth: int, seconds: float, pid: in
                 stream = streams[fd]
                 for data in stream.read():
                     got = wire.decode_to_front(data)
-                    n = len(got.items) if isinstance(got, wire.Answers) else 1
+                    items = got.items if isinstance(got, wire.Answers) else [got]
+                    n = sum(len(i.ids) if isinstance(i, wire.Rows) else 1 for i in items)
                     answered += n
                     stream.send(frame(n))
         after = threads_cpu_s(pid)

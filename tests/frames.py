@@ -6,8 +6,22 @@ from __future__ import annotations
 import select
 import time
 from collections import deque
+from typing import Any
 
+from embedsvc.remote import wire
 from embedsvc.remote.stream import connect
+
+
+def answers_in(frame: Any) -> list[Any]:
+    """A frame from the engine as one item a request, as a front routes it: an ``Answers``
+    opened, and each row of a ``Rows`` as its ``wire.Row``."""
+    out: list[Any] = []
+    for item in frame.items if isinstance(frame, wire.Answers) else [frame]:
+        if isinstance(item, wire.Rows):
+            out += [wire.Row(item, k) for k in range(len(item.ids))]
+        else:
+            out.append(item)
+    return out
 
 
 class FrameSocket:

@@ -11,9 +11,9 @@ moment, what is queued meanwhile goes as one ``Submits`` frame, sent by the link
 (woken through a pipe only where no wake-up is pending yet). The front's one request in
 the engine reads the connection itself while it waits (``Link.wait``); otherwise the link's
 thread does. Whoever reads routes every answer (an ``Answer``, a ``Failed``, a ``Granted``,
-or each of an ``Answers``) and sets the future it answers, which wakes that request's thread
-and no other. The link's thread pings the engine
-every half second, sends this front's metrics every second, cancels the requests whose
+each row of a ``Rows``, or each of an ``Answers``) and sets the future it answers, which
+wakes that request's thread and no other. The link's thread pings the engine every half
+second, sends this front's metrics every second, cancels the requests whose
 client left, and watches the connection (connecting again until an engine listens):
 when the engine process is gone (its connection closes, it stops answering, another answers),
 it fails every future in it at once with 503 ``engine_gone`` and ``Retry-After``, and
@@ -549,7 +549,7 @@ class Link:
 
     def _route(self, frame: Any) -> None:
         """An answer to the future it answers; the engine's card and pongs to the link."""
-        if isinstance(frame, (wire.Answer, wire.Failed, wire.Granted)):
+        if isinstance(frame, (wire.Answer, wire.Rows, wire.Failed, wire.Granted)):
             self._settle([frame])
         elif isinstance(frame, wire.Answers):
             self._settle(frame.items)
@@ -565,11 +565,17 @@ class Link:
             if asker is not None:  # else a late answer to a question that gave up
                 asker[2].settle(frame)
 
-    def _settle(self, answers: list[wire.Answer | wire.Failed | wire.Granted]) -> None:
+    def _settle(self, answers: list[wire.Answer | wire.Rows | wire.Failed | wire.Granted]
+                ) -> None:
         pop, get = self._calls.pop, self._calls.get
+        calls: list[tuple[_Call | None, Any]] = []
         with self._lock:
-            calls = [(get(item.id) if isinstance(item, wire.Granted) else pop(item.id, None),
-                      item) for item in answers]
+            for item in answers:
+                if isinstance(item, wire.Rows):  # each request its own row
+                    calls += [(pop(i, None), wire.Row(item, k)) for k, i in enumerate(item.ids)]
+                else:
+                    calls.append((get(item.id) if isinstance(item, wire.Granted)
+                                  else pop(item.id, None), item))
         for call, item in calls:
             if call is None:  # its request gave up meanwhile
                 continue
@@ -930,15 +936,20 @@ def embedded(frame: Any, kind: str) -> Embedded:
     are the front's)."""
     if isinstance(frame, wire.Failed):
         raise error_of(frame)
-    if isinstance(frame, wire.Answer):
+    if isinstance(frame, (wire.Answer, wire.Row)):
+        whole: wire.Answer | wire.Rows
         try:
-            out = WORK_KINDS[kind].unpack(wire.arrays(frame))
+            if isinstance(frame, wire.Row):  # one row of a batch's ``Rows``
+                parts, whole, queue_s = [frame.row()], frame.frame, frame.frame.queue_s[frame.at]
+            else:
+                parts, whole, queue_s = wire.arrays(frame), frame, frame.queue_s
+            out = WORK_KINDS[kind].unpack(parts)
         except (KeyError, ValueError) as exc:
             raise Unavailable(f"the engine's answer does not read as {kind} work ({exc})",
                               code="engine_protocol") from None
-        out.queue_s, out.inference_s = frame.queue_s, frame.inference_s
-        out.batch_size = frame.batch_size
-        if frame.unit:  # normalised in the engine with its batch (``Embed.shape`` takes them)
+        out.queue_s, out.inference_s = queue_s, whole.inference_s
+        out.batch_size = whole.batch_size
+        if whole.unit:  # normalised in the engine with its batch (``Embed.shape`` takes them)
             out.units = out.vectors
         return out
     raise Unavailable(f"the engine answered with {type(frame).__name__}",

@@ -14,7 +14,8 @@ submit whose reservation is still parked waits with it). It
 writes the answers when the batcher's thread (or the watchdog's) says their jobs are done:
 those threads only append to a queue and write one byte to a pipe the loop polls, so a
 batch's answers cost one wake-up, not one per request, and the answers a turn has for one
-front go out in one frame (``Answers``; a lone one as ``Answer`` or ``Failed``). Batches form
+front go out in one frame (``Answers``; a lone one as itself), the one-input dense rows of a
+batch as one ``Rows`` for each front. Batches form
 from every front's requests, in the batcher's one queue, with its turns and admission's
 rules, exactly as in one process.
 
@@ -146,7 +147,7 @@ class EngineServer:
         self._reserved: dict[tuple[bytes, int], _Request] = {}  # room held, ids not yet here
         self._running: dict[tuple[bytes, int], _Request] = {}
         # answers and grants, by front
-        self._outbox: dict[bytes, list[wire.Answer | wire.Failed | wire.Granted]] = {}
+        self._outbox: dict[bytes, list[wire.Answer | wire.Rows | wire.Failed | wire.Granted]] = {}
         self._fronts: dict[bytes, _Front] = {}
         self._ended: list[bytes] = []  # peers whose connection a send closed, this turn
         self._ponged: dict[bytes, float] = {}  # when each peer's last pong was queued
@@ -681,20 +682,34 @@ class EngineServer:
             self._start(start)
 
     def _answer_done(self) -> None:
-        # each batch's rows as bytes, once a turn; the batch held with them, so that no later
-        # batch takes its address (its id) while this turn lasts
-        batches: dict[int, tuple[np.ndarray, bytes]] = {}
+        # the one-input dense rows of a batch, by front and by the batch's array (its raw
+        # rows or their units): one ``Rows`` frame each; the array held by its group, so
+        # that no later batch takes its address (its id) while this turn lasts
+        rows: dict[tuple[bytes, int], _Rows] = {}
         while self._done:
             req = self._done.popleft()
             self._running.pop((req.peer, req.id), None)
-            self._reply(req.peer, self._answer(req, batches))
+            job = req.job
+            assert req.work is not None
+            if req.result is None and job is not None and job.error is None \
+                    and job.batch_rows is not None and WORK_KINDS[req.work.kind].normalises:
+                batch = job.batch_units if job.batch_units is not None else job.batch_rows
+                group = rows.get((req.peer, id(batch)))
+                if group is None:
+                    group = rows[req.peer, id(batch)] = _Rows(batch, job)
+                group.add(req.id, job)
+            else:
+                self._reply(req.peer, self._answer(req))
             # answered: its work, ticket and job each hold a callback that holds it (its
             # client's check, its grant, its end), cycles its count alone never freed; the
             # cyclic collector's passes over them took a tenth of the loop
             req.work = req.ticket = req.job = None
+        for (peer, _), group in rows.items():
+            self._reply(peer, group.frame())
 
-    def _answer(self, req: _Request, batches: dict[int, tuple[np.ndarray, bytes]]
-                ) -> wire.Answer | wire.Failed:
+    def _answer(self, req: _Request) -> wire.Answer | wire.Failed:
+        """The answer of a request that is not one row of a batch's dense rows (``Rows``):
+        a failure, /embed_all's, a kind's own arrays, a request of several inputs."""
         assert req.work is not None
         result = req.result
         if result is None:
@@ -702,8 +717,6 @@ class EngineServer:
             assert job is not None
             if job.error is not None:
                 return failed(req.id, job.error)
-            if job.batch_rows is not None and WORK_KINDS[req.work.kind].normalises:
-                return _sliced(req.id, job, batches)
             assert job.rows is not None
             try:
                 result = self.runner.finish(req.work, job.rows)
@@ -760,7 +773,8 @@ class EngineServer:
             self._dropped(req.ticket.inputs, "timeout" if late else "disconnected")
             self._reply(req.peer, failed(req.id, deadline_error() if late else _gone()))
 
-    def _reply(self, peer: bytes, frame: wire.Answer | wire.Failed | wire.Granted) -> None:
+    def _reply(self, peer: bytes,
+               frame: wire.Answer | wire.Rows | wire.Failed | wire.Granted) -> None:
         """An answer to a request, sent with the others of its front at the end of the
         loop's turn (``_flush``)."""
         self._outbox.setdefault(peer, []).append(frame)
@@ -855,25 +869,36 @@ def answer_frame(request_id: int, kind: str, out: Embedded) -> wire.Answer:
                        out.batch_size)
 
 
-def _sliced(request_id: int, job: Job, batches: dict[int, tuple[np.ndarray, bytes]]
-            ) -> wire.Answer:
-    """A dense embedding's one row, as ``answer_frame`` makes it, its bytes sliced from its
-    batch's: one copy of a batch a turn, where each answer cost a slice, a contiguous copy
-    and a copy to bytes of its own (numpy calls, each a few microseconds). The row at unit
-    length where the front asked it (``Submit.unit``) and the batcher made it."""
-    batch = job.batch_units if job.batch_units is not None else job.batch_rows
-    assert batch is not None
-    # by id, the array kept beside its bytes: an array freed meanwhile (its requests
-    # answered, the batcher's thread gone on) would leave its id to the next batch's
-    kept = batches.get(id(batch))
-    if kept is None or kept[0] is not batch:
-        kept = batches[id(batch)] = (batch, np.ascontiguousarray(batch, dtype="<f4").tobytes())
-    blob = kept[1]
-    width = batch.shape[1]
-    start = 4 * width * job.at
-    return wire.Answer(request_id, [blob[start:start + 4 * width]], ["<f4"], [(1, width)],
-                       job.queue_s, job.inference_s, job.batch_size,
-                       unit=job.batch_units is not None)
+class _Rows:
+    """One front's one-input dense answers from one batch's rows (``batch``: the raw rows,
+    or their units where the batcher made them), gathered over a turn into one ``Rows``
+    frame: one copy of their rows, where each answer cost a slice, a struct and its
+    encoding."""
+
+    __slots__ = ("batch", "ids", "at", "queue_s", "inference_s", "batch_size", "unit")
+
+    def __init__(self, batch: np.ndarray, job: Job) -> None:
+        self.batch = batch
+        self.ids: list[int] = []
+        self.at: list[int] = []  # each one's row in ``batch``
+        self.queue_s: list[float] = []
+        # a one-input job is in one batch: its time and size are the batch's
+        self.inference_s, self.batch_size = job.inference_s, job.batch_size
+        self.unit = job.batch_units is not None
+
+    def add(self, request_id: int, job: Job) -> None:
+        self.ids.append(request_id)
+        self.at.append(job.at)
+        self.queue_s.append(job.queue_s)
+
+    def frame(self) -> wire.Rows:
+        batch, at = self.batch, self.at
+        # every row of the batch in order (one front's batch): its bytes as they are, where
+        # a gather cost more numpy calls than the rest of a lone request's answer
+        rows = batch if at == list(range(len(batch))) else batch[at]
+        return wire.Rows(self.ids, np.ascontiguousarray(rows, dtype="<f4").tobytes(),
+                         batch.shape[1], self.queue_s, self.inference_s, self.batch_size,
+                         unit=self.unit)
 
 
 def failed(request_id: int, exc: ApiError) -> wire.Failed:

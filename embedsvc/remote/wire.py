@@ -4,8 +4,9 @@ A front sends ``Hello`` (and gets the engine's ``Card``), ``Reserve`` (room for 
 before it is tokenized; ``Granted`` back when it asked to be told), ``Submit`` (one
 ``Work``'s model side: the kind, the token ids, the options) or ``Submits`` (several of
 either in one frame), ``Cancel`` (its client left), ``Ping`` and ``Snapshot`` (its metrics);
-the engine answers ``Answer`` (a kind's arrays) or ``Failed`` for a request, or ``Answers``
-(several in one frame), ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
+the engine answers ``Answer`` (a kind's arrays) or ``Failed`` for a request, ``Rows`` for the
+one-input dense embeddings of a batch (one float32 array, a row each), or ``Answers``
+(several of these in one frame), ``Pong`` with its state, and ``Exposition`` for ``Scrape`` (a
 ``Snapshot`` that asks for the merged metrics back). Ids,
 rows and sparse pairs travel as raw little-endian arrays, not lists. A frame is decoded
 into exactly these types or refused: nothing on the socket is ever unpickled or executed.
@@ -164,6 +165,48 @@ class Answer(Frame):
     unit: bool = False  # its rows are at unit length already (``Submit.unit``)
 
 
+class Rows(Frame):
+    """The answers of one front's one-input requests for dense rows in one batch: one
+    float32 array of ``width`` columns whose row ``k`` is request ``ids[k]``'s, and where
+    each one's time went. One copy of the batch's rows and one frame for all, where an
+    ``Answer`` each cost the engine a slice, a struct and its encoding a request. ``unit``:
+    the rows are at unit length already (``Submit.unit``)."""
+
+    ids: list[int]
+    rows: bytes
+    width: Size
+    queue_s: list[float]
+    inference_s: float
+    batch_size: int = 0
+    unit: bool = False
+
+
+class Row:
+    """Request ``frame.ids[at]``'s answer in a ``Rows`` frame, as a front's request waits
+    for it (``row``: a read-only view of its bytes, no copy)."""
+
+    __slots__ = ("frame", "at")
+
+    def __init__(self, frame: Rows, at: int) -> None:
+        self.frame = frame
+        self.at = at
+
+    @property
+    def id(self) -> int:
+        return self.frame.ids[self.at]
+
+    def row(self) -> np.ndarray:
+        """The one row, as a (1, width) float32 array; ValueError where the frame's rows
+        do not hold its ids' rows."""
+        frame = self.frame
+        width = frame.width
+        if not width or len(frame.rows) != 4 * width * len(frame.ids) \
+                or len(frame.queue_s) != len(frame.ids):
+            raise ValueError("the rows of an answer do not hold its requests' rows")
+        return np.frombuffer(frame.rows, dtype="<f4", count=width,
+                             offset=4 * width * self.at).reshape(1, width)
+
+
 class Failed(Frame):
     """An ``ApiError`` of the model side, to be raised again in the front."""
 
@@ -197,14 +240,15 @@ class Submits(Frame):
 
 class Answers(Frame):
     """What one turn of the engine's loop has for one front (the answers of every request
-    of that front that a batch finished, the grants of its reservations), in one frame:
+    of that front that a batch finished, its rows as one ``Rows`` where they are a batch's
+    dense rows, the grants of its reservations), in one frame:
     one send, one wake-up of the front's reader."""
 
-    items: list[Answer | Failed | Granted]
+    items: list[Answer | Rows | Failed | Granted]
 
 
 ToEngine = Hello | Reserve | Submit | Submits | Cancel | Ping | Snapshot | Scrape
-ToFront = Card | Pong | Answer | Failed | Granted | Answers | Exposition
+ToFront = Card | Pong | Answer | Rows | Failed | Granted | Answers | Exposition
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -43,7 +43,7 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.work import EMBED, SPARSE, TOKENS, Embedded, Work
 
-from ..frames import FrameSocket
+from ..frames import FrameSocket, answers_in
 from ..waiting import soon
 
 
@@ -249,7 +249,7 @@ def test_an_answer_waits_for_a_front_that_reads_late_and_is_never_dropped(pair):
         while sock.poll(2000):
             frames.append(wire.decode_to_front(sock.recv()))
     assert sum(isinstance(f, wire.Pong) for f in frames) == 2500
-    assert [f.id for f in frames if isinstance(f, wire.Answer)] == [1]
+    assert [a.id for f in frames for a in answers_in(f) if isinstance(a, wire.Row)] == [1]
 
 
 def test_a_peer_that_pings_and_never_reads_grows_the_engine_no_further_than_its_bound(
@@ -281,7 +281,7 @@ def test_a_peer_that_pings_and_never_reads_grows_the_engine_no_further_than_its_
     pongs = sum(isinstance(f, wire.Pong) for f in frames)
     assert 0 < most <= (64 << 10) + 4096, most  # the bound, a pong a second and an answer
     assert 0 < pongs < 20_000, pongs
-    assert [f.id for f in frames if isinstance(f, wire.Answer)] == [1]
+    assert [a.id for f in frames for a in answers_in(f) if isinstance(a, wire.Row)] == [1]
 
 
 def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
@@ -291,12 +291,12 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
     texts = [f"text number {i}" for i in range(7)]
     with _raw(front) as sock:
         sock.send(_burst(front, texts))
-        got: dict[int, wire.Answer] = {}
+        got: dict[int, wire.Row] = {}
         while len(got) < len(texts):
             assert sock.poll(5000), f"answers for {sorted(got)} only"
-            frame = wire.decode_to_front(sock.recv())
-            for item in frame.items if isinstance(frame, wire.Answers) else [frame]:
-                assert isinstance(item, wire.Answer), item
+            for item in answers_in(wire.decode_to_front(sock.recv())):
+                assert isinstance(item, wire.Row), item  # one-input: a row of a ``Rows``
+                assert item.id not in got, f"{item.id} answered twice"
                 got[item.id] = item
         for i, text in enumerate(texts):
             row = embedded(got[i + 1], EMBED).vectors[0]  # the model's rows, unnormalised
@@ -305,9 +305,10 @@ def test_a_burst_of_submits_in_one_frame_gets_each_request_its_own_rows(pair):
 
 
 def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
-    """A burst of one front's requests computed in one batch comes back as one ``Answers``
-    frame (one send, one wake-up of the front's reader), each request with its own rows;
-    they used to come back as one ``Answer`` frame each."""
+    """A burst of one front's one-input requests computed in one batch comes back as one
+    ``Rows`` frame (one send, one wake-up of the front's reader, one copy of the batch's
+    rows), each request with its own row; they came back as one ``Answer`` frame each, then
+    as an ``Answer`` each in one ``Answers``."""
     engine, front, encoder = pair
     batcher = engine.runner.batcher
     texts = [f"text number {i}" for i in range(7)]
@@ -323,14 +324,16 @@ def test_the_answers_of_one_batch_reach_their_front_in_one_frame(pair):
             batcher.device_lock.release()
         assert sock.poll(5000), "no answer"
         frame = wire.decode_to_front(sock.recv())
-        assert isinstance(frame, wire.Answers), type(frame).__name__
-        assert sorted(item.id for item in frame.items) == list(range(1, len(texts) + 1))
-        for item in frame.items:
-            assert isinstance(item, wire.Answer), item
-            row = embedded(item, EMBED).vectors[0]  # the model's rows, unnormalised
+        assert isinstance(frame, wire.Rows), type(frame).__name__
+        assert sorted(frame.ids) == list(range(1, len(texts) + 1))
+        assert frame.batch_size == len(texts) and len(frame.queue_s) == len(texts)
+        for item in answers_in(frame):
+            answer = embedded(item, EMBED)
+            row = answer.vectors[0]  # the model's rows, unnormalised
             np.testing.assert_allclose(row / np.linalg.norm(row),
                                        encoder.expected(texts[item.id - 1]), rtol=1e-6)
-            assert item.batch_size == len(texts)
+            assert answer.vectors.shape == (1, encoder.info.dimension)
+            assert answer.batch_size == len(texts)
         assert not sock.poll(100), "an answer came again in a frame of its own"
 
 
@@ -358,13 +361,15 @@ def test_a_submit_that_asks_its_row_at_unit_length_gets_it_normalised_with_its_b
             while len(answers) < (2 if asked else 1):
                 assert sock.poll(5000), "no answer"
                 got = wire.decode_to_front(sock.recv())
-                answers += got.items if isinstance(got, wire.Answers) else [got]
+                answers += answers_in(got)
             for answer in answers:
-                assert isinstance(answer, wire.Answer) and answer.unit is (answer.id in asked)
+                assert isinstance(answer, wire.Row), answer  # one-input: a row of a ``Rows``
+                assert answer.frame.unit is (answer.id in asked)
                 rows = embedded(answer, EMBED)
-                want = l2_normalize(raw) if answer.unit else raw
+                want = l2_normalize(raw) if answer.frame.unit else raw
                 np.testing.assert_array_equal(rows.vectors, want)
-                assert (rows.units is rows.vectors) if answer.unit else rows.units is None
+                assert (rows.units is rows.vectors) if answer.frame.unit \
+                    else rows.units is None
     alone = local_client(Settings(), encoder)
     try:
         for options in ({}, {"normalize": False}, {"dimensions": 3}):
@@ -372,33 +377,6 @@ def test_a_submit_that_asks_its_row_at_unit_length_gets_it_normalised_with_its_b
                                           alone.embed(["hello world"], **options).vectors)
     finally:
         alone.shutdown(timeout=1)
-
-
-def test_an_answer_sliced_from_its_batch_never_takes_a_freed_batchs_bytes():
-    """The loop slices a one-row answer from its batch's bytes, copied once a turn and found
-    by the batch's id. Kept by id alone, a batch whose requests were answered could be freed
-    during the turn (the batcher's thread goes on) and the next batch take its address: a
-    request was answered with another's row. The turn now holds each batch it copied."""
-    from embedsvc.batching.batcher import Job
-    from embedsvc.remote.server import _sliced
-
-    def job_of(batch: np.ndarray) -> Job:
-        job = Job([[1, 2]], 0.0)
-        job.at, job.batch_rows, job.rows = 0, batch, batch[:1]
-        return job
-
-    batches: dict = {}  # one turn's
-    first = np.full((2, 4), 1.0, np.float32)
-    assert _sliced(1, job_of(first), batches).parts[0] == first[:1].tobytes()
-    address = id(first)
-    del first  # its requests answered; only the turn could still hold it
-    later = []
-    for _ in range(10_000):  # the next batches: one would take a freed batch's address
-        later.append(np.full((2, 4), 2.0, np.float32))
-        if id(later[-1]) == address:
-            break
-    for k, batch in enumerate(later[-3:]):
-        assert _sliced(2 + k, job_of(batch), batches).parts[0] == batch[:1].tobytes()
 
 
 class _FreeDevice(FakeEncoder):
@@ -881,8 +859,7 @@ def test_a_departed_clients_cancel_goes_after_its_submit_in_the_same_turn():
 def _next(sock, timeout_ms: int = 5000) -> list:
     """The items of the engine's next frame to this socket."""
     assert sock.poll(timeout_ms), "no frame from the engine"
-    frame = wire.decode_to_front(sock.recv())
-    return list(frame.items) if isinstance(frame, wire.Answers) else [frame]
+    return answers_in(wire.decode_to_front(sock.recv()))
 
 
 def _reserved(sock, request_id: int, inputs: int) -> None:
@@ -905,7 +882,7 @@ def test_a_reservation_holds_room_before_its_ids_come_and_they_are_computed_unde
         sock.send(wire.encode(wire.Submit(5, "embed", *wire.pack_ids(ids), timeout=5.0,
                                           reserved=True)))
         (answer,) = _next(sock)
-        assert isinstance(answer, wire.Answer) and answer.id == 5, answer
+        assert isinstance(answer, wire.Row) and answer.id == 5, answer
         row = embedded(answer, EMBED).vectors[0]
         np.testing.assert_allclose(row / np.linalg.norm(row), encoder.expected("reserved first"),
                                    rtol=1e-6)

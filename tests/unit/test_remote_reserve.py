@@ -9,8 +9,10 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from embedsvc.admission import Admission
@@ -27,6 +29,7 @@ from embedsvc.service import Service
 from embedsvc.settings import Settings
 from embedsvc.tenants import Keyring, Limits, Quotas, Tenant
 from embedsvc.work import EMBED, TOKENS, Work
+from tests.frames import answers_in
 from tests.unit.test_remote import _in_threads, _next, _raw, serving
 from tests.waiting import soon
 
@@ -167,8 +170,52 @@ def test_a_reservation_read_with_its_ids_is_one_request_admitted_with_them(
         server._outbox.clear()
         assert soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
         answered = server._outbox[b"front"]
-        assert sorted(f.id for f in answered if isinstance(f, wire.Answer)) == [1, 3]
+        assert sorted(a.id for f in answered for a in answers_in(f)
+                      if isinstance(a, wire.Row)) == [1, 3]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
+
+
+def test_the_rows_of_a_turn_never_come_from_a_batch_freed_during_it(tmp_path, registry):
+    """The loop gathers a turn's one-row answers by their batch's id (``_Rows``). Kept by id
+    alone, a batch whose requests were answered could be freed during the turn (the batcher's
+    thread goes on) and the next batch take its address: a request was answered with
+    another's row. The turn holds each batch it gathers from until its frames are made:
+    here the first request's batch, which nothing else holds once it is answered, is still
+    there when a later request finishes, and each request gets its own row."""
+    from embedsvc.batching.batcher import Job
+    from embedsvc.remote.server import _Request
+
+    def finished(request_id: int, batch: np.ndarray) -> _Request:
+        job = Job([[1, 2]], 0.0)
+        job.at, job.batch_rows, job.rows = 0, batch, batch[:1]
+        return _Request(b"front", request_id, Work(EMBED, ["x"]), job=job)
+
+    class Turn:  # the loop's ``_done``: the last request finishes as the others are answered
+        def __init__(self) -> None:
+            first = finished(1, np.full((2, 4), 1.0, np.float32))
+            self.first = weakref.ref(first.job.batch_rows)
+            self.queue = [first, finished(2, np.full((2, 4), 2.0, np.float32))]
+            self.held: bool | None = None  # the first batch, as the last request finished
+
+        def __bool__(self) -> bool:
+            return bool(self.queue) or self.held is None
+
+        def popleft(self) -> _Request:
+            if self.queue:
+                return self.queue.pop(0)
+            self.held = self.first() is not None
+            return finished(3, np.full((2, 4), 3.0, np.float32))
+
+    with _loop_steps(tmp_path, registry) as (server, _):
+        turn = Turn()
+        server._done = turn  # type: ignore[assignment]
+        server._answer_done()
+        assert turn.held, "the first batch was freed while the turn still gathered by ids"
+        rows = {a.id: a.row() for f in server._outbox[b"front"] for a in answers_in(f)}
+        assert sorted(rows) == [1, 2, 3]
+        for request_id in (1, 2, 3):
+            np.testing.assert_array_equal(rows[request_id],
+                                          np.full((1, 4), float(request_id), np.float32))
 
 
 def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
@@ -190,7 +237,7 @@ def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
         server._submit(burst)
         assert server._malformed == 1 and list(server._running) == [(b"front", 1)]
         assert soon(lambda: (server._answer_done(), len(server._running))[1] == 0)
-        assert [type(f) for f in server._outbox[b"front"]] == [wire.Answer]
+        assert [type(f) for f in server._outbox[b"front"]] == [wire.Rows]
         assert admission.used_inputs == 0 and admission.used_tokens == 0
 
 
