@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -318,30 +319,46 @@ def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"", *, vocab: int 
                longest: int | None = None) -> list[list[int]]:
     """``pack_ids``' inverse; ValueError for arrays that do not add up, and for an id
     outside ``range(vocab)`` or an input longer than ``longest`` (checked on the flat
-    arrays: a look at each input cost the engine a few calls an input)."""
+    arrays: a look at each input cost the engine a few calls an input). The ids and
+    lengths are read unsigned: a negative one reads as 2**31 or more, so that one bound
+    refuses both ends (a ``min`` and a ``max`` of the ids cost more than the rest)."""
     if len(flat) % 4 or len(lengths) % 4:
         raise ValueError("the ids and their lengths do not add up")
-    values = list(struct.unpack(f"<{len(flat) >> 2}i", flat))
-    sizes = struct.unpack(f"<{len(lengths) >> 2}i", lengths)
-    if min(sizes, default=0) < 0 or sum(sizes) != len(values):
-        raise ValueError("the ids and their lengths do not add up")
-    if vocab is not None and values and (min(values) < 0 or max(values) >= vocab):
-        raise ValueError("a token id outside the vocabulary")
-    if longest is not None and sizes and max(sizes) > longest:
-        raise ValueError("an input longer than the model's limit")
+    values = _uint32s(flat)
+    sizes = _uint32s(lengths)
     if len(sizes) == 1:  # a query's frame: its one input is every id
+        longest_size = sizes[0]
+        if longest_size != len(values):
+            raise ValueError("the ids and their lengths do not add up")
         rows = [values]
     else:
+        if sum(sizes) != len(values):
+            raise ValueError("the ids and their lengths do not add up")
+        longest_size = max(sizes, default=0)
         rows, at = [], 0
         for size in sizes:
             rows.append(values[at:at + size])
             at += size
+    if vocab is not None and values and max(values) >= vocab:
+        raise ValueError("a token id outside the vocabulary")
+    if longest is not None and longest_size > longest:
+        raise ValueError("an input longer than the model's limit")
     if not seconds:
         return rows
     second = _int32s(seconds)
     if len(second) != len(rows):
         raise ValueError("a pair's second segment is missing")
     return [Pair(row, s) for row, s in zip(rows, second, strict=True)]
+
+
+def _uint32s(data: bytes) -> list[int]:
+    """Little-endian 32-bit values, unsigned (``data``'s length a multiple of 4)."""
+    if _LITTLE:  # one C call, where a struct format is built and parsed for each array
+        return memoryview(data).cast("I").tolist()
+    return list(struct.unpack(f"<{len(data) >> 2}I", data))
+
+
+_LITTLE = sys.byteorder == "little" and struct.calcsize("I") == 4
 
 
 # struct, not numpy: a request's frame holds a few dozen ids, for which numpy's cost per call

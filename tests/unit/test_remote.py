@@ -11,6 +11,7 @@ import gc
 import os
 import select
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -205,13 +206,31 @@ def test_ids_the_model_cannot_take_are_refused_in_the_engine(pair, tmp_path):
         # past the vocabulary, the limit; an input of no ids (a front always sends at least
         # one: the API refuses an empty input, and the template wraps each), alone and
         # beside one that has some
-        for ids in ([[1, 5000, 2]], [[1, *range(3, 30), 2]], [[]], [[1, 7, 2], []]):
+        for ids in ([[1, 5000, 2]], [[1, -3, 2]], [[1, 7, 2], [1, -1]], [[1, *range(3, 30), 2]],
+                    [[]], [[1, 7, 2], []]):
             sock.send(wire.encode(wire.Submit(1, "embed", *wire.pack_ids(ids))))
             answer = wire.decode_to_front(sock.recv())
             assert isinstance(answer, wire.Failed) and answer.status == 400, answer
             assert answer.code == "invalid_frame", answer
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize(("flat", "lengths", "why"), [
+    ([1, -3, 2], [3], "outside the vocabulary"),
+    ([1, 2, 3], [-1, 4], "do not add up"),  # adds up, signed
+    ([1, 2, 3], [4], "do not add up"),
+    ([1, *range(3, 30), 2], [29], "longer than the model's limit"),
+    ([1, 2, 3], [1, 1, 1, 1], "do not add up"),
+])
+def test_ids_that_do_not_add_up_or_fit_the_model_are_refused_as_they_are_read(flat, lengths,
+                                                                               why):
+    with pytest.raises(ValueError, match=why):
+        wire.unpack_ids(struct.pack(f"<{len(flat)}i", *flat),
+                        struct.pack(f"<{len(lengths)}i", *lengths), vocab=100, longest=16)
+    ok = wire.unpack_ids(struct.pack("<5i", 1, 7, 2, 99, 0), struct.pack("<2i", 3, 2),
+                         vocab=100, longest=16)
+    assert ok == [[1, 7, 2], [99, 0]]
 
 
 @contextlib.contextmanager
