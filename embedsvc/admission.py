@@ -285,7 +285,8 @@ class Admission:
         if not opens and ahead is not None:  # room first, then its turn in the queue
             ahead += self._fifo_tokens(ticket) + self._one_batch(ticket)
         now = time.monotonic()
-        wait = self.predicted_wait(ahead)
+        rate = self._rate  # ``predicted_wait``'s, without its two calls a request
+        wait = 0.0 if rate <= 0 else ahead / rate if ahead is not None else self.predicted_wait()
         if wait > ticket.deadline - now:  # late: refused, or a bound's walk asked for
             if not final:
                 return False
@@ -305,14 +306,23 @@ class Admission:
 
     def settle(self, ticket: Ticket, tokens: int) -> None:
         """The batcher takes the reservation over, at its exact token count."""
+        self.settle_many([(ticket, tokens)])
+
+    def settle_many(self, settled: Sequence[tuple[Ticket, int]]) -> None:
+        """``settle`` for each (ticket, exact tokens) of a burst the batcher queues at once:
+        one hold of the lock, and one look at the FIFO for all (settling changes only the
+        tokens held, so the waiters granted after the last are those granted after each)."""
         with self._lock:
-            if ticket.open:
-                self._close(ticket)
-                self.used_tokens += tokens - ticket.tokens
-                ticket.tokens = tokens
-                self._grant()
-        if self.quotas is not None and ticket.tenant is not None:
-            self.quotas.settle(ticket.tenant, ticket.estimate, tokens)
+            for ticket, tokens in settled:
+                if ticket.open:
+                    self._close(ticket)
+                    self.used_tokens += tokens - ticket.tokens
+                    ticket.tokens = tokens
+            self._grant()
+        if self.quotas is not None:
+            for ticket, tokens in settled:
+                if ticket.tenant is not None:
+                    self.quotas.settle(ticket.tenant, ticket.estimate, tokens)
 
     def tokenized(self, ticket: Ticket, tokens: int) -> None:
         """The exact tokens of a reservation held open while its work runs outside the
@@ -431,7 +441,8 @@ class Admission:
         )
 
     def _fits(self, ticket: Ticket) -> bool:
-        if self.used_inputs + ticket.inputs > self.limit:
+        limit = self.max_inputs if self.max_inputs is not None else self._derived  # ``limit``
+        if self.used_inputs + ticket.inputs > limit:
             return False
         return self.used_tokens == 0 or self.used_tokens + ticket.tokens <= self.max_tokens
 

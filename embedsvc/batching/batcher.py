@@ -155,15 +155,14 @@ class Job:
         self.origin = origin  # the front it came from (the engine process)
         self.tenant = tenant  # whose quota counts its inputs in flight
         self.on_done = on_done  # called once, as it finishes
-        self.rows: np.ndarray | None = None
+        self._rows: np.ndarray | None = None
         self.unit = unit  # its one row is wanted at unit length too (Batcher.unit)
         # a one-input job's row is row ``at`` of its batch's rows (and of their unit rows,
-        # where the batcher made them): the engine's loop slices its answer's bytes from
-        # the batch's, once a batch
+        # where the batcher made them): the engine's loop takes its answer from the batch's
+        # (one ``Rows`` frame a batch), one process a view of it (``rows``, ``units``)
         self.at = -1
         self.batch_rows: np.ndarray | None = None
         self.batch_units: np.ndarray | None = None
-        self.units: np.ndarray | None = None  # its row at unit length: a view of those
         self.remaining = len(inputs)
         self.error: ApiError | None = None
         self._finished = False
@@ -175,6 +174,26 @@ class Job:
     @property
     def done(self) -> bool:
         return self._finished
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """Its rows, in input order, once computed: a one-input job's a view of its batch's
+        row, made when first read (the engine's loop reads the batch's instead)."""
+        if self._rows is None and self.batch_rows is not None:
+            self._rows = self.batch_rows[self.at:self.at + 1]
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: np.ndarray | None) -> None:
+        self._rows = value
+
+    @property
+    def units(self) -> np.ndarray | None:
+        """A one-input job's row at unit length, where its batch's were normalised
+        (``Batcher.unit``): a view of those; None otherwise."""
+        if self.batch_units is None:
+            return None
+        return self.batch_units[self.at:self.at + 1]
 
     def wait(self, timeout: float | None) -> bool:
         if self._finished:
@@ -402,17 +421,18 @@ class Batcher:
                     self.admission.cancel(ticket)
                 raise shutting_down()
             now = time.monotonic()
-            for job, ticket in jobs:
-                self._enqueue(job, ticket, now)
+            for job, _ in jobs:
+                self._enqueue(job, now)
+            self.admission.settle_many([(ticket, job.queued) for job, ticket in jobs])
             self._warn_if_deep(now)
             self._ring()
 
-    def _enqueue(self, job: Job, ticket: Ticket, now: float) -> None:
-        """``job``'s inputs into the queue, its ticket settled. Under self._cond."""
+    def _enqueue(self, job: Job, now: float) -> None:
+        """``job``'s inputs into the queue (its ticket settled by the caller, at
+        ``job.queued`` tokens). Under self._cond."""
         inputs, flow = job.inputs, job.flow
         tokens = sum(map(len, inputs))
         job.queued, job.left, job.seq = tokens, len(inputs), next(self._seq)
-        self.admission.settle(ticket, tokens)
         tag = self._start_tag(flow, tokens)
         backlog = self._backlog.setdefault(flow, [0, 0])
         backlog[0] += tokens
@@ -819,7 +839,7 @@ class Batcher:
         with self._lock:
             seen: set[Job] = set()  # by identity
             finished: list[Job] = []
-            for k, (row, it) in enumerate(zip(rows, batch, strict=True)):
+            for k, it in enumerate(batch):
                 job = it.job
                 if job not in seen:
                     seen.add(job)
@@ -829,12 +849,12 @@ class Batcher:
                 if job._finished:  # failed meanwhile (another of its batches), or its client left
                     continue
                 self._computed += 1
-                if views and len(job.inputs) == 1:
-                    job.rows = rows[k:k + 1]
+                if views and len(job.inputs) == 1:  # its row a view, made when read
                     job.at, job.batch_rows = k, rows
-                    if units is not None and job.unit:  # sliced here, where numpy is warm
-                        job.batch_units, job.units = units, units[k:k + 1]
+                    if units is not None and job.unit:
+                        job.batch_units = units
                 else:
+                    row = rows[k]
                     if job.rows is None:
                         job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
                     job.rows[it.index] = row

@@ -56,7 +56,7 @@ from ..image.preprocess import Preprocessor
 from ..metrics import Metrics, Snapshots, check_families, thread_waiting_seconds
 from ..runner import Runner
 from ..work import Embedded, Work
-from ..work_kinds import WORK_KINDS, kind_of
+from ..work_kinds import WORK_KINDS
 from . import wire
 from .stream import Stream, socket_path
 from .wake import WakePipe
@@ -153,6 +153,8 @@ class EngineServer:
         self._ponged: dict[bytes, float] = {}  # when each peer's last pong was queued
         self._malformed = 0
         self._most_s = runner.settings.request_timeout_s  # see ``_checked_deadline``
+        self._most_inputs = runner.settings.max_inputs_per_request
+        self._info = info  # the engine's one model's, read for each request's ids
         self._next_front_sweep = 0.0
         self._busy_s = 0.0  # the loop's time between a poll's return and the next poll
         metrics.watch_engine_loop(lambda: self._busy_s, self._waiting_s)
@@ -432,7 +434,7 @@ class EngineServer:
         """The deadline of a reservation that can be admitted; a 400 for one that cannot
         (a kind this model does not serve is refused before any tokenizing, as in one
         process)."""
-        deadline = _checked_deadline(frame, self._most_s)
+        deadline = _checked_deadline(frame, self._most_s, time.monotonic())
         if not 0 < frame.inputs <= self.runner.settings.max_inputs_per_request:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
@@ -468,20 +470,21 @@ class EngineServer:
         reqs, asks, start = [], [], []
         taken: set[tuple[bytes, int]] = set()
         kinds: set[str] = set()  # those this model serves, checked once a burst
+        now = time.monotonic()
         for peer, frame, reserve in burst.submits:
             if reserve is not None and self._holds((peer, frame.id)):
                 # the reservation read with it repeats one held already: the ids join that
                 self._refuse_frame(f"Reserve {frame.id}: an id in use")
                 reserve = None
             if frame.reserved and reserve is None:
-                held = self._join(peer, frame, kinds)
+                held = self._join(peer, frame, kinds, now)
                 if held is not None:
                     start.append(held)
                 continue
             if not self._fresh(peer, frame, taken):
                 continue
             try:
-                work = self._checked(frame, kinds)
+                work = self._checked(frame, kinds, now)
                 if reserve is not None and len(work.ids) != reserve.inputs:
                     raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
                                          f"{reserve.inputs}", code="invalid_frame")
@@ -491,7 +494,7 @@ class EngineServer:
             req = _Request(peer, frame.id, work, front=work.front)
             work.disconnected = partial(_is_gone, req)
             reqs.append(req)
-            asks.append(Ask(work.count, sum(map(len, work.ids)), work.deadline or 0.0,
+            asks.append(Ask(len(work.ids), sum(map(len, work.ids)), work.deadline or 0.0,
                             work.flow, work.tenant, partial(self._granted, req)))
         self._start(start + self._admit(reqs, asks))  # one append to the batcher's queue
 
@@ -512,7 +515,8 @@ class EngineServer:
                 self._parked[(req.peer, req.id)] = req
         return opened
 
-    def _join(self, peer: bytes, frame: wire.Submit, kinds: set[str]) -> _Request | None:
+    def _join(self, peer: bytes, frame: wire.Submit, kinds: set[str], now: float
+              ) -> _Request | None:
         """A reserved request's ids, joined to its reservation: the request when its room
         is granted (to start now); None when it is still parked (it starts at its grant),
         or was refused, withdrawn or swept (its ``Failed`` has gone: the ids are dropped), or
@@ -522,7 +526,7 @@ class EngineServer:
         if held is None or held.ticket is None:
             return None
         try:
-            work = self._checked(frame, kinds)
+            work = self._checked(frame, kinds, now)
             if len(work.ids) != held.ticket.inputs:
                 raise InvalidRequest(f"{len(work.ids)} inputs under a reservation of "
                                      f"{held.ticket.inputs}", code="invalid_frame")
@@ -534,26 +538,20 @@ class EngineServer:
         work.disconnected = partial(_is_gone, held)
         return held if self._reserved.pop(key, None) is not None else None
 
-    def _checked(self, frame: wire.Submit, kinds: set[str]) -> Work:
-        """``frame``'s work, its kind checked unless it is among ``kinds`` (checked already:
-        a refusal depends on the kind and the model alone), which then holds it."""
-        work = self._work(frame)
-        if frame.kind not in kinds:
-            self.runner.check(work)
-            kinds.add(frame.kind)
-        return work
-
-    def _work(self, frame: wire.Submit) -> Work:
-        """The model side of a ``Work``, checked: ids a model cannot take are a 400 here,
-        never a failed batch that takes other requests down with it."""
-        deadline = _checked_deadline(frame, self._most_s)
-        info = self.runner.info
+    def _checked(self, frame: wire.Submit, kinds: set[str], now: float) -> Work:
+        """The model side of ``frame``'s ``Work``, checked: ids a model cannot take are a
+        400 here, never a failed batch that takes other requests down with it. Its kind is
+        checked unless it is among ``kinds`` (checked already: a refusal depends on the kind
+        and the model alone), which then holds it; its deadline counts from ``now``, when
+        its burst was read."""
+        deadline = _checked_deadline(frame, self._most_s, now)
+        info = self._info
         try:
             ids = wire.unpack_ids(frame.ids, frame.lengths, frame.seconds,
                                   vocab=info.vocab_size, longest=info.max_input_tokens)
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="invalid_frame") from None
-        if not ids or len(ids) > self.runner.settings.max_inputs_per_request:
+        if not ids or len(ids) > self._most_inputs:
             raise InvalidRequest(f"{len(ids)} inputs in one frame", code="invalid_frame")
         if frame.images:
             if self._image_shape is None:
@@ -565,9 +563,13 @@ class EngineServer:
         if not all(ids):  # a front sends an input's ids wrapped, an image its pixels: never none
             raise InvalidRequest("an input of no ids", code="invalid_frame")
         # ``normalize``: the front wants the answer at unit length (``Submit.unit``)
-        return Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
+        work = Work(frame.kind, ids, raw=frame.raw, ids=ids, flow=frame.flow,
                     tenant=frame.tenant, front=frame.front, deadline=deadline,
                     normalize=frame.unit)
+        if frame.kind not in kinds:
+            self.runner.check(work)
+            kinds.add(frame.kind)
+        return work
 
     def _cancel(self, peer: bytes, request_id: int, dropped: str = "") -> None:
         """The front gave a request up: a reservation or a parked request goes now (499),
@@ -608,7 +610,7 @@ class EngineServer:
         for req in reqs:
             assert req.work is not None
             self._running[(req.peer, req.id)] = req
-            if kind_of(req.work).batched:
+            if WORK_KINDS[req.work.kind].batched:  # a kind its frame's check found
                 batched.append(req)
             else:
                 threading.Thread(target=self._embed_all, args=(req,),
@@ -691,8 +693,9 @@ class EngineServer:
             self._running.pop((req.peer, req.id), None)
             job = req.job
             assert req.work is not None
-            if req.result is None and job is not None and job.error is None \
-                    and job.batch_rows is not None and WORK_KINDS[req.work.kind].normalises:
+            # a batch's row (never failed after: a job finishes once) of a dense embedding
+            if job is not None and job.batch_rows is not None \
+                    and WORK_KINDS[req.work.kind].normalises:
                 batch = job.batch_units if job.batch_units is not None else job.batch_rows
                 group = rows.get((req.peer, id(batch)))
                 if group is None:
@@ -908,17 +911,17 @@ def failed(request_id: int, exc: ApiError) -> wire.Failed:
                        type(exc).__name__)
 
 
-def _checked_deadline(frame: wire.Reserve | wire.Submit, most_s: float) -> float:
-    """The deadline here of a request's frame: the seconds it says, but never more than
-    ``most_s`` (REQUEST_TIMEOUT_S: a front's say at most that; taken as sent, a reservation
-    whose ids never came held its room for as long as its sender said). A 400 for a kind of
-    work that no kind is, or a deadline that is not a number."""
+def _checked_deadline(frame: wire.Reserve | wire.Submit, most_s: float, now: float) -> float:
+    """The deadline here of a request's frame read at ``now``: the seconds it says, but
+    never more than ``most_s`` (REQUEST_TIMEOUT_S: a front's say at most that; taken as
+    sent, a reservation whose ids never came held its room for as long as its sender said).
+    A 400 for a kind of work that no kind is, or a deadline that is not a number."""
     if frame.kind not in WORK_KINDS:
         raise InvalidRequest(f"unknown kind of work {frame.kind[:40]!r}", code="invalid_frame")
     timeout = frame.timeout
     if not -math.inf < timeout < math.inf:  # nor NaN
         raise InvalidRequest("a deadline that is not a number of seconds", code="invalid_frame")
-    return time.monotonic() + (most_s if timeout > most_s else timeout if timeout > 0 else 0.0)
+    return now + (most_s if timeout > most_s else timeout if timeout > 0 else 0.0)
 
 
 def _gone() -> ClientDisconnected:

@@ -324,8 +324,11 @@ def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"", *, vocab: int 
     refuses both ends (a ``min`` and a ``max`` of the ids cost more than the rest)."""
     if len(flat) % 4 or len(lengths) % 4:
         raise ValueError("the ids and their lengths do not add up")
-    values = _uint32s(flat)
-    sizes = _uint32s(lengths)
+    if _LITTLE:  # one C call an array (``_uint32s``), where a struct format is built, parsed
+        values = memoryview(flat).cast("I").tolist()
+        sizes = memoryview(lengths).cast("I").tolist()
+    else:
+        values, sizes = _uint32s(flat), _uint32s(lengths)
     if len(sizes) == 1:  # a query's frame: its one input is every id
         longest_size = sizes[0]
         if longest_size != len(values):
@@ -353,8 +356,6 @@ def unpack_ids(flat: bytes, lengths: bytes, seconds: bytes = b"", *, vocab: int 
 
 def _uint32s(data: bytes) -> list[int]:
     """Little-endian 32-bit values, unsigned (``data``'s length a multiple of 4)."""
-    if _LITTLE:  # one C call, where a struct format is built and parsed for each array
-        return memoryview(data).cast("I").tolist()
     return list(struct.unpack(f"<{len(data) >> 2}I", data))
 
 
