@@ -435,7 +435,7 @@ class EngineServer:
         (a kind this model does not serve is refused before any tokenizing, as in one
         process)."""
         deadline = _checked_deadline(frame, self._most_s, time.monotonic())
-        if not 0 < frame.inputs <= self.runner.settings.max_inputs_per_request:
+        if not 0 < frame.inputs <= self._most_inputs:
             raise InvalidRequest(f"{frame.inputs} inputs in one reservation",
                                  code="invalid_frame")
         self.runner.check(Work(frame.kind, ()))

@@ -218,6 +218,43 @@ def test_the_rows_of_a_turn_never_come_from_a_batch_freed_during_it(tmp_path, re
                                           np.full((1, 4), float(request_id), np.float32))
 
 
+def test_a_batch_shared_by_two_fronts_sends_each_its_own_rows_in_one_frame(tmp_path, registry):
+    """A batch holding two fronts' one-input requests, finished in one turn: each front gets
+    one ``Rows`` frame with its own requests' rows, in the order it lists their ids (a
+    gather of the batch's rows where it holds only some of them, the batch's bytes as they
+    are where it holds all), raw or at unit length as the batch made them."""
+    from embedsvc.batching.batcher import Job
+    from embedsvc.remote.server import _Request
+
+    raw = np.arange(20, dtype=np.float32).reshape(5, 4)
+    units = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    alone = np.full((1, 4), 7.0, np.float32)  # another batch, all of it one front's
+
+    def finished(peer: bytes, request_id: int, batch: np.ndarray, at: int,
+                 unit: np.ndarray | None = None) -> _Request:
+        job = Job([[1, 2]], 0.0)
+        job.at, job.batch_rows, job.batch_units = at, batch, unit
+        job.inference_s, job.batch_size = 0.01, len(batch)
+        return _Request(peer, request_id, Work(EMBED, ["x"]), job=job)
+
+    with _loop_steps(tmp_path, registry) as (server, _):
+        server._done.extend([finished(b"a", 1, raw, 3), finished(b"b", 1, raw, 0),
+                             finished(b"a", 2, raw, 1), finished(b"b", 2, raw, 4, units),
+                             finished(b"a", 3, alone, 0), finished(b"b", 3, raw, 2)])
+        server._answer_done()
+        frames = {peer: server._outbox[peer] for peer in (b"a", b"b")}
+    assert [type(f) for f in frames[b"a"]] == [wire.Rows, wire.Rows]
+    assert [type(f) for f in frames[b"b"]] == [wire.Rows, wire.Rows]  # raw rows, unit rows
+    want = {(b"a", 1): raw[3], (b"a", 2): raw[1], (b"a", 3): alone[0],
+            (b"b", 1): raw[0], (b"b", 2): units[4], (b"b", 3): raw[2]}
+    for peer, sent in frames.items():
+        for frame in sent:
+            assert frame.unit is (frame.ids == [2] and peer == b"b")
+            for answer in answers_in(frame):
+                np.testing.assert_array_equal(answer.row()[0], want[peer, answer.id])
+        assert sorted(a.id for f in sent for a in answers_in(f)) == [1, 2, 3]
+
+
 def test_ids_read_with_a_repeat_of_their_held_reservation_join_the_one_held(
         tmp_path, registry):
     """A reservation held from an earlier read, then a repeat of it read with the request's
