@@ -208,8 +208,9 @@ class Job:
             raise DeadlineExceeded("no result in time", code="timeout")
         if self.error is not None:
             raise self.error
-        assert self.rows is not None
-        return self.rows
+        rows = self.rows
+        assert rows is not None
+        return rows
 
     @property
     def queue_s(self) -> float:
@@ -853,11 +854,11 @@ class Batcher:
                     job.at, job.batch_rows = k, rows
                     if units is not None and job.unit:
                         job.batch_units = units
-                else:
+                else:  # its rows gathered into an array of its own (``_rows``: no call)
                     row = rows[k]
-                    if job.rows is None:
-                        job.rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
-                    job.rows[it.index] = row
+                    if job._rows is None:
+                        job._rows = np.empty((len(job.inputs), len(row)), dtype=np.float32)
+                    job._rows[it.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
                     finished.append(job)
