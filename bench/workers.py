@@ -17,7 +17,9 @@ bare app under ``gunicorn -w 4``: what four HTTP processes on these cores cost a
 beside ``--workers 4`` against ``--workers 2``); with each server's CPU per
 request (every process of it) and, for ``--workers``, the engine process's own
 (``/proc/PID/stat``'s utime and stime before and after the measured seconds, over the
-requests answered).
+requests answered). The engine's figure in µs moves with the host's speed from one window
+to the next, as one process's does; its share of the server's CPU, and its CPU a request
+over one process's in the same round, do not, and are printed beside it.
 
 ``--clients 32,1`` runs the ``sim`` rounds at each count of clients (1: latency alone, where
 ``--workers 2``'s p50 is compared with one process's). ``BENCH_ENGINE_PROFILE=DIR`` in the
@@ -316,6 +318,8 @@ def sim_lines(results: list[Measured], labels: dict[str, str], sc: str) -> list[
         requests = sum(m.requests for m in runs)
         if requests:
             lines.append("- " + engine_line(runs, requests, f"{labels[name]}, {sc}"))
+            lines.append("- " + engine_share_line(runs, _of(results, "sim", sc),
+                                                  f"{labels[name]}, {sc}"))
     return lines
 
 
@@ -366,6 +370,25 @@ def engine_line(runs: list[Measured], requests: int, label: str) -> str:
             + f"; by thread (us a request): {by_thread}; its ceiling: "
             f"{requests / engine:,.0f} requests a second (1e6 / us a request), whatever the "
             "device" + loop_line(runs, requests))
+
+
+def engine_share_line(runs: list[Measured], ones: list[Measured], label: str) -> str:
+    """The engine's CPU as figures that do not move with the host's speed: its share of the
+    server's (every process's) CPU, and its CPU a request over one process's in the same
+    round. Each process takes about the same CPU in every round while what a tick gets done
+    changes from one window to the next, so the µs a request of both move together
+    (bench/RESULTS.md, 2026-12-07 23:55)."""
+    shares = [m.engine_cpu_s / m.cpu_s for m in runs if m.engine_cpu_s and m.cpu_s]
+    line = (f"the engine's share of the server's CPU, {label}: median {median(shares):.2f} "
+            "(rounds: " + ", ".join(f"{s:.2f}" for s in shares) + ")") if shares else \
+        f"the engine's share of the server's CPU, {label}: not measured"
+    pairs = [(m.per_request_us(m.engine_cpu_s) or 0.0) / one_us
+             for m, one in zip(runs, ones, strict=False)
+             if (one_us := one.per_request_us(one.cpu_s))]
+    if pairs:
+        line += ("; its CPU a request over one process's in the same round: median "
+                 f"{median(pairs):.2f} (rounds: " + ", ".join(f"{p:.2f}" for p in pairs) + ")")
+    return line
 
 
 def loop_line(runs: list[Measured], requests: int) -> str:
