@@ -110,11 +110,11 @@ class Metrics:
         "embedsvc_batch_fronts",
         "Per batch: the HTTP processes its inputs came from (with an engine process)",
         _POW2_ITEMS[:7])
-    inputs = _counter("embedsvc_inputs", "Inputs computed")
-    input_tokens = _counter("embedsvc_input_tokens",
-                            "Real tokens computed (after truncation, with special tokens)")
-    input_length = _histogram("embedsvc_input_length_tokens",
-                              "Per input: tokens after truncation", _POW2_TOKENS)
+    # with the inputs computed (its count, ``embedsvc_inputs_total``) and their real tokens
+    # (its sum, ``embedsvc_input_tokens_total``): counted once a batch, not three times
+    input_length = _Declared(lambda r: InputHistogram(
+        "embedsvc_input_length_tokens", "Per input: tokens after truncation",
+        buckets=_POW2_TOKENS, registry=r))
     modality_inputs = _counter("embedsvc_modality_inputs",
                                "Inputs an image-text model computed, by modality", "modality")
     modality_seconds = _counter(
@@ -160,6 +160,12 @@ class Metrics:
             if isinstance(row, _Declared):
                 self.__dict__[name] = row.build(self.registry)
         r = self.registry
+        # a batch's five histograms under one lock, taken once a batch (``observe_batch``)
+        self._batch_lock = threading.Lock()
+        self._batch = (self.batch_size, self.batch_tokens, self.padding_efficiency,
+                       self.inference, self.input_length)
+        for histogram in self._batch:
+            histogram.lock = self._batch_lock
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._origin = secrets.randbits(62)  # this process's snapshots, even if its pid is reused
         self._seq = 0
@@ -172,16 +178,16 @@ class Metrics:
 
     def observe_batch(self, lengths: list[int], seconds: float) -> None:
         """One computed batch, given the token count of each of its inputs."""
-        real = sum(lengths)
-        padded = max(lengths) * len(lengths)
-        self.batch_size.observe(len(lengths))
-        self.batch_tokens.observe(padded)
-        if padded:  # a batch of inputs of no tokens (an image's are its patches) pads nothing
-            self.padding_efficiency.observe(real / padded)
-        self.inference.observe(seconds)
-        self.inputs.inc(len(lengths))
-        self.input_tokens.inc(real)
-        self.input_length.observe_many(lengths)
+        count, real = len(lengths), sum(lengths)
+        padded = max(lengths) * count
+        size, tokens, padding, inference, length = self._batch
+        with self._batch_lock:
+            size.add(count)
+            tokens.add(padded)
+            if padded:  # a batch of inputs of no tokens (an image's are its patches) pads nothing
+                padding.add(real / padded)
+            inference.add(seconds)
+            length.add_many(lengths, real)
 
     def count_request(self, route: str, status: int, seconds: float) -> None:
         # labels() takes a lock and builds a key per call; the children are kept instead.
@@ -428,31 +434,80 @@ class BulkHistogram(Collector):
         self._bounds = [float(b) for b in buckets if b != math.inf] + [math.inf]
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
-        self._lock = threading.Lock()
+        # over the counts and the sum; several histograms observed together may share one
+        # (``Metrics.observe_batch``), whose holder then calls ``add`` and ``add_many``
+        self.lock = threading.Lock()
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        with self._lock:  # observe_many's loop for one value, without building a tuple
+        with self.lock:  # observe_many's loop for one value, without building a tuple
             self._counts[bisect_left(self._bounds, value)] += 1
             self._sum += value
 
     def observe_many(self, values: Iterable[float]) -> None:
         bounds, counts, total = self._bounds, self._counts, 0.0
-        with self._lock:
+        with self.lock:
             for value in values:
                 counts[bisect_left(bounds, value)] += 1
                 total += value
             self._sum += total
 
-    def describe(self) -> Iterator[HistogramMetricFamily]:
+    def add(self, value: float) -> None:
+        """``observe``, ``lock`` held by the caller."""
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def add_many(self, values: Iterable[float], total: float) -> None:
+        """``observe_many`` of ``values`` (whose sum is ``total``), ``lock`` held by the
+        caller."""
+        bounds, counts = self._bounds, self._counts
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self._sum += total
+
+    def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation)
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        with self._lock:
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
             counts, total = list(self._counts), self._sum
+        yield self._family(counts, total)
+
+    def _family(self, counts: list[int], total: float) -> HistogramMetricFamily:
         cumulative, buckets = 0, []
         for bound, count in zip(self._bounds, counts, strict=True):
             cumulative += count
             buckets.append((floatToGoString(bound), float(cumulative)))
-        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
-                                    sum_value=total)
+        return HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                     sum_value=total)
+
+
+_INPUTS = ("embedsvc_inputs", "Inputs computed")
+_INPUT_TOKENS = ("embedsvc_input_tokens",
+                 "Real tokens computed (after truncation, with special tokens)")
+
+
+class InputHistogram(BulkHistogram):
+    """The tokens of each input computed, and two counters that are its count and its sum:
+    ``embedsvc_inputs_total`` and ``embedsvc_input_tokens_total``, read with it.
+
+    >>> registry = CollectorRegistry()
+    >>> h = InputHistogram("demo_length", "demo", buckets=(8, 64), registry=registry)
+    >>> h.observe_many([3, 9, 100])
+    >>> registry.get_sample_value("embedsvc_inputs_total")
+    3.0
+    >>> registry.get_sample_value("embedsvc_input_tokens_total")
+    112.0
+    """
+
+    def describe(self) -> Iterator[Metric]:
+        yield from super().describe()
+        yield CounterMetricFamily(*_INPUTS)
+        yield CounterMetricFamily(*_INPUT_TOKENS)
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            counts, total = list(self._counts), self._sum
+        yield self._family(counts, total)
+        yield CounterMetricFamily(*_INPUTS, value=float(sum(counts)))
+        yield CounterMetricFamily(*_INPUT_TOKENS, value=total)
