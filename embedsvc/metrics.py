@@ -160,10 +160,10 @@ class Metrics:
             if isinstance(row, _Declared):
                 self.__dict__[name] = row.build(self.registry)
         r = self.registry
-        # a batch's five histograms under one lock, taken once a batch (``observe_batch``)
+        # a batch's histograms under one lock, taken once a batch (``observe_batch``)
         self._batch_lock = threading.Lock()
         self._batch = (self.batch_size, self.batch_tokens, self.padding_efficiency,
-                       self.inference, self.input_length)
+                       self.inference, self.input_length, self.batch_fronts)
         for histogram in self._batch:
             histogram.lock = self._batch_lock
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -176,12 +176,15 @@ class Metrics:
         r.register(self._engine_load)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, cpu seconds
 
-    def observe_batch(self, lengths: list[int], seconds: float) -> None:
-        """One computed batch, given the token count of each of its inputs."""
+    def observe_batch(self, lengths: list[int], seconds: float, fronts: int = 0) -> None:
+        """One computed batch, given the token count of each of its inputs and the HTTP
+        processes they came from (``fronts``; 0: one process, not counted)."""
         count, real = len(lengths), sum(lengths)
         padded = max(lengths) * count
-        size, tokens, padding, inference, length = self._batch
+        size, tokens, padding, inference, length, by_front = self._batch
         with self._batch_lock:
+            if fronts:
+                by_front.add(fronts)
             size.add(count)
             tokens.add(padded)
             if padded:  # a batch of inputs of no tokens (an image's are its patches) pads nothing

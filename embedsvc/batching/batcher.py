@@ -825,9 +825,9 @@ class Batcher:
 
     def _record(self, batch: list[_Item], elapsed: float, cycle: float) -> None:
         lengths = [len(it.ids) for it in batch]
-        self.metrics.observe_batch(lengths, elapsed)
-        if batch[0].job.origin is not None:  # fed by several HTTP processes
-            self.metrics.batch_fronts.observe(len({it.job.origin for it in batch}))
+        fed = batch[0].job.origin is not None  # by several HTTP processes: counted
+        self.metrics.observe_batch(lengths, elapsed,
+                                   len({it.job.origin for it in batch}) if fed else 0)
         self.admission.observe(sum(lengths), len(batch), cycle)
 
     def _scatter(self, batch: list[_Item], rows: np.ndarray, elapsed: float) -> None:
