@@ -181,7 +181,7 @@ class Admission:
         until room frees, when ``notify`` is called with it (or with ``refused`` set, when
         draining). 413, 429 and 503 are raised as by ``admit``. ``request_many`` for one,
         without its lists: one process's request threads ask one at a time."""
-        ticket = self._charge(inputs, tokens, deadline, flow, tenant)
+        ticket = self._charge(inputs, tokens, deadline, flow, tenant, self.limit)
         try:
             self._enter(ticket, notify)
         except ApiError:
@@ -196,10 +196,11 @@ class Admission:
         only for a request the queue's bound would refuse, whose exact model must be read
         outside it."""
         out: list[Ticket | ApiError] = []
+        limit = self.limit  # the burst's, read once
         for ask in asks:
             try:
                 out.append(self._charge(ask.inputs, ask.tokens, ask.deadline, ask.flow,
-                                        ask.tenant))
+                                        ask.tenant, limit))
             except ApiError as exc:
                 out.append(exc)
         tickets = [(i, t) for i, t in enumerate(out) if isinstance(t, Ticket)]
@@ -210,9 +211,9 @@ class Admission:
         return out
 
     def _charge(self, inputs: int, tokens: int, deadline: float, flow: Hashable,
-                tenant: str | None) -> Ticket:
-        """A request's ticket, charged to its tenant's quotas; 413, or 429 over a quota."""
-        limit = self.limit
+                tenant: str | None, limit: int) -> Ticket:
+        """A request's ticket, charged to its tenant's quotas; 413 (more inputs than
+        ``limit``, ``self.limit``), or 429 over a quota."""
         if inputs > limit:
             raise PayloadTooLarge(
                 f"this request has {inputs} inputs but the server admits at most {limit} "
@@ -389,7 +390,7 @@ class Admission:
         self.used_inputs += ticket.inputs
         self.used_tokens += ticket.tokens
         ticket.open = True
-        first = ticket.tokens // max(1, ticket.inputs)
+        first = ticket.tokens // (ticket.inputs or 1)
         self._opened_first += first
         if ticket.flow is not None:
             opened = self._opened.setdefault(ticket.flow, [0, 0])
@@ -399,7 +400,7 @@ class Admission:
     def _close(self, ticket: Ticket) -> None:
         """``ticket`` is no longer open: settled (the batcher holds it) or freed."""
         ticket.open = False
-        first = ticket.tokens // max(1, ticket.inputs)
+        first = ticket.tokens // (ticket.inputs or 1)
         self._opened_first -= first
         if ticket.flow is not None:
             opened = self._opened[ticket.flow]
