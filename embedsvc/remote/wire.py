@@ -204,8 +204,9 @@ class Row:
         if not width or len(frame.rows) != 4 * width * len(frame.ids) \
                 or len(frame.queue_s) != len(frame.ids):
             raise ValueError("the rows of an answer do not hold its requests' rows")
-        return np.frombuffer(frame.rows, dtype="<f4", count=width,
-                             offset=4 * width * self.at).reshape(1, width)
+        row = np.frombuffer(frame.rows, dtype="<f4", count=width,
+                            offset=4 * width * self.at).reshape(1, width)
+        return row if _NATIVE else host_order(row)
 
 
 class Failed(Frame):
@@ -309,6 +310,8 @@ def unpack_pixels(frame: Submit, ids: list[Any], shape: tuple[int, ...], cost: i
     if len(frame.pixels) != 4 * len(at) * math.prod(shape):
         raise ValueError("the pixels do not hold the images")
     arrays = np.frombuffer(frame.pixels, dtype="<f4").reshape((len(at), *shape))
+    if not _NATIVE:
+        arrays = host_order(arrays)
     if not np.isfinite(arrays).all():
         raise ValueError("a pixel that is not a number")
     for i, array in zip(at, arrays, strict=True):
@@ -359,7 +362,11 @@ def _uint32s(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) >> 2}I", data))
 
 
-_LITTLE = sys.byteorder == "little" and struct.calcsize("I") == 4
+# the wire's arrays are little-endian: read on a little-endian host as they are; on a
+# big-endian one a copy in the host's order, where a float32 array in the wire's order is
+# not ``np.float32`` to the checks that read it (``Kind.unpack``), nor native to a runtime
+_NATIVE = sys.byteorder == "little"
+_LITTLE = _NATIVE and struct.calcsize("I") == 4
 
 
 # struct, not numpy: a request's frame holds a few dozen ids, for which numpy's cost per call
@@ -377,11 +384,11 @@ def _int32s(data: bytes) -> list[int]:
 def answer(request_id: int, arrays: Sequence[np.ndarray], queue_s: float, inference_s: float,
            batch_size: int) -> Answer:
     """The ``Answer`` frame of ``arrays`` (float32 or int32)."""
-    if len(arrays) == 1 and arrays[0].dtype == np.float32:  # a dense embedding's vectors
+    if _NATIVE and len(arrays) == 1 and arrays[0].dtype == np.float32:  # dense vectors
         (vectors,) = arrays
         return Answer(request_id, [vectors.tobytes()], ["<f4"], [vectors.shape], queue_s,
                       inference_s, batch_size)
-    types: list[ArrayType] = ["<f4" if a.dtype == np.float32 else "<i4" for a in arrays]
+    types: list[ArrayType] = ["<f4" if a.dtype.kind == "f" else "<i4" for a in arrays]
     parts = [np.ascontiguousarray(a, dtype=t).tobytes() for a, t in zip(arrays, types,
                                                                          strict=True)]
     return Answer(request_id, parts, types, [tuple(int(n) for n in a.shape) for a in arrays],
@@ -397,5 +404,11 @@ def arrays(frame: Answer) -> list[np.ndarray]:
     for data, kind, shape in zip(frame.parts, frame.types, frame.shapes, strict=True):
         if len(data) != 4 * math.prod(shape):
             raise ValueError("an answer's part does not hold its shape")
-        out.append(np.frombuffer(data, dtype=kind).reshape(shape))
+        array = np.frombuffer(data, dtype=kind).reshape(shape)
+        out.append(array if _NATIVE else host_order(array))
     return out
+
+
+def host_order(array: np.ndarray) -> np.ndarray:
+    """``array`` in the host's byte order (a copy where it is not)."""
+    return array.astype(array.dtype.newbyteorder("="), copy=False)

@@ -233,6 +233,37 @@ def test_ids_that_do_not_add_up_or_fit_the_model_are_refused_as_they_are_read(fl
     assert ok == [[1, 7, 2], [99, 0]]
 
 
+def _swapped(array: np.ndarray) -> np.ndarray:
+    """``array``'s values in the other byte order than this host's (the wire's little-endian
+    arrays, as a big-endian host reads them)."""
+    return array.astype(array.dtype.newbyteorder("S"))
+
+
+def test_an_answers_arrays_keep_their_values_and_kinds_whatever_their_byte_order():
+    vectors = np.array([[1.5, -2.25, 3.0]], dtype=np.float32)
+    sparse = [np.array([7, 9], dtype=np.int32), np.array([0.5, 0.25], dtype=np.float32)]
+    for arrays in ([vectors], [_swapped(vectors)], sparse, [_swapped(a) for a in sparse]):
+        frame = wire.answer(3, arrays, 0.0, 0.0, 1)
+        got = wire.arrays(wire.decode_to_front(wire.encode(frame)))
+        assert [a.dtype for a in got] == [np.dtype(a.dtype.kind + "4") for a in arrays]
+        for a, b in zip(got, arrays, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_wires_little_endian_arrays_are_read_in_the_hosts_order():
+    # a big-endian host reads the wire's arrays as this host reads swapped ones: in its own
+    # order they pass the checks that want float32 (``Kind.unpack``) and keep their values
+    wire_order = _swapped(np.array([[1.5, -2.25]], dtype=np.float32))
+    assert wire_order.dtype != np.float32
+    native = wire.host_order(wire_order)
+    assert native.dtype == np.float32
+    np.testing.assert_array_equal(native, [[1.5, -2.25]])
+    ids = np.array([4, 5], dtype=np.int32)
+    assert wire.host_order(_swapped(ids)).dtype == np.int32
+    same = np.array([1.0], dtype=np.float32)
+    assert wire.host_order(same) is same  # the host's order already: no copy
+
+
 @contextlib.contextmanager
 def _raw(front):
     """A raw connection to the engine's socket, as a front's."""
